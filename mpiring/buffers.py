@@ -1,0 +1,170 @@
+"""Array adapters: NumPy arrays, torch tensors (CPU or CUDA) and CuPy arrays.
+
+Every collective works on one flat, contiguous view of the caller's memory,
+obtained without a copy:
+
+* NumPy arrays are used as they are (``reshape(-1)`` of a contiguous array is a
+  view).
+* torch CPU tensors go through DLPack to NumPy (``numpy.from_dlpack``). NumPy
+  has no bfloat16, and DLPack refuses to export one to NumPy, so a bfloat16
+  tensor is exported as int16 and viewed as ``ml_dtypes.bfloat16``: same bytes,
+  and NumPy ufuncs then add them as bfloat16.
+* CuPy arrays are used as they are; torch CUDA tensors go through DLPack to
+  CuPy (``cupy.from_dlpack``), also zero-copy.
+
+All validation happens here, before any byte moves, so a bad buffer raises the
+same error on the rank that has it; the communicator then makes every rank
+agree (see ``Communicator._agree``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+try:  # bfloat16 for NumPy; optional so that the core stays importable without it
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a default dependency
+    ml_dtypes = None
+    BFLOAT16 = None
+
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A flat contiguous view of a caller's buffer.
+
+    Attributes:
+        obj: what the caller passed.
+        array: flat NumPy or CuPy array over the same memory.
+        dtype: canonical dtype name, one of ``DTYPES``.
+        device: "cpu" or "cuda".
+        kind: "numpy", "torch" or "cupy": what ``obj`` is.
+    """
+
+    obj: Any
+    array: Any
+    dtype: str
+    device: str
+    kind: str
+
+    @property
+    def count(self) -> int:
+        return int(self.array.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    def chunk(self, start: int, stop: int):
+        """Elements ``[start, stop)`` of the flattened buffer, as the caller's type."""
+        return self.obj.reshape(-1)[start:stop]
+
+
+def _dtype_error(name: str) -> TypeError:
+    return TypeError(
+        f"unsupported dtype {name}: mpiring reduces {', '.join(DTYPES)}; "
+        "cast the buffer to one of them (e.g. x.astype(numpy.float32))"
+    )
+
+
+def _canonical(dtype) -> str:
+    if BFLOAT16 is not None and dtype == BFLOAT16:
+        return "bfloat16"
+    name = np.dtype(dtype).name
+    return name
+
+
+def _from_numpy(x: np.ndarray) -> Buffer:
+    name = _canonical(x.dtype)
+    if name not in DTYPES:
+        raise _dtype_error(name)
+    if not x.flags.c_contiguous:
+        raise ValueError(
+            "buffer is not contiguous: collectives work in place on contiguous memory; "
+            "pass numpy.ascontiguousarray(x) and read the result from that array"
+        )
+    if not x.flags.writeable:
+        raise ValueError(
+            "buffer is read-only: collectives write their result in place; pass a "
+            "writable array (x.copy(), or x.setflags(write=True) if you own the memory)"
+        )
+    return Buffer(x, x.reshape(-1), name, "cpu", "numpy")
+
+
+def _from_torch(x) -> Buffer:
+    import torch
+
+    name = str(x.dtype).replace("torch.", "")
+    if name not in DTYPES:
+        raise _dtype_error(name)
+    if x.requires_grad:
+        raise ValueError(
+            "tensor requires grad: a collective writes in place, which autograd cannot "
+            "track; pass x.detach() (or reduce x.grad instead of the parameter)"
+        )
+    if not x.is_contiguous():
+        raise ValueError(
+            "tensor is not contiguous: collectives work in place on contiguous memory; "
+            "pass x.contiguous() and read the result from that tensor"
+        )
+    flat = x.reshape(-1)
+    if x.device.type == "cpu":
+        if name == "bfloat16":
+            if BFLOAT16 is None:  # pragma: no cover
+                raise TypeError("bfloat16 on the CPU needs ml_dtypes: pip install ml_dtypes")
+            array = np.from_dlpack(flat.view(torch.int16)).view(BFLOAT16)
+        else:
+            array = np.from_dlpack(flat)
+        return Buffer(x, array, name, "cpu", "torch")
+    if x.device.type == "cuda":
+        cupy = _import_cupy()
+        return Buffer(x, cupy.from_dlpack(flat), name, "cuda", "torch")
+    raise TypeError(f"tensors on device {x.device} are not supported: use a CPU or CUDA tensor")
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise TypeError(
+            'CUDA buffers need CuPy: pip install "mpiring[gpu]"'
+        ) from exc
+    return cupy
+
+
+def _from_cupy(x) -> Buffer:
+    name = _canonical(x.dtype)
+    if name not in DTYPES:
+        raise _dtype_error(name)
+    if not x.flags.c_contiguous:
+        raise ValueError(
+            "buffer is not contiguous: collectives work in place on contiguous memory; "
+            "pass cupy.ascontiguousarray(x) and read the result from that array"
+        )
+    return Buffer(x, x.reshape(-1), name, "cuda", "cupy")
+
+
+def as_buffer(x: Any) -> Buffer:
+    """Wrap ``x`` as a flat contiguous view, or raise TypeError/ValueError naming the fix."""
+    if isinstance(x, np.ndarray):
+        return _from_numpy(x)
+    module = type(x).__module__.split(".")[0]
+    if module == "torch":
+        return _from_torch(x)
+    if module == "cupy":
+        return _from_cupy(x)
+    raise TypeError(
+        f"unsupported buffer type {type(x).__name__}: pass a numpy array, a torch "
+        "tensor or a cupy array"
+    )

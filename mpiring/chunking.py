@@ -1,0 +1,78 @@
+"""Pure index arithmetic for the ring: chunk bounds and who sends what, when.
+
+Nothing here talks to MPI; every function is a few lines of integer arithmetic
+that the tests check exhaustively for small K.
+"""
+
+from __future__ import annotations
+
+
+def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """Split ``n`` elements into ``k`` contiguous chunks, numpy.array_split style.
+
+    The first ``n % k`` chunks get one extra element, so chunk sizes differ by at
+    most one and a buffer with fewer elements than ranks gets empty tail chunks.
+
+    Returns:
+        ``k`` pairs ``(start, stop)`` covering ``range(n)`` in order.
+    """
+    if k < 1:
+        raise ValueError(f"need at least one chunk, got k={k}")
+    if n < 0:
+        raise ValueError(f"element count must be >= 0, got {n}")
+    base, extra = divmod(n, k)
+    bounds = []
+    start = 0
+    for c in range(k):
+        stop = start + base + (1 if c < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def ring_neighbours(rank: int, size: int) -> tuple[int, int]:
+    """Return ``(left, right)``: the rank we receive from and the rank we send to."""
+    return (rank - 1) % size, (rank + 1) % size
+
+
+def reduce_scatter_indices(rank: int, step: int, size: int) -> tuple[int, int]:
+    """Chunks rank ``rank`` sends and receives at ReduceScatter step ``step``.
+
+    ``send = (rank - step - 1) mod K`` and ``recv = (rank - step - 2) mod K``.
+
+    At step 0 every rank sends the chunk its left neighbour's left neighbour will
+    finish on, so after the last step ``K-2`` the chunk received (and completed) is
+    ``(rank - K) mod K = rank``: rank r ends holding chunk r fully reduced, which
+    is the contract of ``Communicator.reduce_scatter``. The chunk a rank receives
+    is exactly the one its left neighbour sends in the same step.
+    """
+    return (rank - step - 1) % size, (rank - step - 2) % size
+
+
+def all_gather_indices(rank: int, step: int, size: int) -> tuple[int, int]:
+    """Chunks rank ``rank`` sends and receives at AllGather step ``step``.
+
+    ``send = (rank - step) mod K`` and ``recv = (rank - step - 1) mod K``: rank r
+    starts by forwarding its own chunk r and then forwards whatever it received in
+    the previous step; after ``K-1`` steps it has every chunk.
+    """
+    return (rank - step) % size, (rank - step - 1) % size
+
+
+def ring_position(rank: int, root: int, size: int) -> int:
+    """Distance from ``root`` to ``rank`` going right around the ring (root is 0)."""
+    return (rank - root) % size
+
+
+def default_pipeline_chunks(nbytes: int, size: int, segment_bytes: int = 1 << 20) -> int:
+    """A sensible number of pipeline chunks S for a broadcast or reduce of ``nbytes``.
+
+    The cost model is ``(K-2+S)(alpha + N/(S beta))``; its optimum is
+    ``S* = sqrt((K-2) N / (alpha beta))``. Without a fitted model we aim for
+    segments of about ``segment_bytes`` (1 MiB: large enough that the per-message
+    latency is small next to the transfer, small enough that the pipeline fills
+    quickly), and never more segments than bytes.
+    """
+    if nbytes <= 0 or size <= 2:
+        return 1
+    return max(1, min(nbytes, -(-nbytes // segment_bytes)))

@@ -1,0 +1,21 @@
+"""The collectives, one file per algorithm, each written once against a backend.
+
+A collective function takes a backend (``be``), a flat contiguous array and its
+arguments; it calls only the backend's point-to-point operations
+(``irecv``/``send``/``wait``/``sendrecv``) and ``scratch``, so the same code runs
+over MPI and NCCL.
+"""
+
+from .all_gather import ring_all_gather
+from .all_reduce import ring_all_reduce
+from .broadcast import pipelined_broadcast
+from .reduce import pipelined_reduce
+from .reduce_scatter import ring_reduce_scatter
+
+__all__ = [
+    "ring_all_gather",
+    "ring_all_reduce",
+    "pipelined_broadcast",
+    "pipelined_reduce",
+    "ring_reduce_scatter",
+]

@@ -1,0 +1,13 @@
+"""Exceptions raised by mpiring."""
+
+
+class MismatchError(ValueError):
+    """Ranks called the same collective with different arguments."""
+
+
+class MpiringTimeout(RuntimeError):
+    """A blocking wait ran past its deadline."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run on this machine (missing GPU, NCCL, CuPy)."""

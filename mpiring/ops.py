@@ -1,0 +1,52 @@
+"""Reduction operators and the dtypes they are defined for.
+
+An op is applied in place, ``dst = dst (op) src``, through the NumPy ufunc of the
+same name. NumPy ufuncs dispatch to CuPy for CuPy arrays (``__array_ufunc__``),
+so the same line reduces on the CPU or on the GPU.
+
+``avg`` is ``sum`` followed by one division by K on the finished result, as
+NCCL's ncclAvg; it is defined for floating dtypes only (an integer mean would
+silently truncate).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+OPS = ("sum", "avg", "max", "min", "prod")
+
+# Reduction ufunc per op; avg reduces with add and divides once at the end.
+_UFUNC = {
+    "sum": np.add,
+    "avg": np.add,
+    "max": np.maximum,
+    "min": np.minimum,
+    "prod": np.multiply,
+}
+
+
+def check_op(op: str, dtype_name: str, floating: bool) -> None:
+    """Raise a ValueError naming the fix if ``op`` is unknown or undefined for the dtype."""
+    if op not in _UFUNC:
+        raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
+    if op == "avg" and not floating:
+        raise ValueError(
+            f"op 'avg' is not defined for integer dtype {dtype_name} (the mean would "
+            "be truncated): use op='sum' and divide yourself, or cast to a float dtype"
+        )
+
+
+def reducer(op: str):
+    """Return ``f(dst, src)`` that reduces ``src`` into ``dst`` in place."""
+    ufunc = _UFUNC[op]
+
+    def apply(dst, src):
+        ufunc(dst, src, out=dst)
+
+    return apply
+
+
+def finish(op: str, x, size: int) -> None:
+    """Final step of an op after the reduction: divide by K for ``avg``."""
+    if op == "avg" and size > 1:
+        np.divide(x, size, out=x, casting="unsafe")

@@ -1,0 +1,174 @@
+"""Step-by-step trace of the ring collectives.
+
+Off by default, and then nearly free: the collectives call ``CallTrace.step``
+once per ring step, and the disabled tracer hands out a ``CallTrace`` whose
+``step`` returns at once.
+
+On with ``MPIRING_TRACE=DIR`` (each rank writes ``DIR/rank{r}.jsonl``, one JSON
+object per line) and/or ``MPIRING_LOG=steps`` (one readable line per step on
+stderr through ``logging``, rank first)::
+
+    [r1] all_reduce#3 reduce-scatter 2/3 send c3->r2 recv c2<-r0 4.0 MiB 1.2 ms
+
+Each step record holds: collective, call number, algo, phase, step i of n,
+chunk sent and to whom, chunk received and from whom, bytes sent and received,
+start and end time (``time.perf_counter`` seconds; the file's first line gives
+the offset to wall-clock time so that ranks on one host line up), and the time
+spent waiting for data vs reducing it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import IO, Any
+
+log = logging.getLogger("mpiring.steps")
+clock = time.perf_counter
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable size with binary units: ``4.0 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+def fmt_step(rec: dict[str, Any]) -> str:
+    """One readable line for a step record (the ``MPIRING_LOG=steps`` format)."""
+    parts = [f"[r{rec['rank']}] {rec['collective']}#{rec['call']} {rec['phase']} "
+             f"{rec['step'] + 1}/{rec['steps']}"]
+    if rec.get("send_chunk") is not None:
+        parts.append(f"send c{rec['send_chunk']}->r{rec['dst']}")
+    if rec.get("recv_chunk") is not None:
+        parts.append(f"recv c{rec['recv_chunk']}<-r{rec['src']}")
+    nbytes = max(rec.get("bytes_sent", 0), rec.get("bytes_recv", 0))
+    parts.append(fmt_bytes(nbytes))
+    parts.append(f"{(rec['t_end'] - rec['t_start']) * 1e3:.1f} ms")
+    return " ".join(parts)
+
+
+class CallTrace:
+    """Records the steps of one collective call. The disabled one does nothing."""
+
+    __slots__ = ("tracer", "collective", "call", "algo")
+    enabled = True
+
+    def __init__(self, tracer: Tracer, collective: str, call: int, algo: str):
+        self.tracer = tracer
+        self.collective = collective
+        self.call = call
+        self.algo = algo
+
+    def step(self, phase: str, step: int, steps: int, *, send_chunk=None, dst=None,
+             recv_chunk=None, src=None, bytes_sent=0, bytes_recv=0,
+             t_start=0.0, t_recv=0.0, t_end=0.0) -> None:
+        """Record one ring step: what went where, and how long waiting and reducing took."""
+        self.tracer.write({
+            "type": "step", "rank": self.tracer.rank, "collective": self.collective,
+            "call": self.call, "algo": self.algo, "phase": phase, "step": step,
+            "steps": steps, "send_chunk": send_chunk, "dst": dst,
+            "recv_chunk": recv_chunk, "src": src, "bytes_sent": bytes_sent,
+            "bytes_recv": bytes_recv, "t_start": t_start, "t_end": t_end,
+            "wait_s": t_recv - t_start, "reduce_s": t_end - t_recv,
+        })
+
+
+class _NullCallTrace(CallTrace):
+    __slots__ = ()
+    enabled = False
+
+    def __init__(self):  # no tracer behind it
+        pass
+
+    def step(self, *args, **kwargs) -> None:
+        return None
+
+
+NULL_CALL = _NullCallTrace()
+
+
+class Tracer:
+    """Per-rank trace sink: a JSON-lines file, a step log on stderr, or nothing."""
+
+    def __init__(self, rank: int, directory: str | None = None, log_steps: bool = False,
+                 name: str | None = None):
+        self.rank = rank
+        self.directory = directory
+        self.log_steps = log_steps
+        self._file: IO[str] | None = None
+        self._name = name or f"rank{rank}"
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"{self._name}.jsonl")
+            # O_NOFOLLOW: never write through a symlink someone planted in DIR.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            self._file = os.fdopen(fd, "w", buffering=1 << 16)
+            self._file.write(json.dumps({
+                "type": "header", "rank": rank, "pid": os.getpid(),
+                "wall_minus_clock": time.time() - clock(),
+            }) + "\n")
+        if log_steps:
+            _ensure_stderr_handler()
+
+    @classmethod
+    def from_env(cls, rank: int, directory: str | None = None, log: str | None = None,
+                 name: str | None = None) -> Tracer:
+        """Build from explicit settings, falling back to MPIRING_TRACE and MPIRING_LOG."""
+        directory = directory if directory is not None else os.environ.get("MPIRING_TRACE") or None
+        log = log if log is not None else os.environ.get("MPIRING_LOG", "")
+        return cls(rank, directory, log_steps=(log == "steps"), name=name)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None or self.log_steps
+
+    def call(self, collective: str, call: int, algo: str) -> CallTrace:
+        """A recorder for one call, or the shared no-op one when tracing is off."""
+        if not self.enabled:
+            return NULL_CALL
+        return CallTrace(self, collective, call, algo)
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+        if self.log_steps and rec.get("type") == "step":
+            log.info(fmt_step(rec))
+
+    def event(self, name: str, cat: str, t_start: float, t_end: float, **fields: Any) -> None:
+        """Record a span that is not a ring step (a DDP bucket, a backward pass...)."""
+        if self.enabled:
+            self.write({"type": "event", "rank": self.rank, "name": name, "cat": cat,
+                        "t_start": t_start, "t_end": t_end, **fields})
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _ensure_stderr_handler() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def read_trace(directory: str) -> list[dict[str, Any]]:
+    """All records of all ranks' files in ``directory`` (header lines included)."""
+    records = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(directory, name)) as fh:
+                records.extend(json.loads(line) for line in fh if line.strip())
+    return records
