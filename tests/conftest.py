@@ -1,0 +1,107 @@
+"""Shared fixtures. The MPI harness (fail fast, deadlines, one report) is in mpi_harness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mpi_harness import *  # noqa: F401,F403  (registers the harness hooks)
+from mpi_harness import RANK, SIZE, WORLD, scrubbed_env
+
+import mpiring
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+@pytest.fixture(scope="session")
+def world():
+    """A Communicator over every rank of the test job."""
+    return mpiring.init(backend="mpi")
+
+
+_SUBS: dict[int, object] = {}
+
+
+@pytest.fixture(scope="session")
+def subcomms(world):
+    """``k -> Communicator`` over ranks 0..k-1 (None on the other ranks), k = 1..4."""
+    if not _SUBS:
+        for k in WORLD_SIZES:
+            _SUBS[k] = world.split(0 if world.rank < k else None, key=world.rank) if k <= world.size else None
+    return _SUBS
+
+
+@pytest.fixture(params=WORLD_SIZES, ids=lambda k: f"K{k}")
+def comm(request, subcomms, world):
+    """A Communicator of K ranks, for K in 1..4: sub-communicators of the test job.
+
+    Ranks outside the sub-communicator skip the test (they have nothing to do);
+    if the job has fewer than K ranks every rank skips it.
+    """
+    k = request.param
+    if k > world.size:
+        pytest.skip(f"needs {k} ranks, the job has {world.size}")
+    sub = subcomms[k]
+    if sub is None:
+        pytest.skip(f"rank {world.rank} is not in the {k}-rank sub-communicator")
+    return sub
+
+
+def wait_quietly(world, poll: float = 0.05) -> None:
+    """Barrier that sleeps instead of spinning, so a subprocess gets the CPU cores."""
+    req = world.mpi_comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+
+
+def run_mpiexec(n: int, args: list[str], timeout: float) -> tuple[int, str, float]:
+    """Run ``mpiexec -n n python ARGS`` in a clean environment; return (rc, output, seconds)."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = "mpiexec"
+    cmd = [mpiexec, "-n", str(n), sys.executable, *args]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=scrubbed_env(), capture_output=True,
+                              text=True, timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"") + (exc.stderr or b"")
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return -9, out + f"\n<timed out after {timeout} s>", time.monotonic() - t0
+
+
+@pytest.fixture
+def rank0_subprocess(world):
+    """Run a nested mpiexec from rank 0 while the other ranks wait without spinning.
+
+    Returns a function with ``run_mpiexec``'s signature; on ranks other than 0 it
+    returns None, so the test asserts only on rank 0.
+    """
+    def run(n, args, timeout):
+        result = run_mpiexec(n, args, timeout) if world.rank == 0 else None
+        wait_quietly(world)
+        return result
+
+    return run
+
+
+def data(rank: int, n: int, dtype, op: str = "sum", salt: int = 0) -> np.ndarray:
+    """Rank- and index-dependent test data whose reductions are exact in every dtype.
+
+    Small integers (0..6, or 1..3 for prod) so that sums and products over 4
+    ranks fit int8/uint8/float16/bfloat16 exactly; any chunk in the wrong place
+    or any missing contribution changes the result.
+    """
+    idx = np.arange(n, dtype=np.int64)
+    if op == "prod":
+        vals = (idx * 5 + rank * 3 + salt) % 3 + 1
+    else:
+        vals = (idx * 5 + rank * 3 + salt) % 7
+    return vals.astype(np.float64).astype(dtype)

@@ -1,0 +1,109 @@
+"""pytest under ``mpiexec -n K``: one readable report, and no run can hang.
+
+* Fail fast: when a test fails on any rank (setup, call or teardown), that rank
+  prints ``[r{rank}] FAILED {nodeid}`` with the traceback to stderr and aborts
+  the whole MPI job with exit code 1. The other ranks would otherwise run on
+  into the next test's collectives and wait forever for the failed one.
+* Deadline: every test runs under a watchdog (``mpi_deadline`` in the ini, 60 s
+  by default, or ``@pytest.mark.deadline(seconds)``). On expiry the rank prints
+  ``[r{rank}] TIMEOUT {nodeid}`` and every thread's stack, then aborts the job.
+  A second, C-level watchdog (faulthandler) exits the process even if Python
+  itself is stuck.
+* One report: ranks other than 0 drop pytest's terminal output; rank 0 prints
+  the usual progress and summary.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+
+import pytest
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+RANK = WORLD.Get_rank()
+SIZE = WORLD.Get_size()
+DEFAULT_DEADLINE = 60.0
+
+
+def pytest_addoption(parser):
+    parser.addini("mpi_deadline", "per-test deadline in seconds under MPI", default=str(DEFAULT_DEADLINE))
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
+def pytest_configure(config):
+    config.addinivalue_line("markers", "deadline(seconds): per-test deadline under MPI")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    if RANK != 0:
+        # Rank 0 speaks for the job; the others report only their own failures.
+        reporter = config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+def _abort(message: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    WORLD.Abort(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and SIZE > 1:
+        _abort(f"\n[r{RANK}] FAILED {item.nodeid} ({report.when})\n"
+               f"{report.longreprtext}\n"
+               f"[r{RANK}] aborting the {SIZE}-rank job so that no rank waits forever\n")
+
+
+def _deadline(item) -> float:
+    marker = item.get_closest_marker("deadline")
+    if marker is not None:
+        return float(marker.args[0])
+    return float(item.config.getini("mpi_deadline"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    seconds = _deadline(item)
+
+    def expire():
+        sys.stderr.write(f"\n[r{RANK}] TIMEOUT {item.nodeid}: still running after "
+                         f"{seconds:.0f} s; stacks of every thread follow\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        _abort(f"[r{RANK}] aborting the {SIZE}-rank job after the deadline\n")
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    # Backstop in C: fires even if the Python timer thread cannot run.
+    faulthandler.dump_traceback_later(seconds + 15, exit=True)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Exit codes must agree: a rank whose tests all passed must not report
+    # success while another one failed. (A failure already aborted the job;
+    # this catches collection errors that differ between ranks.)
+    if SIZE > 1:
+        worst = WORLD.allreduce(int(exitstatus), op=MPI.MAX)
+        if worst and not exitstatus:
+            session.exitstatus = worst
+
+
+def scrubbed_env() -> dict[str, str]:
+    """The environment for a nested ``mpiexec``, without this job's launcher variables."""
+    drop = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL", "OMPI_", "MPIR_CVAR_", "I_MPI_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

@@ -1,0 +1,151 @@
+"""Differential tests: every ring result against the MPI library's own collective.
+
+World sizes 1-4 come from sub-communicators of the test job (fixture ``comm``);
+data depends on rank and index, so a chunk in the wrong place is caught.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import data
+
+from mpiring.buffers import BFLOAT16, DTYPES
+
+OPS = ("sum", "avg", "max", "min", "prod")
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def np_dtype(name):
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def sizes(k):
+    # empty, fewer elements than ranks, one per rank, uneven, larger and uneven
+    return sorted({0, 1, max(k - 1, 0), k, 3 * k + 1, 1000 + k})
+
+
+def reference(comm, n, dtype, op, salt=0):
+    """What the reduction must be, computed in float64 from every rank's data."""
+    stack = np.stack([data(r, n, dtype, op, salt).astype(np.float64) for r in range(comm.size)])
+    out = {"sum": stack.sum(0), "avg": stack.sum(0) / comm.size, "max": stack.max(0),
+           "min": stack.min(0), "prod": stack.prod(0)}[op]
+    return out.astype(np_dtype(dtype))
+
+
+def valid(op, dtype):
+    return not (op == "avg" and dtype not in FLOATS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_all_reduce_ring_equals_native(comm, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg is not defined for integers (tested in test_errors)")
+    for n in sizes(comm.size):
+        x = data(comm.rank, n, np_dtype(dtype), op)
+        ring = comm.all_reduce(x.copy(), op=op, algo="ring")
+        expected = reference(comm, n, dtype, op)
+        np.testing.assert_array_equal(ring, expected, err_msg=f"n={n}")
+        if dtype != "bfloat16":  # MPI has no bfloat16 reduction
+            native = comm.all_reduce(x.copy(), op=op, algo="native")
+            np.testing.assert_array_equal(ring, native, err_msg=f"n={n}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ("sum", "avg", "max"))
+def test_reduce_scatter_leaves_chunk_r_and_returns_its_view(comm, dtype, op):
+    if not valid(op, dtype):
+        pytest.skip("avg is not defined for integers")
+    for n in sizes(comm.size):
+        lo, hi = comm.chunk_bounds(n)[comm.rank]
+        x = data(comm.rank, n, np_dtype(dtype), op)
+        y = x.copy()
+        view = comm.reduce_scatter(y, op=op, algo="ring")
+        expected = reference(comm, n, dtype, op)[lo:hi]
+        np.testing.assert_array_equal(view, expected, err_msg=f"n={n}")
+        assert view.size == 0 or np.shares_memory(view, y), "must return a view of x"
+        if dtype != "bfloat16":
+            z = x.copy()
+            native = comm.reduce_scatter(z, op=op, algo="native")
+            np.testing.assert_array_equal(view, native)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algo", ("ring", "native"))
+def test_all_gather_fills_every_chunk_from_its_owner(comm, dtype, algo):
+    for n in sizes(comm.size):
+        bounds = comm.chunk_bounds(n)
+        full = np.concatenate([data(r, n, np_dtype(dtype), salt=1)[a:b]
+                               for r, (a, b) in enumerate(bounds)]).astype(np_dtype(dtype))
+        x = np.full(n, 99, dtype=np_dtype(dtype))  # garbage outside our own chunk
+        lo, hi = bounds[comm.rank]
+        x[lo:hi] = full[lo:hi]
+        comm.all_gather(x, algo=algo)
+        np.testing.assert_array_equal(x, full, err_msg=f"n={n}")
+
+
+@pytest.mark.parametrize("algo,chunks", [("ring", None), ("pipelined", None), ("pipelined", 1),
+                                         ("pipelined", 3), ("pipelined", 64), ("native", None)])
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "int8", "float64"))
+def test_broadcast_from_every_root(comm, algo, chunks, dtype):
+    for n in sizes(comm.size):
+        for root in range(comm.size):
+            x = data(comm.rank, n, np_dtype(dtype), salt=root)
+            comm.broadcast(x, root=root, algo=algo, chunks=chunks)
+            np.testing.assert_array_equal(x, data(root, n, np_dtype(dtype), salt=root))
+
+
+@pytest.mark.parametrize("algo,chunks", [("ring", None), ("pipelined", 4), ("pipelined", None),
+                                         ("native", None)])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ("float32", "int32", "uint8", "float16", "bfloat16"))
+def test_reduce_to_every_root(comm, algo, chunks, op, dtype):
+    if not valid(op, dtype) or (algo == "native" and dtype == "bfloat16"):
+        pytest.skip("not defined")
+    for n in sizes(comm.size):
+        for root in range(comm.size):
+            x = data(comm.rank, n, np_dtype(dtype), op)
+            before = x.copy()
+            comm.reduce(x, root=root, op=op, algo=algo, chunks=chunks)
+            if comm.rank == root:
+                np.testing.assert_array_equal(x, reference(comm, n, dtype, op))
+            else:
+                np.testing.assert_array_equal(x, before, err_msg="non-root input must not change")
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16", "int64", "uint8"))
+def test_torch_tensors_zero_copy(comm, dtype):
+    torch = pytest.importorskip("torch")
+    tdtype = getattr(torch, dtype)
+    for n in sizes(comm.size):
+        base = torch.from_numpy(data(comm.rank, n, np.float64)).to(tdtype)
+        t = base.clone().reshape(-1, 1) if n else base.clone()
+        ptr = t.data_ptr()
+        out = comm.all_reduce(t, algo="ring")
+        assert out is t and t.data_ptr() == ptr
+        expected = torch.from_numpy(reference(comm, n, "float64", "sum")).to(tdtype)
+        assert torch.equal(t.reshape(-1), expected)
+        view = comm.reduce_scatter(base.clone())
+        lo, hi = comm.chunk_bounds(n)[comm.rank]
+        assert isinstance(view, torch.Tensor) and torch.equal(view, expected[lo:hi])
+
+
+def test_avg_float_matches_native(comm):
+    x = np.arange(37, dtype=np.float32) * (comm.rank + 1) / 3
+    ring = comm.all_reduce(x.copy(), op="avg")
+    native = comm.all_reduce(x.copy(), op="avg", algo="native")
+    np.testing.assert_allclose(ring, native, rtol=1e-6)
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.slow
+def test_256_mib_all_reduce(world):
+    """At least 256 MiB through the ring, compared with MPI_Allreduce."""
+    n = (256 << 20) // 4
+    x = np.empty(n, dtype=np.float32)
+    x[:] = (np.arange(n, dtype=np.int64) % 1009 + world.rank).astype(np.float32)
+    ring = world.all_reduce(x.copy(), algo="ring")
+    native = world.all_reduce(x, algo="native")
+    assert np.array_equal(ring, native)
+    del ring, native, x
