@@ -72,7 +72,11 @@ def _deadline(item) -> float:
 def pytest_runtest_protocol(item, nextitem):
     seconds = _deadline(item)
 
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+
     def expire():
+        if capman is not None:  # pytest is capturing fd 2: give the report back to the terminal
+            capman.suspend_global_capture(in_=True)
         sys.stderr.write(f"\n[r{RANK}] TIMEOUT {item.nodeid}: still running after "
                          f"{seconds:.0f} s; stacks of every thread follow\n")
         sys.stderr.flush()

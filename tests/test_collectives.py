@@ -149,3 +149,13 @@ def test_256_mib_all_reduce(world):
     native = world.all_reduce(x, algo="native")
     assert np.array_equal(ring, native)
     del ring, native, x
+
+
+def test_receive_buffer_is_allocated_once_and_reused(comm):
+    """No allocation per step, nor per call once the cache is warm."""
+    x = data(comm.rank, 4096, np.float32)
+    comm.all_reduce(x.copy())
+    cached = dict(comm._be._scratch)
+    comm.all_reduce(x.copy())
+    comm.all_reduce(x[: 1000].copy())
+    assert {k: id(v) for k, v in comm._be._scratch.items()} == {k: id(v) for k, v in cached.items()}

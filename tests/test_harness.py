@@ -1,0 +1,58 @@
+"""The harness itself: a failure or a hang on one rank ends the whole job fast, named.
+
+These launch nested ``mpiexec`` jobs from rank 0 while the other ranks wait
+without spinning (so the nested job gets the cores).
+"""
+
+import re
+
+import pytest
+
+HARNESS = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+
+
+@pytest.mark.deadline(90)
+def test_failure_on_one_rank_ends_the_job_fast(rank0_subprocess):
+    result = rank0_subprocess(3, [*HARNESS, "tests/harness_cases/case_fail.py"], timeout=60)
+    if result is None:
+        return
+    rc, out, seconds = result
+    assert rc != 0, out
+    assert "[r1] FAILED tests/harness_cases/case_fail.py::test_rank1_fails" in out, out
+    assert "deliberate failure on rank 1" in out, out
+    assert seconds < 30, f"took {seconds:.1f} s:\n{out}"
+
+
+@pytest.mark.deadline(90)
+def test_hang_hits_the_deadline_and_aborts_with_a_traceback(rank0_subprocess):
+    result = rank0_subprocess(2, [*HARNESS, "tests/harness_cases/case_hang.py"], timeout=60)
+    if result is None:
+        return
+    rc, out, seconds = result
+    assert rc != 0, out
+    # Both ranks are stuck (r0 sleeping, r1 in the barrier); whichever deadline
+    # fires first names itself and aborts the job.
+    assert re.search(r"\[r[01]\] TIMEOUT tests/harness_cases/case_hang.py::test_rank0_hangs", out), out
+    assert "case_hang.py\", line" in out, "the stack dump must show where it hung"
+    assert seconds < 30, f"took {seconds:.1f} s:\n{out}"
+
+
+@pytest.mark.deadline(90)
+def test_passing_run_reads_like_one_report(rank0_subprocess):
+    result = rank0_subprocess(3, [*HARNESS, "tests/harness_cases/case_pass.py"], timeout=60)
+    if result is None:
+        return
+    rc, out, _ = result
+    assert rc == 0, out
+    assert out.count("1 passed") == 1, f"only rank 0 should print the summary:\n{out}"
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("k", [5])
+def test_odd_world_size(rank0_subprocess, k):
+    result = rank0_subprocess(k, ["tests/scripts/check_collectives.py"], timeout=100)
+    if result is None:
+        return
+    rc, out, _ = result
+    assert rc == 0, out
+    assert f"OK K={k}" in out, out
