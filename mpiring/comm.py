@@ -17,7 +17,6 @@ Every collective goes through the same three steps:
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import numpy as np
 

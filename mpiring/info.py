@@ -28,7 +28,7 @@ def collect() -> dict[str, str]:
         "numpy": _version("numpy"),
         "mpi4py": _version("mpi4py"),
         "MPI library": MPI.Get_library_version().strip().splitlines()[0],
-        "MPI standard": "%d.%d" % MPI.Get_version(),
+        "MPI standard": "{}.{}".format(*MPI.Get_version()),
         "thread level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "torch": _version("torch"),
     }

@@ -9,9 +9,8 @@ import time
 
 import numpy as np
 import pytest
-
 from mpi_harness import *  # noqa: F401,F403  (registers the harness hooks)
-from mpi_harness import RANK, SIZE, WORLD, scrubbed_env
+from mpi_harness import scrubbed_env
 
 import mpiring
 
