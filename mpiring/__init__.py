@@ -20,12 +20,13 @@ __all__ = [
     "DistributedDataParallel",
     "MismatchError",
     "MpiringTimeout",
+    "ZeroRedundancyOptimizer",
     "init",
 ]
 
 
 def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = None,
-         check: bool | None = None) -> Communicator:
+         check: bool | None = None, timeout: float | str | None = None) -> Communicator:
     """Start (or join) the MPI job and return a Communicator over all ranks.
 
     Args:
@@ -36,6 +37,10 @@ def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = No
         log: "steps" to log every ring step to stderr (default: ``MPIRING_LOG``).
         check: compare every collective's arguments across ranks before moving
             data (default on; ``MPIRING_CHECK=0`` turns it off).
+        timeout: seconds one blocking wait may last before this rank prints a
+            stall report (collective, ring step, peer) and aborts the job
+            (default ``MPIRING_TIMEOUT`` or 300; 0 disables). See
+            ``mpiring.watchdog``.
 
     Raises:
         ValueError: unknown backend name.
@@ -53,10 +58,10 @@ def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = No
     if backend == "mpi":
         from .backends.mpi import MPIBackend
 
-        return Communicator(MPIBackend(world.Dup()), tracer, check=check)
+        return Communicator(MPIBackend(world.Dup()), tracer, check=check, timeout=timeout)
     from .backends.nccl import make_backend
 
-    return Communicator(make_backend(world), tracer, check=check)
+    return Communicator(make_backend(world), tracer, check=check, timeout=timeout)
 
 
 def __getattr__(name: str):
@@ -65,4 +70,8 @@ def __getattr__(name: str):
         from .ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "ZeroRedundancyOptimizer":
+        from .zero import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer
     raise AttributeError(f"module 'mpiring' has no attribute {name!r}")

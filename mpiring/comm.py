@@ -17,6 +17,8 @@ Every collective goes through the same three steps:
 from __future__ import annotations
 
 import os
+import zlib
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +28,7 @@ from .chunking import chunk_bounds, default_pipeline_chunks
 from .errors import MismatchError
 from .ops import OPS, check_op
 from .trace import Tracer
+from .watchdog import Activity, parse_timeout
 
 ALGOS = {
     "all_reduce": ("ring", "native"),
@@ -37,8 +40,6 @@ ALGOS = {
 # Collectives that reduce (and therefore take an op).
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 
-_COLL_ID = {name: i for i, name in enumerate(ALGOS)}
-_ALGO_ID = {"ring": 0, "pipelined": 1, "native": 2, "auto": 3}
 _DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks")
 
 
@@ -60,11 +61,17 @@ class Communicator:
         backend: "mpi" or "nccl".
     """
 
-    def __init__(self, be, tracer: Tracer | None = None, *, check: bool | None = None):
+    def __init__(self, be, tracer: Tracer | None = None, *, check: bool | None = None,
+                 timeout: float | str | None = None):
         self._be = be
         self.rank: int = be.rank
         self.size: int = be.size
         self.backend: str = be.name
+        # The watchdog's record of what this communicator is doing (the backend
+        # stamps it around blocking calls; see mpiring.watchdog).
+        self._act: Activity = getattr(be, "activity", None) or Activity(
+            be.rank, be.size, watch=False)
+        self._act.timeout = parse_timeout(timeout)
         self.local_rank, self.local_size = be.local_rank()
         self.tracer = tracer if tracer is not None else Tracer.from_env(self.rank)
         self.check = _env_flag("MPIRING_CHECK", True) if check is None else check
@@ -73,6 +80,22 @@ class Communicator:
     # --- helpers --------------------------------------------------------------
     def __repr__(self) -> str:
         return f"Communicator(backend={self.backend!r}, rank={self.rank}, size={self.size})"
+
+    @property
+    def timeout(self) -> float:
+        """Seconds one blocking wait may last before the job is aborted with a stall
+        report (0: no deadline). Set per communicator; default ``MPIRING_TIMEOUT``
+        or 300."""
+        return self._act.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float | str | None) -> None:
+        self._act.timeout = parse_timeout(seconds)
+
+    def _steps(self, collective: str, call: int, algo: str):
+        # The ring code reports each finished step to the watchdog's record,
+        # which forwards it to the tracer when tracing is on.
+        return self._act.steps_to(self.tracer.call(collective, call, algo))
 
     def _next_call(self, collective: str) -> int:
         n = self._calls.get(collective, 0) + 1
@@ -88,7 +111,8 @@ class Communicator:
             )
         if collective in REDUCING:
             check_op(op, buf.dtype, buf.floating)
-        if root is not None and not (isinstance(root, (int, np.integer)) and 0 <= root < self.size):
+        if root is not None and (isinstance(root, bool) or not isinstance(root, (int, np.integer))
+                                 or not 0 <= root < self.size):
             raise ValueError(f"root={root!r} out of range: use a rank in 0..{self.size - 1}")
         if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer))
                                    or chunks < 1):
@@ -106,41 +130,40 @@ class Communicator:
     def _prepare(self, collective: str, x, *, op=None, algo="ring", root=None,
                  chunks=None, check=None) -> tuple[Buffer, int]:
         call = self._next_call(collective)
+        self._act.begin(collective, call, algo if isinstance(algo, str) else None)
         error: Exception | None = None
         buf = None
         try:
             buf = self._validate(collective, x, op, algo, root, chunks)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any local failure must reach the other ranks
             error = exc
         if not (self.check if check is None else check) or self.size == 1:
             if error is not None:
                 raise error
             return buf, call
-        desc = np.array([
-            _COLL_ID[collective],
-            buf.count if buf else -1,
-            DTYPES.index(buf.dtype) if buf else -1,
-            OPS.index(op) if op in OPS else -1,
-            -1 if root is None else int(root) if isinstance(root, (int, np.integer)) else -2,
-            _ALGO_ID.get(algo, -1),
-            -1 if chunks is None else int(chunks) if isinstance(chunks, (int, np.integer)) else -2,
-            0 if error is None else 1,
-        ], dtype=np.int64)
-        table = self._be.exchange(desc)
+        table = self._be.exchange(_descriptor(collective, buf, op, algo, root, chunks, error))
         name = f"{collective}#{call}"
         bad = [r for r in range(self.size) if table[r, -1]]
         if bad:
+            # Every rank knows that some rank failed, so all can take part in one
+            # more exchange: each error's text as bytes (never pickle), so that
+            # every rank's message says what went wrong where.
+            texts = _peer_errors(self._be, error)
             if error is not None:
                 raise error
-            raise ValueError(
-                f"{name}: rank(s) {', '.join(f'r{r}' for r in bad)} rejected their input, "
-                "so no rank ran the collective; see the error printed by those ranks"
-            )
+            raise ValueError(f"{name}: no rank ran the collective because " + "; ".join(
+                f"r{r} rejected its input ({texts[r]})" if texts else f"r{r} rejected its input"
+                for r in bad))
+        differs = []
         for j, field in enumerate(_DESC_FIELDS):
             column = table[:, j]
             if (column != column[0]).any():
                 values = " ".join(f"r{r}={_describe(field, v)}" for r, v in enumerate(column))
-                raise MismatchError(f"{name}: {field} differs: {values}")
+                differs.append(f"{field} differs: {values}")
+                if field == "collective":  # the other fields then mean different things
+                    break
+        if differs:
+            raise MismatchError(f"{name}: " + "; ".join(differs))
         return buf, call
 
     # --- collectives ----------------------------------------------------------
@@ -161,7 +184,7 @@ class Communicator:
         if algo == "native":
             self._be.native_all_reduce(buf.array, op)
         else:
-            coll.ring_all_reduce(self._be, buf.array, op, self.tracer.call("all_reduce", call, algo))
+            coll.ring_all_reduce(self._be, buf.array, op, self._steps("all_reduce", call, algo))
         self._be.synchronize()
         return x
 
@@ -179,7 +202,7 @@ class Communicator:
             lo, hi = self._be.native_reduce_scatter(buf.array, op)
         else:
             lo, hi = coll.ring_reduce_scatter(
-                self._be, buf.array, op, self.tracer.call("reduce_scatter", call, algo))
+                self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
         self._be.synchronize()
         return buf.chunk(lo, hi)
 
@@ -193,7 +216,7 @@ class Communicator:
         if algo == "native":
             self._be.native_all_gather(buf.array)
         else:
-            coll.ring_all_gather(self._be, buf.array, self.tracer.call("all_gather", call, algo))
+            coll.ring_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
         self._be.synchronize()
         return x
 
@@ -216,7 +239,7 @@ class Communicator:
         else:
             s = self._pipeline_chunks(buf, algo, chunks)
             coll.pipelined_broadcast(self._be, buf.array, root, s,
-                                     self.tracer.call("broadcast", call, algo))
+                                     self._steps("broadcast", call, algo))
         self._be.synchronize()
         return x
 
@@ -238,7 +261,7 @@ class Communicator:
         else:
             s = self._pipeline_chunks(buf, algo, chunks)
             coll.pipelined_reduce(self._be, buf.array, op, root, s,
-                                  self.tracer.call("reduce", call, algo))
+                                  self._steps("reduce", call, algo))
         self._be.synchronize()
         return x
 
@@ -256,16 +279,24 @@ class Communicator:
         Ranks order by ``key`` then by rank. A rank that passes ``color=None`` (or a
         negative color) takes part in the split but gets ``None`` back.
         """
+        self._act.begin("split", self._next_call("split"), None)
         be = self._be.split(color, key)
         if be is None:
             return None
-        return Communicator(be, self.tracer, check=self.check)
+        return Communicator(be, self.tracer, check=self.check, timeout=self.timeout)
 
     def dup(self) -> Communicator:
-        """A Communicator over the same ranks with separate message matching."""
-        return Communicator(self._be.dup(), self.tracer, check=self.check)
+        """A Communicator over the same ranks with separate message matching.
+
+        Give each thread that runs collectives its own ``dup()``: MPI matches
+        messages per communicator, and the stall watchdog keeps one record per
+        communicator.
+        """
+        self._act.begin("dup", self._next_call("dup"), None)
+        return Communicator(self._be.dup(), self.tracer, check=self.check, timeout=self.timeout)
 
     def barrier(self) -> None:
+        self._act.begin("barrier", self._next_call("barrier"), None)
         self._be.barrier()
 
     def chunk_bounds(self, n: int) -> list[tuple[int, int]]:
@@ -278,16 +309,63 @@ class Communicator:
         return self._be.comm
 
 
+def _name_code(name: Any) -> int:
+    # Names travel as CRC-32 codes, so collectives or algorithms added to ALGOS
+    # later are compared correctly without a table kept in step with it.
+    return zlib.crc32(name.encode()) if isinstance(name, str) else -2
+
+
+def _index(options: tuple[str, ...], value: Any) -> int:
+    if value is None:
+        return -1
+    return options.index(value) if isinstance(value, str) and value in options else -2
+
+
+def _int_or(value: Any) -> int:
+    if value is None:
+        return -1
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    return -2
+
+
+def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks,
+                error: Exception | None) -> np.ndarray:
+    """The call as int64s, in ``_DESC_FIELDS`` order plus an error flag; never raises."""
+    return np.array([
+        _name_code(collective),
+        buf.count if buf is not None else -1,
+        DTYPES.index(buf.dtype) if buf is not None else -1,
+        _index(OPS, op),
+        _int_or(root),
+        _name_code(algo),
+        _int_or(chunks),
+        0 if error is None else 1,
+    ], dtype=np.int64)
+
+
+def _peer_errors(be, error: Exception | None, limit: int = 400) -> list[str]:
+    """Every rank's error text (empty where none), exchanged as bytes."""
+    exchange = getattr(be, "exchange_bytes", None)
+    if exchange is None:
+        return []
+    text = "" if error is None else f"{type(error).__name__}: {error}"
+    raw = exchange(text.encode("utf-8", errors="replace")[:limit])
+    return [r.decode("utf-8", errors="replace") for r in raw]
+
+
 def _describe(field: str, value: int) -> str:
     value = int(value)
     if value == -1:
-        return "-" if field not in ("op",) else "none"
-    if field == "collective":
-        return list(ALGOS)[value]
+        return "none" if field == "op" else "-"
+    if value == -2:
+        return "invalid"
+    if field in ("collective", "algo"):
+        names = list(ALGOS) if field == "collective" else \
+            list(dict.fromkeys(a for algos in ALGOS.values() for a in (*algos, "auto")))
+        return next((n for n in names if _name_code(n) == value), "?")
     if field == "dtype":
         return DTYPES[value]
     if field == "op":
         return OPS[value]
-    if field == "algo":
-        return {v: k for k, v in _ALGO_ID.items()}.get(value, "?")
     return str(value)

@@ -27,7 +27,7 @@ _UFUNC = {
 
 def check_op(op: str, dtype_name: str, floating: bool) -> None:
     """Raise a ValueError naming the fix if ``op`` is unknown or undefined for the dtype."""
-    if op not in _UFUNC:
+    if not isinstance(op, str) or op not in _UFUNC:
         raise ValueError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
     if op == "avg" and not floating:
         raise ValueError(

@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from ..chunking import chunk_bounds
 from ..ops import finish
+from ..watchdog import Activity
 
 # One tag for all ring traffic: collectives on a communicator are issued in the
 # same order on every rank and MPI never overtakes messages between two ranks
@@ -24,8 +25,19 @@ def _bytes(a):
     return a.view(np.uint8)
 
 
+def _abort_world(code: int) -> None:
+    # The whole job, not just this communicator: a stalled sub-communicator
+    # must not leave the other ranks of the job waiting.
+    MPI.COMM_WORLD.Abort(code)
+
+
 class MPIBackend:
-    """Point-to-point and native collectives on one ``MPI.Comm``."""
+    """Point-to-point and native collectives on one ``MPI.Comm``.
+
+    Every blocking call stamps ``self.activity`` (what, peer, since) so that the
+    watchdog can report and abort a wait that outlives the deadline; see
+    ``mpiring.watchdog``.
+    """
 
     name = "mpi"
 
@@ -34,19 +46,48 @@ class MPIBackend:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._scratch: dict = {}
+        world = comm.Get_group().Translate_ranks(list(range(self.size)),
+                                                 MPI.COMM_WORLD.Get_group())
+        self.activity = Activity(self.rank, self.size, world_ranks=list(world),
+                                 abort=_abort_world)
 
     # --- point-to-point, as in the lecture's pseudocode ---------------------
     def irecv(self, buf, src: int):
+        self.activity.recv_peer = src  # what the next wait() waits for
         return self.comm.Irecv(_bytes(buf), source=src, tag=TAG)
 
     def send(self, buf, dst: int) -> None:
-        self.comm.Send(_bytes(buf), dest=dst, tag=TAG)
+        act = self.activity
+        act.blocked("Send", dst)
+        try:
+            self.comm.Send(_bytes(buf), dest=dst, tag=TAG)
+        finally:
+            act.since = 0.0
 
     def wait(self, req) -> None:
-        req.Wait()
+        act = self.activity
+        act.blocked("Wait", act.recv_peer)
+        try:
+            req.Wait()
+        finally:
+            act.since = 0.0
 
     def sendrecv(self, sendbuf, dst: int, recvbuf, src: int) -> None:
-        self.comm.Sendrecv(_bytes(sendbuf), dst, TAG, _bytes(recvbuf), src, TAG)
+        act = self.activity
+        act.blocked("Sendrecv", src)
+        try:
+            self.comm.Sendrecv(_bytes(sendbuf), dst, TAG, _bytes(recvbuf), src, TAG)
+        finally:
+            act.since = 0.0
+
+    def _collective(self, what: str, fn, *args):
+        """Run a blocking MPI collective under the watchdog (waits for every rank)."""
+        act = self.activity
+        act.blocked(what, None)
+        try:
+            return fn(*args)
+        finally:
+            act.since = 0.0
 
     def group(self):
         return nullcontext()
@@ -66,7 +107,7 @@ class MPIBackend:
     def exchange(self, values: np.ndarray) -> np.ndarray:
         """Allgather a small int64 vector from every rank: a (size, len) array."""
         out = np.empty((self.size, values.size), dtype=np.int64)
-        self.comm.Allgather(values, out)
+        self._collective("Allgather", self.comm.Allgather, values, out)
         return out
 
     def exchange_bytes(self, data: bytes) -> list[bytes]:
@@ -74,12 +115,12 @@ class MPIBackend:
         lengths = self.exchange(np.array([len(data)], dtype=np.int64))[:, 0]
         out = np.empty(int(lengths.sum()), dtype=np.uint8)
         displs = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        self.comm.Allgatherv(np.frombuffer(data, dtype=np.uint8),
-                             [out, lengths.tolist(), displs.tolist(), MPI.BYTE])
+        self._collective("Allgatherv", self.comm.Allgatherv, np.frombuffer(data, dtype=np.uint8),
+                         [out, lengths.tolist(), displs.tolist(), MPI.BYTE])
         return [out[d:d + n].tobytes() for d, n in zip(displs, lengths)]
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._collective("Barrier", self.comm.Barrier)
 
     # --- the MPI library's own collectives ----------------------------------
     def check_native(self, collective: str, dtype: str, op: str | None) -> None:
@@ -90,7 +131,7 @@ class MPIBackend:
             )
 
     def native_all_reduce(self, x, op: str):
-        self.comm.Allreduce(MPI.IN_PLACE, x, MPI_OPS[op])
+        self._collective("MPI_Allreduce", self.comm.Allreduce, MPI.IN_PLACE, x, MPI_OPS[op])
         finish(op, x, self.size)
         return x
 
@@ -99,7 +140,8 @@ class MPIBackend:
         counts = [b - a for a, b in bounds]
         lo, hi = bounds[self.rank]
         recv = self.scratch(x, counts[self.rank])
-        self.comm.Reduce_scatter(x, recv, counts, MPI_OPS[op])
+        self._collective("MPI_Reduce_scatter", self.comm.Reduce_scatter, x, recv, counts,
+                         MPI_OPS[op])
         x[lo:hi] = recv
         finish(op, x[lo:hi], self.size)
         return lo, hi
@@ -108,31 +150,34 @@ class MPIBackend:
         bounds = chunk_bounds(x.size, self.size)
         counts = [(b - a) * x.itemsize for a, b in bounds]
         displs = [a * x.itemsize for a, _ in bounds]
-        self.comm.Allgatherv(MPI.IN_PLACE, [_bytes(x), counts, displs, MPI.BYTE])
+        self._collective("MPI_Allgatherv", self.comm.Allgatherv, MPI.IN_PLACE,
+                         [_bytes(x), counts, displs, MPI.BYTE])
         return x
 
     def native_broadcast(self, x, root: int):
-        self.comm.Bcast(_bytes(x), root=root)
+        self._collective("MPI_Bcast", self.comm.Bcast, _bytes(x), root)
         return x
 
     def native_reduce(self, x, op: str, root: int):
         if self.rank == root:
-            self.comm.Reduce(MPI.IN_PLACE, x, MPI_OPS[op], root=root)
+            self._collective("MPI_Reduce", self.comm.Reduce, MPI.IN_PLACE, x, MPI_OPS[op], root)
             finish(op, x, self.size)
         else:
-            self.comm.Reduce(x, None, MPI_OPS[op], root=root)
+            self._collective("MPI_Reduce", self.comm.Reduce, x, None, MPI_OPS[op], root)
         return x
 
     # --- communicators --------------------------------------------------------
     def split(self, color: int, key: int):
-        sub = self.comm.Split(MPI.UNDEFINED if color is None or color < 0 else color, key)
+        sub = self._collective("Comm_split", self.comm.Split,
+                               MPI.UNDEFINED if color is None or color < 0 else color, key)
         return None if sub == MPI.COMM_NULL else MPIBackend(sub)
 
     def dup(self):
-        return MPIBackend(self.comm.Dup())
+        return MPIBackend(self._collective("Comm_dup", self.comm.Dup))
 
     def local_rank(self) -> tuple[int, int]:
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        node = self._collective("Comm_split_type", self.comm.Split_type,
+                                MPI.COMM_TYPE_SHARED, self.rank)
         try:
             return node.Get_rank(), node.Get_size()
         finally:

@@ -1,0 +1,298 @@
+"""Deadlines for blocking waits, and a stall report instead of a hang.
+
+Every communicator owns an ``Activity``: a small record of what it is doing.
+The communicator writes the collective and call number when a call starts, the
+ring code reports each finished step through the ``CallTrace`` interface it
+already calls (``Activity.step``), and the backend stamps the record around
+every blocking call (``blocked(what, peer)`` before, ``since = 0.0`` after).
+That is a few attribute stores per blocking call: the hot path pays nothing
+else.
+
+One daemon thread per process (the monitor) wakes a few times a second, looks
+at every live record and, when a blocking call has lasted longer than its
+communicator's deadline, prints a report in the spirit of Horovod's stall
+inspector and aborts the whole job::
+
+    [r3] mpiring stall: all_reduce#12 (algo ring, 4 ranks) reduce-scatter step 2/3:
+    blocked 300.0 s in Wait for data from r2 (deadline 300 s) ...
+
+Each record is written only by the thread that runs the communicator's
+collectives and read by the monitor; a record per communicator keeps a second
+thread (the DDP communication thread on a ``dup()``ed communicator) from
+overwriting the main thread's. Reads are single attribute loads, so the worst
+a race can do is describe a wait that ended a moment ago: the monitor confirms
+the same wait is still in progress (same start stamp) before it aborts.
+
+Deadline: ``mpiring.init(timeout=SECONDS)``, ``Communicator.timeout``, or the
+environment variable ``MPIRING_TIMEOUT`` (seconds; ``0`` or ``off`` disables);
+default ``DEFAULT_TIMEOUT``. The deadline bounds one blocking wait, not a whole
+collective: a large AllReduce that keeps making progress never trips it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+
+#: Seconds one blocking wait may last before the job is aborted.
+DEFAULT_TIMEOUT = 300.0
+#: Exit status of a job aborted by the watchdog (the convention of timeout(1)).
+STALL_EXIT_CODE = 124
+#: Seconds to wait for MPI_Abort to end the process before exiting directly.
+ABORT_GRACE = 10.0
+
+now = time.monotonic
+
+# The phases each ring collective goes through, in order (the names its ring
+# code passes to ``trace.step``); used only to name the step in progress.
+PHASES = {
+    "all_reduce": ("reduce-scatter", "all-gather"),
+    "reduce_scatter": ("reduce-scatter",),
+    "all_gather": ("all-gather",),
+    "broadcast": ("broadcast",),
+    "reduce": ("reduce",),
+}
+# Phases whose step count is K-1 (the others depend on the chunk count).
+_RING_PHASES = ("reduce-scatter", "all-gather")
+
+
+def parse_timeout(value: float | str | None, default: float = DEFAULT_TIMEOUT) -> float:
+    """Seconds as a float; ``None`` means ``MPIRING_TIMEOUT`` or the default; 0 disables.
+
+    Raises:
+        ValueError: not a number of seconds (the message names the fix).
+    """
+    source = "timeout"
+    if value is None:
+        value = os.environ.get("MPIRING_TIMEOUT", "")
+        source = "MPIRING_TIMEOUT"
+        if value == "":
+            return float(default)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("off", "none", "inf", "never"):
+            return 0.0
+        try:
+            value = float(text.removesuffix("s"))
+        except ValueError:
+            raise ValueError(f"{source}={value!r} is not a number of seconds: use e.g. 300, "
+                             "or 0 / off to disable the deadline") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value < 0:
+        raise ValueError(f"{source}={value!r}: give a non-negative number of seconds "
+                         "(0 disables the deadline)")
+    return 0.0 if value == float("inf") else float(value)
+
+
+class Activity:
+    """What one communicator is doing right now, for the stall monitor.
+
+    Attributes written by the communicator's thread:
+        collective, call, algo: the collective in progress (``name#call``).
+        phase, step, steps: the last ring step that finished (``None`` before the
+            first one of this call).
+        what, peer: the blocking call in progress and the rank it waits for
+            (``None``: every rank, as in an Allgather).
+        since: ``time.monotonic()`` when that call began; 0.0 when not blocked.
+        recv_peer: source of the last posted receive (what a ``Wait`` waits for).
+        thread: ident of the thread that started the collective.
+    """
+
+    enabled = False  # as a CallTrace it records nothing to files (see ``inner``)
+
+    def __init__(self, rank: int, size: int, *, timeout: float = DEFAULT_TIMEOUT,
+                 world_ranks: list[int] | None = None,
+                 abort: Callable[[int], None] | None = None, watch: bool = True):
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        # Peer numbers are ranks of this communicator; the report also gives the
+        # world rank when they differ (sub-communicators).
+        self.world_ranks = world_ranks
+        self.abort = abort if abort is not None else os._exit
+        self.collective: str | None = None
+        self.call = 0
+        self.algo: str | None = None
+        self.chunks: int | None = None
+        self.phase: str | None = None
+        self.step_done = -1
+        self.steps = 0
+        self.what: str | None = None
+        self.peer: int | None = None
+        self.recv_peer: int | None = None
+        self.since = 0.0
+        self.thread = 0
+        self.inner = None
+        if watch:
+            register(self)
+
+    # --- written by the communicator's thread ----------------------------------
+    def begin(self, collective: str, call: int, algo: str | None) -> None:
+        """A new collective call starts (before its argument check)."""
+        self.collective = collective
+        self.call = call
+        self.algo = algo
+        self.phase = None
+        self.step_done = -1
+        self.thread = threading.get_ident()
+
+    def steps_to(self, inner):
+        """Use this record as the call's ``CallTrace``, forwarding steps to ``inner``."""
+        self.inner = inner
+        self.enabled = inner.enabled
+        return self
+
+    def step(self, phase: str, step: int, steps: int, **fields) -> None:
+        """CallTrace interface: the ring code finished ``step`` of ``phase``."""
+        self.phase = phase
+        self.step_done = step
+        self.steps = steps
+        if self.enabled:
+            self.inner.step(phase, step, steps, **fields)
+
+    def blocked(self, what: str, peer: int | None) -> None:
+        """A blocking call starts; the backend sets ``since = 0.0`` when it returns."""
+        self.what = what
+        self.peer = peer
+        self.since = now()
+
+    # --- read by the monitor ----------------------------------------------------
+    def current_step(self) -> str:
+        """The ring step in progress, e.g. ``reduce-scatter step 2/3``, or ''."""
+        phases = PHASES.get(self.collective or "")
+        if self.algo == "native" or self.collective not in PHASES:
+            return ""
+        ring_steps = self.size - 1
+        if self.phase is None:
+            first = phases[0]
+            total = ring_steps if first in _RING_PHASES else None
+            return _fmt_step(first, 0, total)
+        if self.step_done + 1 < self.steps:
+            return _fmt_step(self.phase, self.step_done + 1, self.steps)
+        if self.phase in phases and phases.index(self.phase) + 1 < len(phases):
+            nxt = phases[phases.index(self.phase) + 1]
+            return _fmt_step(nxt, 0, ring_steps if nxt in _RING_PHASES else None)
+        return f"after {_fmt_step(self.phase, self.step_done, self.steps)} (finishing)"
+
+    def _who(self, peer: int) -> str:
+        text = f"r{peer}"
+        if self.world_ranks is not None and 0 <= peer < len(self.world_ranks) \
+                and self.world_ranks[peer] != peer:
+            text += f" (world rank {self.world_ranks[peer]})"
+        return text
+
+    def report(self, at: float | None = None, since: float | None = None) -> str:
+        """The stall report: which collective, which step, which peer, how long."""
+        at = now() if at is None else at
+        since = self.since if since is None else since
+        waited = at - since if since else 0.0
+        me = f"[r{self.rank}]"
+        where = f"{self.collective}#{self.call}" if self.collective else "a blocking call"
+        if self.collective and self.algo:
+            where += f" (algo {self.algo}, {self.size} ranks)"
+        if self.peer is not None:  # point-to-point: a ring step
+            stage = self.current_step()
+        elif self.what in ("Allgather", "Allgatherv") and self.collective in PHASES:
+            stage = "argument check (before any data moves)"
+        else:  # a native collective, barrier, split...
+            stage = ""
+        if stage:
+            where += f" {stage}"
+        if self.peer is None:
+            whom = f"waiting for every rank of the {self.size}-rank communicator"
+            hint = ("some rank has not reached this call: it is slow, stuck, dead, or "
+                    "calling a different collective")
+        else:
+            direction = "sending to" if self.what == "Send" else "waiting for data from"
+            whom = f"{direction} {self._who(self.peer)}"
+            hint = (f"{self._who(self.peer)} has not done its part of this step: it is "
+                    "slow, stuck, dead, or running a different collective")
+        lines = [
+            f"{me} mpiring stall: {where}: blocked {waited:.1f} s in {self.what}, "
+            f"{whom} (deadline {self.timeout:g} s)",
+            f"{me} {hint}. Aborting the job (exit {STALL_EXIT_CODE}). If this wait is "
+            "legitimately slow, raise the deadline: mpiring.init(timeout=SECONDS) or "
+            "MPIRING_TIMEOUT=SECONDS.",
+        ]
+        frame = sys._current_frames().get(self.thread)
+        if frame is not None:
+            stack = traceback.format_stack(frame)[-8:]
+            lines.append(f"{me} stack of the stalled thread (most recent call last):")
+            lines.append("".join(stack).rstrip())
+        return "\n".join(lines) + "\n"
+
+
+def _fmt_step(phase: str, index: int, total: int | None) -> str:
+    return f"{phase} step {index + 1}/{total}" if total else f"{phase} step {index + 1}"
+
+
+# --- the monitor thread -----------------------------------------------------------
+_lock = threading.Lock()
+_records: weakref.WeakSet[Activity] = weakref.WeakSet()
+_thread: threading.Thread | None = None
+_wake = threading.Event()
+_fired = False
+
+
+def register(activity: Activity) -> None:
+    """Watch ``activity``; starts the monitor thread on first use."""
+    global _thread
+    with _lock:
+        _records.add(activity)
+        if _thread is None:
+            _thread = threading.Thread(target=_monitor, name="mpiring-watchdog", daemon=True)
+            _thread.start()
+    _wake.set()  # re-read the deadlines (a shorter one shortens the poll period)
+
+
+def expired(at: float) -> list[tuple[Activity, float]]:
+    """The records whose blocking call has outlived its deadline, with that call's start."""
+    with _lock:
+        records = list(_records)
+    late = []
+    for act in records:
+        since = act.since
+        if since and act.timeout > 0 and at - since > act.timeout:
+            late.append((act, since))
+    return late
+
+
+def _period() -> float:
+    with _lock:
+        timeouts = [a.timeout for a in _records if a.timeout > 0]
+    # A tenth of the shortest deadline (the report is late by at most that), at
+    # most one wake-up a second.
+    return min([1.0] + [max(0.02, t / 10) for t in timeouts])
+
+
+def _monitor() -> None:
+    while True:
+        _wake.wait(_period())
+        _wake.clear()
+        at = now()
+        for act, since in expired(at):
+            text = act.report(at, since)
+            if act.since == since:  # still the same wait: not a race with its end
+                fire(act, text)
+
+
+def fire(act: Activity, text: str) -> None:
+    """Print the stall report and abort the job; exits directly if the abort hangs."""
+    global _fired
+    if _fired:
+        return
+    _fired = True
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - the report matters more than stdout
+        pass
+    os.write(2, text.encode(errors="replace"))
+    backstop = threading.Timer(ABORT_GRACE, os._exit, args=(STALL_EXIT_CODE,))
+    backstop.daemon = True
+    backstop.start()
+    act.abort(STALL_EXIT_CODE)
