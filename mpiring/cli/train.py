@@ -1,0 +1,141 @@
+"""Train a small GPT on the standard library's source, data-parallel (ddp, naive, ps, torch-ddp).
+
+    mpiexec -n 4 python -m mpiring train --mode ddp --steps 50
+    mpiexec -n 4 python -m mpiring train --mode naive --preset comm --steps 20
+
+Every rank reads the same byte-level corpus (rank 0 reads, all receive), trains
+on its shard (a distributed sampler), and rank 0 prints a progress bar, the loss
+and tokens/s, the validation loss and one summary line with the median step
+time, so that modes can be compared run against run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from . import add_backend_arguments
+
+
+def add_arguments(p) -> None:
+    from ..train.loop import MODES
+
+    p.add_argument("--mode", choices=MODES, default="ddp",
+                   help="ddp (overlapped buckets), naive (buckets after backward), ps "
+                        "(parameter server), torch-ddp (PyTorch DDP over gloo/nccl)")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per rank per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the preset's)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order (same on all ranks)")
+    p.add_argument("--preset", default="small",
+                   help="model size: tiny (0.1M), small (3.2M, default), comm (12.8M)")
+    p.add_argument("--d-model", type=int, default=None, help="override the preset's width")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--heads", type=int, default=None, help="override the preset's heads")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB (default 25)")
+    p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket in MiB (default 1)")
+    p.add_argument("--algo", choices=("ring", "native"), default="ring",
+                   help="bucket AllReduce: the project's ring (default) or the library's own")
+    p.add_argument("--max-data-mb", type=float, default=4.0,
+                   help="read at most this much standard-library source (default 4)")
+    p.add_argument("--val-batches", type=int, default=4, help="validation batches per rank (default 4)")
+    p.add_argument("--log-every", type=int, default=10, help="global loss every N steps (default 10)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_backend_arguments(p)
+
+
+def config_from_args(args):
+    """A ``TrainConfig`` from parsed flags."""
+    from ..train.loop import TrainConfig
+
+    return TrainConfig(
+        mode=args.mode, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        lr=args.lr, seed=args.seed, preset=args.preset, d_model=args.d_model,
+        n_layers=args.layers, n_heads=args.heads, bucket_mb=args.bucket_mb,
+        first_bucket_mb=args.first_bucket_mb, algo=args.algo, max_data_mb=args.max_data_mb,
+        val_batches=args.val_batches, log_every=args.log_every)
+
+
+class ProgressBar:
+    """Rank 0's progress: a bar redrawn in place on a terminal, a line per log step otherwise."""
+
+    def __init__(self, total: int, tokens_per_step: int, enabled: bool, stream=None):
+        self.total = total
+        self.tokens_per_step = tokens_per_step
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.loss: float | None = None
+
+    def __call__(self, job, loss: float | None) -> None:
+        if not self.enabled:
+            return
+        if loss is not None:
+            self.loss = loss
+        recent = job.step_times[-10:]
+        step_s = sorted(recent)[len(recent) // 2] if recent else 0.0
+        tok_s = self.tokens_per_step / step_s if step_s else 0.0
+        width = 24
+        filled = int(width * job.step / self.total)
+        loss_txt = f"{self.loss:.3f}" if self.loss is not None else "-"
+        line = (f"step {job.step:>{len(str(self.total))}}/{self.total} "
+                f"[{'#' * filled}{'.' * (width - filled)}] loss {loss_txt} "
+                f"{tok_s:,.0f} tok/s {step_s * 1e3:.0f} ms/step")
+        if self.tty:
+            end = "\n" if job.step == self.total else ""
+            self.stream.write("\r" + line + end)
+            self.stream.flush()
+        elif loss is not None:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+def run(args) -> int:
+    import torch
+
+    import mpiring
+
+    from ..train.loop import TrainJob, train
+
+    cfg = config_from_args(args)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        print(f"mpiring train: {exc}", file=sys.stderr)
+        return 2
+    comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
+    if comm.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks sharing a host would otherwise each start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
+    if args.backend == "nccl":
+        device = torch.device("cuda", comm.local_rank % max(1, torch.cuda.device_count()))
+    else:
+        device = torch.device("cpu")
+    job = TrainJob(comm, cfg, device=device)
+    n_params = job.model.num_params()
+    tokens = comm.size * cfg.batch_size * job.model_cfg.seq_len
+    if comm.rank == 0:
+        print(f"train: mode={cfg.mode} backend={args.backend} ranks={comm.size} "
+              f"model={cfg.preset} ({n_params / 1e6:.2f}M params, d={job.model_cfg.d_model}, "
+              f"{job.model_cfg.n_layers} layers) batch {comm.size}x{cfg.batch_size}x"
+              f"{job.model_cfg.seq_len} tokens, {len(job.train_set)} training windows",
+              file=sys.stderr, flush=True)
+    bar = ProgressBar(cfg.steps, tokens, enabled=comm.rank == 0 and not args.no_progress)
+    try:
+        result = train(job, progress=bar)
+    finally:
+        job.close()
+        comm.tracer.close()
+    if comm.rank == 0:
+        step_s = result.median_step_s
+        exposed = ""
+        if result.exposed_comm:
+            tail = sorted(result.exposed_comm[1:] or result.exposed_comm)
+            exposed = f", exposed comm {tail[len(tail) // 2] * 1e3:.1f} ms/step"
+        print(f"train: mode={cfg.mode} backend={args.backend} ranks={comm.size} "
+              f"model={cfg.preset} {n_params / 1e6:.2f}M params, {cfg.steps} steps of "
+              f"{tokens} tokens: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
+              f"val loss {result.val_loss:.3f}, median step {step_s * 1e3:.1f} ms, "
+              f"{tokens / step_s if step_s else 0:,.0f} tok/s{exposed}", flush=True)
+    return 0

@@ -1,0 +1,218 @@
+"""``mpiring.DistributedDataParallel``: torch DDP's contract on mpiring's ring collectives.
+
+    model = mpiring.DistributedDataParallel(net, comm)
+    loss = loss_fn(model(x), y)
+    loss.backward()          # returns with every .grad = mean over ranks
+    optimizer.step()
+
+At construction every rank checks that all ranks hold the same parameters and
+buffers (names, shapes, dtypes; only fixed-size hashes and, on a difference,
+fixed-size descriptions cross the wire) and takes rank 0's values. Each forward
+optionally re-broadcasts rank 0's buffers (BatchNorm statistics); each backward
+is reduced by the ``Reducer`` (buckets, hooks, communication thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import nn
+
+from .reducer import Reducer
+
+_DESC_BYTES = 200
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper: gradients are averaged over ``comm`` during backward.
+
+    Args:
+        module: the model; the same architecture on every rank.
+        comm: a ``mpiring.Communicator`` over the replicas.
+        bucket_cap_mb: bucket size cap in MiB (torch DDP's default 25).
+        first_bucket_mb: size of the first bucket in MiB (default 1), small so
+            that communication starts early in backward.
+        broadcast_buffers: copy rank 0's buffers to every rank before each
+            forward that will be followed by a synced backward.
+        find_unused_parameters: allow parameters that get no gradient in some
+            iterations (their gradient counts as zero on that rank). Off, such a
+            parameter makes every rank raise at the end of backward.
+        gradient_as_bucket_view: ``.grad`` becomes a view into the bucket buffer
+            (saves a copy and the memory of one gradient copy).
+        overlap: True launches each bucket's AllReduce as soon as its gradients
+            are ready, overlapping the rest of backward; False waits for the whole
+            backward first (the naive design).
+        algo: AllReduce algorithm for the buckets: "ring" (the project's) or
+            "native" (the library's own).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: a bad argument, or the model differs across ranks (every
+            rank raises, naming the first difference and the ranks).
+    """
+
+    def __init__(self, module: nn.Module, comm, bucket_cap_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 overlap: bool = True, *, algo: str = "ring"):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got "
+                            f"{type(module).__name__}")
+        if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} and first_bucket_mb={first_bucket_mb}: "
+                             "bucket sizes must be positive numbers of MiB")
+        if algo not in ("ring", "native"):
+            raise ValueError(f"algo={algo!r}: use 'ring' or 'native'")
+        self.module = module
+        self.comm = comm
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.overlap = overlap
+        self.require_backward_grad_sync = True
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        check_same_model(comm, describe_module(module))
+        sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()))
+        self._buffers_to_sync = [b for b in module.buffers()]
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], comm,
+                               bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+                               find_unused_parameters=find_unused_parameters,
+                               gradient_as_bucket_view=gradient_as_bucket_view,
+                               overlap=overlap, algo=algo)
+
+    def forward(self, *args, **kwargs):
+        grad = torch.is_grad_enabled()
+        sync = grad and self.require_backward_grad_sync
+        if grad:
+            self.reducer.prepare_forward()
+        if sync:
+            self.reducer.rebuild_if_due()
+            if self.broadcast_buffers and self._buffers_to_sync:
+                # Rank 0's running statistics win, as in torch DDP (check off: the
+                # shapes were compared at construction).
+                sync_from_root(self.comm, self._buffers_to_sync, check=False)
+        out = self.module(*args, **kwargs)
+        if grad:
+            self.reducer.prepare_for_backward(out, sync)
+        return out
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes of forwards run inside this block accumulate ``.grad`` locally.
+
+        The first synced backward afterwards reduces the accumulated sum (and
+        divides by the world size), as torch DDP's ``no_sync``.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    @property
+    def bucket_params(self) -> list[list[int]]:
+        """Current bucket layout: per bucket, indices into the trainable parameters."""
+        return self.reducer.bucket_params
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread (the module stays usable)."""
+        self.reducer.close()
+
+
+def describe_module(module: nn.Module) -> list[str]:
+    """One line per parameter and buffer: kind, name, shape, dtype, requires_grad."""
+    lines = [f"parameter {n} shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
+             f"{'' if p.requires_grad else ' (frozen)'}" for n, p in module.named_parameters()]
+    lines += [f"buffer {n} shape {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
+              for n, b in module.named_buffers()]
+    return lines
+
+
+def check_same_model(comm, lines: Sequence[str], what: str = "DistributedDataParallel") -> None:
+    """Raise ValueError on every rank unless every rank passed the same ``lines``.
+
+    Only fixed-size data crosses the wire: the count, one 8-byte hash a line,
+    and on a difference a fixed-size UTF-8 description of the first differing
+    line from each rank (decoded, never unpickled).
+    """
+    if comm.size == 1:
+        return
+    mpi = comm.mpi_comm
+    counts = np.empty(comm.size, dtype=np.int64)
+    mpi.Allgather(np.array([len(lines)], dtype=np.int64), counts)
+    width = int(counts.max())
+    mine = np.zeros(width, dtype=np.int64)
+    for j, line in enumerate(lines):
+        mine[j] = int.from_bytes(hashlib.blake2b(line.encode(), digest_size=8).digest(),
+                                 "little", signed=True)
+    table = np.empty((comm.size, width), dtype=np.int64)
+    mpi.Allgather(mine, table)
+    first = None
+    for j in range(width):
+        present = counts > j
+        if not present.all() or (table[:, j] != table[0, j]).any():
+            first = j
+            break
+    if first is None:
+        return
+    if first < len(lines):
+        text = lines[first]
+    else:
+        text = f"nothing (only {len(lines)} parameters and buffers)"
+    raw = text.encode()[:_DESC_BYTES].ljust(_DESC_BYTES, b"\0")
+    descs = np.empty((comm.size, _DESC_BYTES), dtype=np.uint8)
+    mpi.Allgather(np.frombuffer(raw, dtype=np.uint8).copy(), descs)
+    groups: dict[str, list[int]] = {}
+    for r in range(comm.size):
+        desc = descs[r].tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
+        groups.setdefault(desc, []).append(r)
+    differ = [r for r in range(comm.size) if descs[r].tobytes() != descs[0].tobytes()
+              or table[r, first] != table[0, first] or counts[r] <= first]
+    parts = "; ".join(f"{', '.join(f'r{r}' for r in ranks)} have {desc}"
+                      for desc, ranks in groups.items())
+    raise ValueError(
+        f"{what}: the model differs across ranks at entry #{first} "
+        f"(rank(s) {', '.join(f'r{r}' for r in differ)} differ from r0): {parts}. "
+        "Build the same model (same architecture, arguments and dtypes) on every rank "
+        "before wrapping it")
+
+
+def sync_from_root(comm, tensors: Sequence[torch.Tensor], root: int = 0,
+                   check: bool | None = None) -> None:
+    """Copy ``root``'s values of ``tensors`` into every rank's, in place.
+
+    Tensors travel as raw bytes in one buffer per device, so any dtype (bool and
+    int64 buffers included) goes in a single Broadcast.
+    """
+    if comm.size == 1 or not tensors:
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_device.setdefault(t.device, []).append(t)
+    with torch.no_grad():
+        for group in by_device.values():
+            flat = torch.cat([_bytes_of(t) for t in group])
+            comm.broadcast(flat, root=root, check=check)
+            offset = 0
+            for t in group:
+                n = t.numel() * t.element_size()
+                src = flat[offset:offset + n]
+                if t.is_contiguous():
+                    # Write through a byte view of the target: a slice of ``flat`` may
+                    # not be aligned for ``t``'s dtype, the target always is.
+                    t.reshape(-1).view(torch.uint8).copy_(src)
+                else:
+                    t.copy_(src.clone().view(t.dtype).view(t.shape))
+                offset += n
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,120 @@
+r"""The parameter-server baseline: push gradients with Reduce, pull parameters with Broadcast.
+
+The classic design the lecture starts from (Lec13), on the project's own
+collectives::
+
+    every rank:   forward, backward                 (local gradients)
+    push:         Reduce(grads / K) -> server        comm.reduce(..., root=server)
+    server:       optimizer.step()                   (the only optimizer state)
+    pull:         Broadcast(params) <- server        comm.broadcast(..., root=server)
+
+Here the server is also a worker (rank ``server`` computes gradients on its
+shard too), so the global batch and the training result are the same as DDP's
+up to floating-point order. Everything happens after backward and every byte
+goes through one rank in both directions: the two weaknesses the lecture names
+(no overlap, a hot spot at the server) are visible in its step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .bucketing import MIB, bucket_offsets, compute_buckets
+from .distributed import check_same_model, describe_module, sync_from_root
+
+
+class ParameterServer:
+    """Reduce gradients to a server rank, update there, broadcast the parameters back.
+
+    Args:
+        module: the model, the same on every rank.
+        comm: a Communicator over the workers.
+        optimizer: ``params -> torch.optim.Optimizer``; called on the server only.
+        server: the server's rank.
+        bucket_cap_mb: gradients move in buckets of at most this size (one dtype
+            each), so no rank needs a second full copy of the model.
+        algo: "pipelined" (default), "ring" or "native", for both Reduce and
+            Broadcast.
+
+    Use ``step()`` after ``loss.backward()`` instead of ``optimizer.step()``.
+    """
+
+    def __init__(self, module: nn.Module, comm,
+                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 server: int = 0, bucket_cap_mb: float = 25.0, algo: str = "pipelined"):
+        if not 0 <= server < comm.size:
+            raise ValueError(f"server={server}: use a rank in 0..{comm.size - 1}")
+        if algo not in ("pipelined", "ring", "native"):
+            raise ValueError(f"algo={algo!r}: use 'pipelined', 'ring' or 'native'")
+        self.module = module
+        self.comm = comm
+        self.server = server
+        self.algo = algo
+        check_same_model(comm, describe_module(module), what="ParameterServer")
+        sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()),
+                       root=server)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.is_server = comm.rank == server
+        self.optimizer = optimizer(self.params) if self.is_server else None
+        nbytes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, str(p.device)) for p in self.params]
+        cap = max(1, int(bucket_cap_mb * MIB))
+        numels = [p.numel() for p in self.params]
+        self.buckets = []
+        for group in compute_buckets(nbytes, keys, bucket_cap_bytes=cap, first_bucket_bytes=cap):
+            offsets, total = bucket_offsets(group, numels)
+            first = self.params[group[0]]
+            flat = torch.empty(total, dtype=first.dtype, device=first.device)
+            self.buckets.append((group, offsets, flat))
+
+    def step(self) -> None:
+        """Push the gradients, update on the server, pull the parameters (collective)."""
+        k = self.comm.size
+        with torch.no_grad():
+            for group, offsets, flat in self.buckets:
+                for i, off in zip(group, offsets):
+                    p = self.params[i]
+                    slot = flat[off:off + p.numel()]
+                    if p.grad is None:
+                        slot.zero_()  # no gradient here counts as zero, as in DDP
+                    else:
+                        # Divide before summing: K float16 gradients can overflow.
+                        torch.div(p.grad.reshape(-1), k, out=slot)
+                self.comm.reduce(flat, root=self.server, op="sum", algo=self.algo, check=False)
+                if self.is_server:
+                    for i, off in zip(group, offsets):
+                        p = self.params[i]
+                        view = flat[off:off + p.numel()].view_as(p)
+                        if p.grad is None:
+                            p.grad = view.clone()
+                        else:
+                            p.grad.copy_(view)
+            if self.is_server:
+                self.optimizer.step()
+            for group, offsets, flat in self.buckets:
+                if self.is_server:
+                    for i, off in zip(group, offsets):
+                        flat[off:off + self.params[i].numel()].copy_(self.params[i].reshape(-1))
+                self.comm.broadcast(flat, root=self.server, algo=self.algo, check=False)
+                if not self.is_server:
+                    for i, off in zip(group, offsets):
+                        p = self.params[i]
+                        p.copy_(flat[off:off + p.numel()].view_as(p))
+        # Buffers (BatchNorm statistics) follow the server too.
+        buffers = list(self.module.buffers())
+        if buffers:
+            sync_from_root(self.comm, buffers, root=self.server, check=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients on every rank (the server's optimizer included)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            for p in self.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()

@@ -1,0 +1,502 @@
+r"""The reducer: gradient buckets filled by backward hooks, reduced while backward runs.
+
+The lecture's call chain, as it appears here::
+
+    autograd_hook(param)            _on_grad_ready      (post-accumulate-grad hook)
+      mark_variable_ready           copy grad / K into the bucket, pending -= 1
+        mark_bucket_ready           pending == 0
+          all_reduce_bucket         handed to the communication thread, strictly
+                                    in bucket order (_launch_ready_buckets)
+    end of backward                 _finalize (queued with queue_callback): wait
+                                    for every bucket, copy the means back to .grad
+
+Timeline on one rank with ``overlap=True`` (buckets in reverse layer order)::
+
+    main thread   |-- backward L4 --|-- L3 --|-- L2 --|-- L1 --|wait|
+    comm thread                     |AR b0   |AR b1   |AR b2   |AR b3|
+
+and with ``overlap=False`` (the naive design the lecture improves on)::
+
+    main thread   |-- backward L4 --|-- L3 --|-- L2 --|-- L1 --|wait..........|
+    comm thread                                                |AR b0..b3     |
+
+Why a thread: on the MPI backend a non-blocking request makes no progress while
+the process makes no MPI call, so an ``Irecv`` posted from a hook would sit idle
+until backward ends. A dedicated thread making blocking calls on its own
+duplicated communicator progresses the ring while the main thread computes
+(mpi4py and torch's backward both release the GIL). Buckets go to the thread
+strictly in index order, so every rank issues the same collectives in the same
+order even when its hooks fire in a different order.
+
+Consistency checks ride on the data: the last bucket carries a small status tail
+(one slot per rank: an error code; one slot per parameter: 1 where that
+parameter got no gradient on this rank). After the last AllReduce every rank
+knows, without another collective, whether any rank missed a gradient and
+which parameters did, so with ``find_unused_parameters=False`` every rank
+raises the same error instead of one rank waiting forever for a bucket.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..trace import clock
+from .bucketing import MIB, bucket_offsets, compute_buckets, order_from_observed
+
+_OK = 0
+_MISSING = 1   # a parameter got no gradient and find_unused_parameters is off
+_TWICE = 2     # a parameter reported a gradient after it was already reduced or marked unused
+
+
+class _Bucket:
+    """One flat buffer of gradients, reduced with a single AllReduce."""
+
+    __slots__ = ("index", "params", "offsets", "numel", "flat", "tail", "dtype", "device")
+
+    def __init__(self, index: int, params: list[int], offsets: list[int], numel: int,
+                 flat: torch.Tensor, tail: int | None):
+        self.index = index
+        self.params = params          # global parameter indices, in fill order
+        self.offsets = offsets        # element offset of each parameter in ``flat``
+        self.numel = numel            # gradient elements (without the status tail)
+        self.flat = flat
+        self.tail = tail              # offset of the status tail (last bucket only)
+        self.dtype = flat.dtype
+        self.device = flat.device
+
+
+class CommThread:
+    """A daemon thread that runs submitted closures one at a time, in submission order.
+
+    ``wait()`` blocks until everything submitted so far has run and re-raises
+    the first exception a closure raised. After an exception the remaining
+    closures are skipped (a failed collective leaves the ranks out of step, so
+    issuing more could only hang).
+    """
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._done = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._submitted += 1
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            if fn is None:
+                return
+            try:
+                if self._error is None:
+                    fn()
+            except BaseException as exc:  # handed to the main thread in wait()
+                self._error = exc
+            finally:
+                with self._cond:
+                    self._done += 1
+                    self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            while self._done < self._submitted:
+                self._cond.wait()
+        if self._error is not None:
+            raise RuntimeError(f"communication thread failed: {self._error}") from self._error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+
+
+class Reducer:
+    """Buckets, hooks and the communication schedule for one DDP model.
+
+    Args:
+        params: the parameters to reduce (those that require grad), in
+            registration order, without duplicates.
+        names: a readable name per parameter (for errors and traces).
+        comm: the Communicator the model's replicas share.
+        bucket_cap_mb: bucket size cap in MiB.
+        first_bucket_mb: cap of the first bucket in MiB.
+        find_unused_parameters: allow parameters that get no gradient.
+        gradient_as_bucket_view: make ``.grad`` a view into the bucket (no copy
+            back, less memory).
+        overlap: launch each bucket as soon as it is complete (True) or only after
+            backward has finished (False, the naive design).
+        algo: the AllReduce algorithm for buckets ("ring" or "native").
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], comm, *,
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
+                 overlap: bool = True, algo: str = "ring"):
+        self.params = list(params)
+        self.names = list(names)
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.bucket_cap_bytes = max(1, int(bucket_cap_mb * MIB))
+        self.first_bucket_bytes = max(1, int(first_bucket_mb * MIB))
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.overlap = overlap
+        self.algo = algo
+        # The bucket AllReduces run on their own communicator: the comm thread's
+        # messages can never match a collective the main thread issues meanwhile.
+        self._bucket_comm = comm.dup()
+        self._thread = CommThread(name=f"mpiring-ddp-r{self.rank}")
+        self.iteration = 0            # synced backward passes finished
+        self.rebuilt = False
+        self._observed: list[int] = []  # hook order in the first synced backward
+        self._rebuild_due = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                         for i, p in enumerate(self.params)]
+        self._build(order=None)
+        self._expect = False
+        self._reset_iteration()
+
+    # --- buckets ----------------------------------------------------------------
+    def _build(self, order: Sequence[int] | None) -> None:
+        nbytes = [p.numel() * p.element_size() for p in self.params]
+        keys = [(p.dtype, str(p.device)) for p in self.params]
+        groups = compute_buckets(nbytes, keys, bucket_cap_bytes=self.bucket_cap_bytes,
+                                 first_bucket_bytes=self.first_bucket_bytes, order=order)
+        numels = [p.numel() for p in self.params]
+        tail_len = self.size + len(self.params)
+        self.buckets: list[_Bucket] = []
+        self._where: list[tuple[int, int]] = [(-1, -1)] * len(self.params)
+        for b, group in enumerate(groups):
+            offsets, total = bucket_offsets(group, numels)
+            last = b == len(groups) - 1
+            first = self.params[group[0]]
+            flat = torch.zeros(total + (tail_len if last else 0), dtype=first.dtype,
+                               device=first.device)
+            self.buckets.append(_Bucket(b, group, offsets, total, flat, total if last else None))
+            for i, off in zip(group, offsets):
+                self._where[i] = (b, off)
+        self.bucket_params = [list(b.params) for b in self.buckets]
+        if self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    if p.grad is not None:
+                        view = self._view(i)
+                        view.copy_(p.grad)
+                        p.grad = view
+
+    def _view(self, i: int) -> torch.Tensor:
+        b, off = self._where[i]
+        p = self.params[i]
+        return self.buckets[b].flat[off:off + p.numel()].view_as(p)
+
+    def rebuild_if_due(self) -> bool:
+        """Rebuild the buckets once, from rank 0's observed gradient order (collective).
+
+        Called before the forward that follows the first synced backward, on every
+        rank (the DDP wrapper does it). Returns True if the buckets changed.
+        """
+        if not self._rebuild_due:
+            return False
+        self._rebuild_due = False
+        self.rebuilt = True
+        n = len(self.params)
+        # Rank 0's order decides: ranks may see different orders (data-dependent
+        # control flow), and the layout must be identical everywhere.
+        order = torch.tensor(order_from_observed(self._observed, n), dtype=torch.int64)
+        self.comm.broadcast(order, root=0)
+        order_list = order.tolist()
+        if sorted(order_list) != list(range(n)):  # pragma: no cover - defensive
+            raise RuntimeError("bucket rebuild: rank 0 sent an order that is not a permutation")
+        old = self.bucket_params
+        self._build(order=order_list)
+        return self.bucket_params != old
+
+    # --- per-iteration state ------------------------------------------------------
+    def _reset_iteration(self) -> None:
+        n = len(self.params)
+        self._fired = [False] * n
+        self._ready = [False] * n
+        self._pending = [len(b.params) for b in self.buckets]
+        self._next_launch = 0
+        self._started = False
+        self._error_code = _OK
+        self._unused: list[int] = []
+        self._records: list[dict[str, Any]] = []
+        self._t_backward = 0.0
+        self._exposed_s = 0.0
+
+    def prepare_forward(self) -> None:
+        """Refuse a new forward while a synced backward is half done (a bug upstream)."""
+        if self._started:
+            raise RuntimeError(
+                "DistributedDataParallel: a new forward started while the previous backward "
+                "was still reducing gradients (it raised before it finished?). Run one "
+                "backward per forward, and stop training after a failed backward")
+
+    def prepare_for_backward(self, outputs: Any, sync: bool) -> None:
+        """Arm the hooks for the backward of this forward (or disarm them under no_sync)."""
+        self._reset_iteration()
+        self._expect = sync
+        if not sync:
+            return
+        tensors = [t for t in _tensors(outputs) if t.requires_grad]
+        if self.find_unused_parameters:
+            # Like torch DDP: parameters the outputs do not depend on will get no
+            # gradient; mark them ready at the first hook so their buckets need
+            # not wait for the end of backward.
+            reached = _graph_leaves(tensors)
+            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        if tensors and tensors[0].grad_fn is not None:
+            tensors[0].register_hook(self._on_output_grad)
+
+    # --- hooks (main thread, during backward) ------------------------------------
+    def _on_output_grad(self, grad):
+        if self._expect:
+            self._start_backward()
+        return None
+
+    def _start_backward(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._t_backward = clock()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        for i in self._unused:
+            self._mark_ready(i, zero=True)
+
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad_ready(i, p)
+        return hook
+
+    def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
+        if not self._expect:
+            return  # no_sync, or backward of a forward that did not go through DDP
+        self._start_backward()
+        if self._ready[i]:
+            # Reduced already (or marked unused): the gradient would be lost. Record
+            # it; the status tail makes every rank raise at the end of backward.
+            self._error_code = max(self._error_code, _TWICE)
+            return
+        self._fired[i] = True
+        if self.iteration == 0 and not self.rebuilt:
+            self._observed.append(i)
+        b, off = self._where[i]
+        grad = p.grad
+        if grad.is_sparse:
+            raise TypeError(f"parameter {self.names[i]} has a sparse gradient: "
+                            "DistributedDataParallel reduces dense gradients only; "
+                            "use sparse=False in the embedding")
+        slot = self.buckets[b].flat[off:off + p.numel()]
+        # Divide by the world size BEFORE the sum, not after: summing K float16
+        # gradients first can overflow (max 65504) where the mean would not.
+        if self.gradient_as_bucket_view:
+            view = slot.view_as(p)
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                p.grad = view
+            if self.size > 1:
+                slot.div_(self.size)
+        elif self.size > 1:
+            torch.div(grad.reshape(-1), self.size, out=slot)
+        else:
+            slot.copy_(grad.reshape(-1))
+        self._mark_ready(i, zero=False)
+
+    def _mark_ready(self, i: int, zero: bool) -> None:
+        if self._ready[i]:
+            return
+        self._ready[i] = True
+        b, off = self._where[i]
+        if zero:
+            self.buckets[b].flat[off:off + self.params[i].numel()].zero_()
+        self._pending[b] -= 1
+        if self._pending[b] == 0 and self.overlap:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in bucket order: a bucket that completes early waits for its
+        # predecessors, so every rank issues its AllReduces in the same order.
+        while self._next_launch < len(self.buckets) and self._pending[self._next_launch] == 0:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.tail is not None:
+            self._fill_tail(bucket)
+        copy_back = [] if self.gradient_as_bucket_view else [
+            (self.params[i], off) for i, off in zip(bucket.params, bucket.offsets) if self._fired[i]]
+        if bucket.flat.is_cuda:
+            # The comm thread must not read the bucket before the copies into it,
+            # queued on this thread's stream, have run.
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            event = None
+        record = {"bucket": bucket.index, "iteration": self.iteration,
+                  "bytes": bucket.numel * bucket.flat.element_size(),
+                  "params": len(bucket.params), "launch": clock()}
+        self._records.append(record)
+        comm, algo = self._bucket_comm, self.algo
+
+        def all_reduce_bucket() -> None:
+            if event is not None:
+                event.synchronize()
+            record["t_start"] = clock()
+            # Pre-divided by K in the hook, so a sum gives the mean; the ring check
+            # is off because every rank built the same layout (checked at construction).
+            comm.all_reduce(bucket.flat, op="sum", algo=algo, check=False)
+            record["t_end"] = clock()
+            # Copy the means back into .grad right away: autograd has finished with
+            # these parameters (their post-accumulate hooks have fired).
+            for p, off in copy_back:
+                p.grad.copy_(bucket.flat[off:off + p.numel()].view_as(p))
+            if bucket.flat.is_cuda:
+                torch.cuda.current_stream(bucket.flat.device).synchronize()
+
+        self._thread.submit(all_reduce_bucket)
+
+    def _fill_tail(self, bucket: _Bucket) -> None:
+        status = torch.zeros(self.size + len(self.params), dtype=torch.float32)
+        status[self.rank] = float(self._error_code)
+        for i, fired in enumerate(self._fired):
+            if not fired:
+                status[self.size + i] = 1.0
+        bucket.flat[bucket.tail:].copy_(status)
+
+    # --- end of backward (main thread, queued with queue_callback) -----------------
+    def _finalize(self) -> None:
+        t_end_backward = clock()
+        missing = [i for i in range(len(self.params)) if not self._ready[i]]
+        if missing and not self.find_unused_parameters:
+            # Still launch every bucket (zeros in the holes): the other ranks may
+            # already be inside these AllReduces, and only the status tail tells
+            # them to raise instead of waiting for us forever.
+            self._error_code = max(self._error_code, _MISSING)
+        for i in missing:
+            self._mark_ready(i, zero=True)
+        self._launch_ready_buckets()
+        t_wait = clock()
+        try:
+            self._thread.wait()
+        finally:
+            self._started = False
+            self._expect = False
+        t_done = clock()
+        self._exposed_s = t_done - t_wait
+        last = self.buckets[-1]
+        status = last.flat[last.tail:].to(device="cpu", dtype=torch.float64)
+        codes = [int(round(v)) for v in status[:self.size].tolist()]
+        no_grad = [int(round(v)) for v in status[self.size:].tolist()]
+        self._write_trace(t_end_backward, t_wait, t_done)
+        if any(codes):
+            self._raise_status(codes, no_grad)
+        if self.find_unused_parameters:
+            self._finish_unused(no_grad)
+        if self.iteration == 0 and not self.rebuilt and not self.find_unused_parameters:
+            # torch DDP rebuilds only with a static set of used parameters.
+            self._rebuild_due = True
+        self.iteration += 1
+
+    def _finish_unused(self, no_grad: list[int]) -> None:
+        # A parameter that got no gradient here but did on another rank takes the
+        # mean (our zeros included); one unused on every rank keeps its .grad
+        # untouched, as in torch DDP.
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if self._fired[i] or no_grad[i] >= self.size:
+                    continue
+                view = self._view(i)
+                if self.gradient_as_bucket_view:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+
+    def _raise_status(self, codes: list[int], no_grad: list[int]) -> None:
+        missing_ranks = [r for r, c in enumerate(codes) if c & _MISSING]
+        twice_ranks = [r for r, c in enumerate(codes) if c & _TWICE]
+        if missing_ranks:
+            names = [self.names[i] for i, c in enumerate(no_grad) if c]
+            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+            raise RuntimeError(
+                "DistributedDataParallel: parameter(s) " + shown + " got no gradient in this "
+                f"backward on rank(s) {_ranks(missing_ranks)}, so their buckets could not be "
+                "reduced. If some parameters take no part in the loss in some iterations, pass "
+                "find_unused_parameters=True to DistributedDataParallel; otherwise make every "
+                "parameter contribute to the loss")
+        raise RuntimeError(
+            "DistributedDataParallel: a parameter reported a gradient after it had already been "
+            f"reduced or marked unused (rank(s) {_ranks(twice_ranks)}). Use each forward's "
+            "outputs for the loss, and run one backward per forward")
+
+    def _write_trace(self, t_end_backward: float, t_wait: float, t_done: float) -> None:
+        tracer = self.comm.tracer
+        for rec in self._records:
+            if "t_end" in rec:
+                tracer.event("ddp.all_reduce", "ddp", rec["t_start"], rec["t_end"],
+                             bucket=rec["bucket"], iteration=rec["iteration"], bytes=rec["bytes"],
+                             params=rec["params"], launch=rec["launch"], overlap=self.overlap,
+                             algo=self.algo)
+        tracer.event("ddp.backward", "ddp", self._t_backward or t_end_backward, t_end_backward,
+                     iteration=self.iteration, overlap=self.overlap)
+        tracer.event("ddp.wait", "ddp", t_wait, t_done, iteration=self.iteration,
+                     overlap=self.overlap)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Seconds the last synced backward waited for communication after autograd ended."""
+        return self._exposed_s
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._thread.close()
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(f"r{r}" for r in ranks)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts and dataclass-like outputs."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _graph_leaves(tensors: Sequence[torch.Tensor]) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``tensors`` reaches."""
+    seen: set[int] = set()
+    leaves: set[int] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    for t in tensors:
+        if t.grad_fn is None and t.requires_grad:
+            leaves.add(id(t))
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return leaves

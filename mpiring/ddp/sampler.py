@@ -1,0 +1,94 @@
+"""Distributed sampler: each rank gets a disjoint, equally long shard of the indices.
+
+Same semantics as ``torch.utils.data.DistributedSampler`` (and the same indices
+for the same seed and epoch): every rank draws the same permutation (seeded by
+``seed + epoch``), makes its length a multiple of the number of ranks by padding
+with its own first indices (or by dropping the tail with ``drop_last``), and
+rank r takes every K-th index starting at r. Equal shard lengths matter: every
+rank must run the same number of steps, or the last step's collectives would
+wait for a rank that has run out of data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sized
+
+import torch
+
+
+class DistributedSampler:
+    """Indices of this rank's shard, reshuffled each epoch in the same way on every rank.
+
+    Args:
+        dataset: something with ``len()``, or the number of samples.
+        num_replicas: number of ranks (default: ``comm.size``).
+        rank: this rank (default: ``comm.rank``).
+        shuffle: permute the indices each epoch.
+        seed: base seed; every rank must pass the same one.
+        drop_last: drop the tail instead of padding to a multiple of the ranks.
+        comm: a Communicator to take ``rank`` and ``num_replicas`` from.
+
+    Raises:
+        ValueError: rank out of range, or no way to know rank and size.
+    """
+
+    def __init__(self, dataset: Sized | int, num_replicas: int | None = None,
+                 rank: int | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, *, comm=None):
+        if num_replicas is None or rank is None:
+            if comm is None:
+                raise ValueError("DistributedSampler needs num_replicas and rank, or comm=")
+            num_replicas = comm.size if num_replicas is None else num_replicas
+            rank = comm.rank if rank is None else rank
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank} with num_replicas={num_replicas}: "
+                             f"use a rank in 0..{num_replicas - 1}")
+        self.length = dataset if isinstance(dataset, int) else len(dataset)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        if drop_last:
+            # Largest multiple of K that fits: every rank gets floor(n / K).
+            self.num_samples = self.length // num_replicas
+        else:
+            self.num_samples = math.ceil(self.length / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the permutation of the next ``iter()`` (call it at each epoch start)."""
+        self.epoch = int(epoch)
+
+    def global_indices(self) -> list[int]:
+        """The epoch's indices for all ranks (before the shard is taken), length total_size."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(self.length, generator=g).tolist()
+        else:
+            indices = list(range(self.length))
+        if self.drop_last:
+            return indices[:self.total_size]
+        short = self.total_size - len(indices)
+        if short > 0 and indices:
+            # Pad with the permutation's own first indices (repeated if the
+            # dataset is smaller than the padding).
+            indices += (indices * math.ceil(short / len(indices)))[:short]
+        return indices
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.global_indices()[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint needs to reproduce the order: seed and epoch."""
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])

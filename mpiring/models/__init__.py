@@ -1,0 +1,1 @@
+"""Small models for the training job and the tests (plain PyTorch)."""

@@ -1,0 +1,303 @@
+"""A data-parallel training job in four modes, built and run the same way.
+
+Modes:
+
+* ``ddp``: ``mpiring.DistributedDataParallel`` (buckets overlap backward);
+* ``naive``: the same with ``overlap=False`` (backward first, then every bucket);
+* ``ps``: the parameter-server baseline (Reduce to rank 0, update, Broadcast);
+* ``torch-ddp``: PyTorch's own DDP over gloo (nccl on GPUs), initialised from
+  the MPI ranks, for comparison.
+
+Everything a later feature needs to save and restore a run lives on
+``TrainJob``: ``state_dict()``/``load_state_dict()`` cover the model, the
+optimizer (on the ranks that hold one), the step, the data position and the
+loss history; ``train()`` calls ``on_start(job)`` and ``on_step_end(job)`` of
+each callback, so checkpointing can be added as a callback in its own module.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..ddp.ps import ParameterServer
+from ..ddp.sampler import DistributedSampler
+from ..models.gpt import GPT, PRESETS, GPTConfig, lm_loss
+from ..trace import clock
+from .data import Windows, shared_corpus
+
+MODES = ("ddp", "naive", "ps", "torch-ddp")
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how (the CLI's flags, as data)."""
+
+    mode: str = "ddp"
+    steps: int = 50
+    batch_size: int = 8           # windows per rank per step
+    seq_len: int | None = None    # default: the preset's
+    lr: float = 1e-3
+    seed: int = 0
+    preset: str = "small"
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    algo: str = "ring"            # bucket AllReduce: ring or native
+    max_data_mb: float = 4.0
+    val_batches: int = 4
+    log_every: int = 10
+
+    def model_config(self) -> GPTConfig:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown model preset {self.preset!r}: use one of {', '.join(PRESETS)}")
+        return PRESETS[self.preset].with_(seq_len=self.seq_len, d_model=self.d_model,
+                                          n_layers=self.n_layers, n_heads=self.n_heads)
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}: must be positive")
+        self.model_config()
+
+
+class Callback(Protocol):
+    """Hooks into ``train()``; every rank calls them at the same points."""
+
+    def on_start(self, job: TrainJob) -> None: ...
+    def on_step_end(self, job: TrainJob) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    """What a run did; ``losses`` is the global mean loss of every step."""
+
+    losses: list[float]
+    val_loss: float
+    step_times: list[float]
+    exposed_comm: list[float] = field(default_factory=list)
+
+    @property
+    def median_step_s(self) -> float:
+        # The first step pays for allocation, bucket rebuild and warm-up.
+        times = self.step_times[1:] or self.step_times
+        return statistics.median(times) if times else 0.0
+
+
+class TrainJob:
+    """Model, data-parallel wrapper, optimizer and this rank's shard of the data."""
+
+    def __init__(self, comm, cfg: TrainConfig, device: torch.device | str = "cpu",
+                 train_data: np.ndarray | None = None, val_data: np.ndarray | None = None):
+        cfg.validate()
+        self.comm = comm
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.model_cfg = cfg.model_config()
+        if train_data is None or val_data is None:
+            train_data, val_data = shared_corpus(comm, int(cfg.max_data_mb * (1 << 20)))
+        self.train_set = Windows(train_data, self.model_cfg.seq_len)
+        self.val_set = Windows(val_data, self.model_cfg.seq_len)
+        if len(self.train_set) < comm.size * cfg.batch_size:
+            raise ValueError(f"{len(self.train_set)} training windows cannot fill one step of "
+                             f"{comm.size} x {cfg.batch_size}: raise max_data_mb or lower the batch")
+        self.sampler = DistributedSampler(len(self.train_set), comm.size, comm.rank,
+                                          shuffle=True, seed=cfg.seed, drop_last=True)
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(self.model_cfg).to(self.device)
+        self.step = 0                  # optimizer steps done
+        self.epoch = 0
+        self.position = 0              # batches of this epoch already used
+        self.losses: list[float] = []  # this rank's loss of every step
+        self.step_times: list[float] = []
+        self.exposed_comm: list[float] = []
+        self._order: list[int] | None = None
+        self._pg = None
+        self.ps: ParameterServer | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.wrapped = self._wrap()
+
+    # --- construction per mode ---------------------------------------------------
+    def _make_optimizer(self, params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def _wrap(self):
+        mode, cfg = self.cfg.mode, self.cfg
+        if mode in ("ddp", "naive"):
+            from ..ddp.distributed import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(
+                self.model, self.comm, bucket_cap_mb=cfg.bucket_mb,
+                first_bucket_mb=cfg.first_bucket_mb, overlap=(mode == "ddp"), algo=cfg.algo)
+            self.optimizer = self._make_optimizer(self.model.parameters())
+            return wrapped
+        if mode == "ps":
+            self.ps = ParameterServer(self.model, self.comm, self._make_optimizer,
+                                      server=0, bucket_cap_mb=cfg.bucket_mb)
+            self.optimizer = self.ps.optimizer
+            return self.model
+        return self._wrap_torch_ddp()
+
+    def _wrap_torch_ddp(self):
+        from .torch_pg import init_torch_process_group
+
+        self._pg = init_torch_process_group(self.comm, self.device)
+        # torch DDP takes rank 0's parameters at construction, like ours.
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            self.model, bucket_cap_mb=self.cfg.bucket_mb, process_group=self._pg,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizer = self._make_optimizer(self.model.parameters())
+        return wrapped
+
+    # --- data ----------------------------------------------------------------------
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.sampler) // self.cfg.batch_size
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next batch; a new epoch (new shuffle, same on all ranks) when one ends."""
+        if self._order is None or self.position >= self.batches_per_epoch:
+            if self._order is not None:
+                self.epoch += 1
+                self.position = 0
+            self.sampler.set_epoch(self.epoch)
+            self._order = list(self.sampler)
+        b = self.cfg.batch_size
+        idx = self._order[self.position * b:(self.position + 1) * b]
+        self.position += 1
+        return self.train_set.batch(idx, self.device)
+
+    # --- one step ------------------------------------------------------------------
+    def train_step(self) -> float:
+        """Forward, backward (gradients averaged over ranks), update. Returns the local loss."""
+        t0 = clock()
+        x, y = self.next_batch()
+        loss = lm_loss(self.wrapped(x), y)
+        if self.ps is not None:
+            self.ps.zero_grad()
+            loss.backward()
+            self.ps.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = clock()
+        self.step += 1
+        value = float(loss.detach())
+        self.losses.append(value)
+        self.step_times.append(t1 - t0)
+        reducer = self._our_reducer()
+        if reducer is not None:
+            self.exposed_comm.append(reducer.exposed_comm_s)
+        self.comm.tracer.event("train.step", "train", t0, t1, step=self.step, loss=value)
+        return value
+
+    def global_mean(self, values: Sequence[float]) -> list[float]:
+        """Element-wise mean over ranks of a per-rank list of floats (collective)."""
+        arr = np.asarray(values, dtype=np.float64).copy()
+        if self.comm.size > 1 and arr.size:
+            self.comm.all_reduce(arr, op="avg", algo="native")
+        return arr.tolist()
+
+    @torch.no_grad()
+    def evaluate(self, batches: int | None = None) -> float:
+        """Mean validation loss over ``batches`` batches per rank (collective)."""
+        batches = self.cfg.val_batches if batches is None else batches
+        sampler = DistributedSampler(len(self.val_set), self.comm.size, self.comm.rank,
+                                     shuffle=False, drop_last=True)
+        order = list(sampler)
+        b = self.cfg.batch_size
+        total = np.zeros(2, dtype=np.float64)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for j in range(min(batches, len(order) // b)):
+                x, y = self.val_set.batch(order[j * b:(j + 1) * b], self.device)
+                total[0] += float(lm_loss(self.model(x), y)) * len(x)
+                total[1] += len(x)
+        finally:
+            self.model.train(was_training)
+        if self.comm.size > 1:
+            self.comm.all_reduce(total, op="sum", algo="native")
+        return float(total[0] / total[1]) if total[1] else math.nan
+
+    def _our_reducer(self):
+        from ..ddp.reducer import Reducer
+
+        reducer = getattr(self.wrapped, "reducer", None)
+        return reducer if isinstance(reducer, Reducer) else None
+
+    # --- state for checkpoints -----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue this rank's run exactly (optimizer: where held)."""
+        return {
+            "config": asdict(self.cfg),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "step": self.step, "epoch": self.epoch, "position": self.position,
+            "sampler": self.sampler.state_dict(),
+            "losses": list(self.losses),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output (on the same mode and world size)."""
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.sampler.set_epoch(self.epoch)
+        self._order = list(self.sampler)
+        self.losses = list(state.get("losses", []))
+
+    def close(self) -> None:
+        """Stop the DDP communication thread and tear down torch's process group."""
+        reducer = self._our_reducer()
+        if reducer is not None:
+            reducer.close()
+        if self._pg is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self._pg = None
+
+
+def train(job: TrainJob, callbacks: Sequence[Callback] = (),
+          progress: Callable[[TrainJob, float | None], None] | None = None) -> TrainResult:
+    """Run ``job.cfg.steps - job.step`` steps, then the validation loss (collective).
+
+    ``progress(job, global_loss)`` is called after every step on every rank, with
+    the global mean loss every ``log_every`` steps and at the last step (a
+    collective at the same steps on every rank), ``None`` otherwise.
+    """
+    for cb in callbacks:
+        getattr(cb, "on_start", lambda j: None)(job)
+    while job.step < job.cfg.steps:
+        job.train_step()
+        shown = None
+        if job.step % job.cfg.log_every == 0 or job.step == job.cfg.steps:
+            shown = job.global_mean(job.losses[-1:])[0]
+        if progress is not None:
+            progress(job, shown)
+        for cb in callbacks:
+            getattr(cb, "on_step_end", lambda j: None)(job)
+    val = job.evaluate()
+    losses = job.global_mean(job.losses)
+    return TrainResult(losses=losses, val_loss=val, step_times=list(job.step_times),
+                       exposed_comm=list(job.exposed_comm))
