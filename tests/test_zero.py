@@ -1,0 +1,262 @@
+"""ZeroRedundancyOptimizer: equal to unsharded data parallel, 1/K of the state, portable state dicts.
+
+The reference is computed without any collective: every rank trains the same
+model on the whole global batch with the plain torch optimizer. Data parallel
+over K ranks with equal shards and mean losses must give the same parameters up
+to floating-point order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mpiring.zero import ZeroRedundancyOptimizer  # noqa: E402
+
+GLOBAL_BATCH = 12  # divisible by K = 1, 2, 3, 4
+STEPS = 3
+
+
+class Net(torch.nn.Module):
+    """Two dtypes (two flat segments), a LayerNorm, sizes that do not divide by K."""
+
+    def __init__(self, dtype=torch.float64):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(7, 13)
+        self.norm = torch.nn.LayerNorm(13)
+        self.fc2 = torch.nn.Linear(13, 5)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 5, dtype=dtype))
+
+    def forward(self, x):
+        return (self.fc2(torch.tanh(self.norm(self.fc1(x)))).double() * self.scale)
+
+
+def make_model(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return Net(dtype)
+
+
+def groups(model):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def batch(step, n=GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 7, generator=g), torch.randn(n, 5, generator=g, dtype=torch.float64)
+
+
+def shard(x, rank, size):
+    per = x.shape[0] // size
+    return x[rank * per:(rank + 1) * per]
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def train_reference(steps, start=0, model=None, opt=None):
+    model = model or make_model()
+    opt = opt or torch.optim.AdamW(groups(model), lr=0.05)
+    for s in range(start, start + steps):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    return model, opt
+
+
+def train_zero(model, opt, comm, steps, start=0):
+    for s in range(start, start + steps):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)).backward()
+        opt.step()
+
+
+def assert_same_params(a, b, rtol=1e-5, atol=1e-6):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol, msg=name)
+
+
+def assert_replicas_identical(model, comm):
+    mine = torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]).numpy()
+    everyone = comm.mpi_comm.allgather(mine)
+    for r, theirs in enumerate(everyone):
+        np.testing.assert_array_equal(theirs, mine, err_msg=f"replica of r{r} differs")
+
+
+@pytest.mark.parametrize("stage", (1, 2))
+def test_zero_equals_unsharded_data_parallel(comm, stage):
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(groups(model), comm, torch.optim.AdamW, stage=stage, lr=0.05)
+    train_zero(model, opt, comm, STEPS)
+    reference, _ = train_reference(STEPS)
+    assert_same_params(model, reference)
+    assert_replicas_identical(model, comm)
+
+    # State is sharded: each rank keeps AdamW's two moments for its shard only,
+    # and the shards are the ring's chunks (sizes differ by at most one per segment).
+    total = sum(p.numel() for p in model.parameters())
+    moments = sum(v.numel() for st in opt.optim.state.values() for k, v in st.items() if k != "step")
+    assert moments == 2 * opt.shard_numel
+    shards = comm.mpi_comm.allgather(opt.shard_numel)
+    assert sum(shards) == total
+    assert max(shards) - min(shards) <= 2  # two segments (float32, float64)
+
+    if stage == 1:  # the DDP contract: p.grad is the mean over ranks
+        x, y = batch(STEPS - 1)
+        check = make_model()
+        check.load_state_dict(model.state_dict())
+        opt.zero_grad()
+        loss_fn(model, shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)).backward()
+        opt.step()
+        loss_fn(check, x, y).backward()
+        for p, q in zip(model.parameters(), check.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_zero_sgd_tiny_model_and_empty_shards(comm):
+    # 3 elements over up to 4 ranks: some ranks own nothing and must still take part.
+    torch.manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(3))
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt = ZeroRedundancyOptimizer([w], comm, torch.optim.SGD, lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for s in range(3):
+        target = torch.arange(3.0) * (s + 1)
+        opt.zero_grad()
+        ((w - target) ** 2 * (comm.rank + 1)).sum().backward()
+        opt.step()
+        plain.zero_grad()
+        mean = sum((r + 1) for r in range(comm.size)) / comm.size
+        ((ref - target) ** 2 * mean).sum().backward()
+        plain.step()
+    torch.testing.assert_close(w.detach(), ref.detach())
+
+
+def test_zero_skips_parameters_without_gradients_like_torch(comm):
+    # A parameter with no gradient on any rank is not updated (no weight decay, no
+    # momentum), exactly as the plain optimizer skips it.
+    model = make_model()
+    reference = make_model()
+    opt = ZeroRedundancyOptimizer(model.parameters(), comm, torch.optim.AdamW, lr=0.05,
+                                  weight_decay=0.1)
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    x, y = batch(0)
+    for m, o, xs, ys in ((model, opt, shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)),
+                         (reference, plain, x, y)):
+        o.zero_grad()
+        loss_fn(m, xs, ys).backward()
+        m.scale.grad = None
+        o.step()
+    assert_same_params(model, reference)
+    assert torch.equal(model.scale.detach(), make_model().scale.detach())
+
+
+def test_state_dict_round_trip_across_world_sizes(subcomms, world, tmp_path_factory):
+    """Save at K=4 (or the job's size), load at K=2 and K=1, continue: equal to never stopping."""
+    big = subcomms[world.size]
+    path = os.path.join(str(world.mpi_comm.bcast(str(tmp_path_factory.mktemp("zero")) if world.rank == 0
+                                                  else None)), "ckpt.pt")
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(groups(model), big, torch.optim.AdamW, lr=0.05)
+    train_zero(model, opt, big, 2)
+    opt.consolidate_state_dict(to=0)
+    if world.rank == 0:
+        sd = opt.state_dict()
+        torch.save({"model": model.state_dict(), "optim": sd}, path)
+        # The consolidated dict is an unsharded optimizer's dict.
+        _, plain = train_reference(2)
+        expected = plain.state_dict()
+        assert sd["param_groups"] == expected["param_groups"]
+        for i, st in expected["state"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(sd["state"][i][k], v, rtol=1e-5, atol=1e-7,
+                                           msg=f"param {i} {k}")
+    else:
+        with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+            opt.state_dict()
+    world.barrier()
+
+    reference, _ = train_reference(4)
+    for k in (2, 1):
+        sub = subcomms[k]
+        if sub is not None:
+            ckpt = torch.load(path, weights_only=False)
+            resumed = make_model(seed=123)
+            resumed.load_state_dict(ckpt["model"])
+            ropt = ZeroRedundancyOptimizer(groups(resumed), sub, torch.optim.AdamW, lr=0.05)
+            ropt.load_state_dict(ckpt["optim"])
+            train_zero(resumed, ropt, sub, 2, start=2)
+            assert_same_params(resumed, reference)
+        world.barrier()
+
+
+def test_rejects_bad_arguments_on_every_rank(comm):
+    model = make_model()
+    with pytest.raises(ValueError, match="stage"):
+        ZeroRedundancyOptimizer(model.parameters(), comm, stage=3, lr=0.1)
+    with pytest.raises(TypeError, match="optimizer_class"):
+        ZeroRedundancyOptimizer(model.parameters(), comm, optimizer_class=object, lr=0.1)
+    if comm.size > 1:
+        # Rank 1 builds a different model: every rank raises, naming the parameter.
+        other = torch.nn.Linear(7, 14) if comm.rank == 1 else torch.nn.Linear(7, 13)
+        with pytest.raises(ValueError, match="parameter 0 differs"):
+            ZeroRedundancyOptimizer(other.parameters(), comm, lr=0.1)
+
+
+def _init_gloo(world):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        port = None
+        if world.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = world.mpi_comm.bcast(port)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=world.rank, world_size=world.size)
+    return dist
+
+
+@pytest.mark.deadline(90)
+def test_equals_torch_zero_redundancy_optimizer_over_gloo(world, subcomms):
+    """torch DDP + torch's ZeroRedundancyOptimizer (gloo) vs ours, same data and init."""
+    dist = _init_gloo(world)
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    comm = subcomms[world.size]
+    # torch's optimizer takes one dtype only: an all-float32 model here.
+    ours = make_model(dtype=torch.float32)
+    theirs = make_model(dtype=torch.float32)
+    ddp = TorchDDP(theirs)
+    topt = TorchZero(theirs.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05)
+    opt = ZeroRedundancyOptimizer(ours.parameters(), comm, torch.optim.AdamW, lr=0.05)
+    for s in range(STEPS):
+        x, y = batch(s)
+        xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+        topt.zero_grad()
+        loss_fn(ddp, xs, ys).backward()
+        topt.step()
+        opt.zero_grad()
+        loss_fn(ours, xs, ys).backward()
+        opt.step()
+    assert_same_params(ours, theirs)
+    topt.consolidate_state_dict(to=0)
+    opt.consolidate_state_dict(to=0)
+    if world.rank == 0:
+        a, b = opt.state_dict(), topt.state_dict()
+        assert a["param_groups"] == b["param_groups"]
+        for i, st in b["state"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(a["state"][i][k], v, rtol=1e-5, atol=1e-7)
+    dist.barrier()
