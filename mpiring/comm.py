@@ -25,6 +25,7 @@ import numpy as np
 from . import collectives as coll
 from .buffers import DTYPES, Buffer, as_buffer
 from .chunking import chunk_bounds, default_pipeline_chunks
+from .cuda import device_plan
 from .errors import MismatchError
 from .ops import OPS, check_op
 from .trace import Tracer
@@ -60,6 +61,8 @@ class Communicator:
         local_size: number of ranks on this host.
         backend: "mpi" or "nccl".
     """
+
+    _plan = None  # what the current collective does with a GPU buffer (mpiring.cuda)
 
     def __init__(self, be, tracer: Tracer | None = None, *, check: bool | None = None,
                  timeout: float | str | None = None):
@@ -102,7 +105,19 @@ class Communicator:
         self._calls[collective] = n
         return n
 
+    def _enter(self, buf: Buffer) -> Buffer:
+        # After every rank agreed, before any byte moves: stage a GPU buffer
+        # through host memory, or switch to the NCCL stream.
+        return buf if self._plan is None else self._plan.enter(buf)
+
+    def _finish(self) -> None:
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            plan.leave()  # copy a staged result back, or hand the stream back
+        self._be.synchronize()
+
     def _validate(self, collective: str, x, op, algo, root, chunks) -> Buffer:
+        self._plan = None
         buf = as_buffer(x)
         if algo not in ALGOS[collective]:
             raise ValueError(
@@ -118,11 +133,10 @@ class Communicator:
                                    or chunks < 1):
             raise ValueError(f"chunks={chunks!r}: the pipeline needs a positive integer "
                              "number of chunks (or None for the default)")
-        if buf.device == "cuda" and not getattr(self._be, "accepts_cuda", False):
-            raise TypeError(
-                f"{collective}: got a CUDA buffer but this {self.backend} backend cannot take "
-                "device memory: use backend='nccl', or a CUDA-aware MPI"
-            )
+        # GPU buffers (and any buffer on a backend that takes device memory): host
+        # staging, CUDA-aware pass-through or the NCCL stream; see mpiring.cuda.
+        if buf.device == "cuda" or getattr(self._be, "accepts_cuda", False):
+            self._plan = device_plan(self._be, buf, collective, algo, op)
         if algo == "native":
             self._be.check_native(collective, buf.dtype, op if collective in REDUCING else None)
         return buf
@@ -140,7 +154,7 @@ class Communicator:
         if not (self.check if check is None else check) or self.size == 1:
             if error is not None:
                 raise error
-            return buf, call
+            return self._enter(buf), call
         table = self._be.exchange(_descriptor(collective, buf, op, algo, root, chunks, error))
         name = f"{collective}#{call}"
         bad = [r for r in range(self.size) if table[r, -1]]
@@ -164,7 +178,7 @@ class Communicator:
                     break
         if differs:
             raise MismatchError(f"{name}: " + "; ".join(differs))
-        return buf, call
+        return self._enter(buf), call
 
     # --- collectives ----------------------------------------------------------
     def all_reduce(self, x, op: str = "sum", algo: str = "ring", *, check: bool | None = None):
@@ -185,7 +199,7 @@ class Communicator:
             self._be.native_all_reduce(buf.array, op)
         else:
             coll.ring_all_reduce(self._be, buf.array, op, self._steps("all_reduce", call, algo))
-        self._be.synchronize()
+        self._finish()
         return x
 
     def reduce_scatter(self, x, op: str = "sum", algo: str = "ring", *, check: bool | None = None):
@@ -203,7 +217,7 @@ class Communicator:
         else:
             lo, hi = coll.ring_reduce_scatter(
                 self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
-        self._be.synchronize()
+        self._finish()
         return buf.chunk(lo, hi)
 
     def all_gather(self, x, algo: str = "ring", *, check: bool | None = None):
@@ -217,7 +231,7 @@ class Communicator:
             self._be.native_all_gather(buf.array)
         else:
             coll.ring_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
-        self._be.synchronize()
+        self._finish()
         return x
 
     def broadcast(self, x, root: int = 0, algo: str = "pipelined", chunks: int | None = None,
@@ -240,7 +254,7 @@ class Communicator:
             s = self._pipeline_chunks(buf, algo, chunks)
             coll.pipelined_broadcast(self._be, buf.array, root, s,
                                      self._steps("broadcast", call, algo))
-        self._be.synchronize()
+        self._finish()
         return x
 
     def reduce(self, x, root: int = 0, op: str = "sum", algo: str = "ring",
@@ -262,7 +276,7 @@ class Communicator:
             s = self._pipeline_chunks(buf, algo, chunks)
             coll.pipelined_reduce(self._be, buf.array, op, root, s,
                                   self._steps("reduce", call, algo))
-        self._be.synchronize()
+        self._finish()
         return x
 
     def _pipeline_chunks(self, buf: Buffer, algo: str, chunks: int | None) -> int:

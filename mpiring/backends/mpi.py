@@ -8,6 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..chunking import chunk_bounds
+from ..cuda import device_ready, empty_like_device
 from ..ops import finish
 from ..watchdog import Activity
 
@@ -22,6 +23,10 @@ MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod
 def _bytes(a):
     # Point-to-point moves raw bytes: every dtype (bfloat16 included, which has no
     # MPI datatype) travels the same way and mpi4py needs no type lookup.
+    if not isinstance(a, np.ndarray):
+        # A device array on a CUDA-aware MPI: a reduction into it may still be
+        # queued on the GPU, and MPI reads device memory without a stream.
+        device_ready(a)
     return a.view(np.uint8)
 
 
@@ -97,10 +102,12 @@ class MPIBackend:
 
     def scratch(self, like, n: int):
         """A receive buffer of ``n`` elements of ``like``'s dtype, reused across calls."""
-        key = like.dtype
+        device = not isinstance(like, np.ndarray)  # CUDA-aware MPI: receive on the GPU
+        key = (like.dtype, device)
         buf = self._scratch.get(key)
         if buf is None or buf.size < n:
-            buf = np.empty(max(n, 1), dtype=like.dtype)
+            buf = (empty_like_device(like, max(n, 1)) if device
+                   else np.empty(max(n, 1), dtype=like.dtype))
             self._scratch[key] = buf
         return buf[:n]
 
