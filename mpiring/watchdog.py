@@ -250,10 +250,12 @@ def register(activity: Activity) -> None:
     _wake.set()  # re-read the deadlines (a shorter one shortens the poll period)
 
 
-def expired(at: float) -> list[tuple[Activity, float]]:
-    """The records whose blocking call has outlived its deadline, with that call's start."""
-    with _lock:
-        records = list(_records)
+def expired(at: float, records: list[Activity] | None = None) -> list[tuple[Activity, float]]:
+    """The records (default: every watched one) whose blocking call has outlived its
+    deadline at time ``at``, each with that call's start stamp."""
+    if records is None:
+        with _lock:
+            records = list(_records)
     late = []
     for act in records:
         since = act.since
