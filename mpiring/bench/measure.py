@@ -1,0 +1,172 @@
+"""Timing primitives shared by the benchmarks.
+
+* ``time_iterations``: run a call ``iters`` times after ``warmup`` and return, per
+  iteration, the time of the slowest rank (the collective is done when the last
+  rank is done).
+* ``pingpong`` and ``ring_exchange``: the point-to-point times the alpha-beta
+  model is fitted to.
+* ``memory_bandwidth``: single-core memcpy and add speed, the ingredients of the
+  memory-bandwidth bound (``mpiring.costmodel.membw_busbw_bound``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..costmodel import AlphaBeta, MemoryBound, fit_alpha_beta
+
+clock = time.perf_counter
+
+
+def quiet_barrier(mpi_comm: MPI.Comm, poll: float = 0.002) -> None:
+    """A barrier that sleeps while it waits.
+
+    MPICH's blocking calls spin; a rank idling in ``Barrier`` would steal a core
+    from the ranks being measured when ranks outnumber cores.
+    """
+    req = mpi_comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll)
+
+
+def time_iterations(mpi_comm: MPI.Comm, call: Callable[[], object], *, iters: int,
+                    warmup: int, reset: Callable[[], object] | None = None) -> np.ndarray:
+    """Per-iteration time of the slowest rank, in seconds (``iters`` values).
+
+    Every iteration resets the buffers (outside the timed region), lines the
+    ranks up with a barrier, then times ``call`` on each rank; one Allreduce(MAX)
+    at the end turns the local times into the slowest rank's.
+    """
+    local = np.zeros(max(iters, 0), dtype=np.float64)
+    for i in range(warmup + iters):
+        if reset is not None:
+            reset()
+        mpi_comm.Barrier()
+        t0 = clock()
+        call()
+        dt = clock() - t0
+        if i >= warmup:
+            local[i - warmup] = dt
+    slowest = np.empty_like(local)
+    mpi_comm.Allreduce(local, slowest, op=MPI.MAX)
+    return slowest
+
+
+def pingpong_sizes(max_bytes: int = 16 << 20, min_bytes: int = 8, factor: int = 4) -> list[int]:
+    """8 B, 32 B, ... up to ``max_bytes``: the sizes the model is fitted on."""
+    sizes, n = [], min_bytes
+    while n <= max_bytes:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
+def _reps(nbytes: int, reps: int) -> int:
+    # Small messages are cheap and noisy: take more of them.
+    return reps * 4 if nbytes < (64 << 10) else reps
+
+
+def pingpong(mpi_comm: MPI.Comm, sizes: Sequence[int], reps: int = 5,
+             a: int = 0, b: int = 1) -> list[tuple[int, float]]:
+    """One-way time between ranks ``a`` and ``b`` (half the median round trip).
+
+    The other ranks sleep meanwhile, so this measures the link alone. Every
+    rank returns the same list (broadcast from ``a``).
+    """
+    rank = mpi_comm.Get_rank()
+    results: list[tuple[int, float]] = []
+    for n in sizes:
+        buf = np.zeros(n, dtype=np.uint8)
+        rtts = []
+        if rank in (a, b):
+            peer = b if rank == a else a
+            for i in range(_reps(n, reps) + 1):
+                t0 = clock()
+                if rank == a:
+                    mpi_comm.Send(buf, dest=peer, tag=11)
+                    mpi_comm.Recv(buf, source=peer, tag=11)
+                else:
+                    mpi_comm.Recv(buf, source=peer, tag=11)
+                    mpi_comm.Send(buf, dest=peer, tag=11)
+                if i:  # the first round trip sets up the connection
+                    rtts.append(clock() - t0)
+        quiet_barrier(mpi_comm)
+        one_way = float(np.median(rtts)) / 2 if rtts else 0.0
+        results.append((n, mpi_comm.bcast(one_way, root=a)))
+    return results
+
+
+def ring_exchange(mpi_comm: MPI.Comm, sizes: Sequence[int], reps: int = 5) -> list[tuple[int, float]]:
+    """Time of one ring step: every rank sends n bytes right and receives n from the left.
+
+    This is exactly what a ring collective does at each step, with every rank
+    busy at once, so it includes what the pair ping-pong leaves out: ranks
+    competing for cores and memory bandwidth. Returns the median of the slowest
+    rank's time per size.
+    """
+    size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    results = []
+    for n in sizes:
+        send = np.zeros(n, dtype=np.uint8)
+        recv = np.empty_like(send)
+        times = time_iterations(
+            mpi_comm, lambda s=send, r=recv: mpi_comm.Sendrecv(s, right, 12, r, left, 12),
+            iters=_reps(n, reps), warmup=1)
+        results.append((n, float(np.median(times))))
+    return results
+
+
+def fit_pingpong(mpi_comm: MPI.Comm, max_bytes: int = 16 << 20,
+                 reps: int = 5) -> dict[str, AlphaBeta]:
+    """Fit the alpha-beta model both ways: ``pair`` (ping-pong r0<->r1) and ``ring``.
+
+    Returns an empty dict on one rank (there is no neighbour).
+    """
+    if mpi_comm.Get_size() < 2:
+        return {}
+    sizes = pingpong_sizes(max_bytes)
+    fits = {}
+    for source, points in (("pair", pingpong(mpi_comm, sizes, reps)),
+                           ("ring", ring_exchange(mpi_comm, sizes, reps))):
+        ns, ts = zip(*points)
+        fits[source] = fit_alpha_beta(ns, ts, source=source)
+    return fits
+
+
+def memory_bandwidth(mpi_comm: MPI.Comm, local_size: int, nbytes: int = 64 << 20,
+                     reps: int = 5) -> MemoryBound:
+    """Single-core memcpy and add bandwidth, measured on rank 0 while the others sleep.
+
+    The buffers (64 MiB) are far larger than the caches, so this is the memory
+    system's speed for one core. ``cores`` is how many cores the ranks of one host
+    can use at once: min(ranks on the host, CPUs this process may run on).
+    """
+    copy_bw = add_bw = 0.0
+    if mpi_comm.Get_rank() == 0:
+        n = nbytes // 4
+        a = np.arange(n, dtype=np.float32)
+        b = np.zeros_like(a)
+        copies, adds = [], []
+        for _ in range(reps):
+            t0 = clock()
+            np.copyto(b, a)
+            copies.append(clock() - t0)
+            t0 = clock()
+            np.add(b, a, out=b)
+            adds.append(clock() - t0)
+        # Best of reps: the machine's capability, not its worst moment.
+        copy_bw, add_bw = a.nbytes / min(copies), a.nbytes / min(adds)
+    quiet_barrier(mpi_comm)
+    copy_bw, add_bw = mpi_comm.bcast((copy_bw, add_bw), root=0)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    cores = mpi_comm.bcast(min(local_size, cpus), root=0)
+    return MemoryBound(copy_bw, add_bw, cores)

@@ -1,0 +1,58 @@
+"""Merge, plot or explain a recorded trace directory (--trace DIR / MPIRING_TRACE=DIR).
+
+    python -m mpiring trace merge DIR -o trace.json     # Chrome trace: Perfetto or chrome://tracing
+    python -m mpiring trace plot DIR -o timeline.png    # the same timeline as a PNG
+    python -m mpiring trace explain DIR                 # the lecture's step diagram for a ring call
+    python -m mpiring trace explain DIR --collective all_reduce --call 2
+    python -m mpiring trace explain DIR --list          # the traced calls
+
+No MPI needed: these read the files the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    m = sub.add_parser("merge", help="one Chrome trace (JSON) with a row per rank")
+    m.add_argument("dir", help="trace directory (one rank*.jsonl per rank)")
+    m.add_argument("-o", "--output", default="trace.json", help="output file, default trace.json")
+    pl = sub.add_parser("plot", help="the timeline as a PNG (needs matplotlib)")
+    pl.add_argument("dir", help="trace directory")
+    pl.add_argument("-o", "--output", default="timeline.png", help="output PNG, default timeline.png")
+    pl.add_argument("--title", default="", help="plot title")
+    e = sub.add_parser("explain", help="after each ring step: which chunks each rank holds, "
+                                       "and whose contributions each contains")
+    e.add_argument("dir", help="trace directory")
+    e.add_argument("--collective", default=None, help="which collective (default: the first call)")
+    e.add_argument("--call", type=int, default=None, help="call number (all_reduce#3 -> 3)")
+    e.add_argument("--list", action="store_true", help="list the traced calls and exit")
+
+
+def run(args) -> int:
+    from .. import timeline
+
+    try:
+        files = timeline.load(args.dir)
+        if args.action == "merge":
+            doc = timeline.chrome_trace(files)
+            with open(args.output, "w") as fh:
+                json.dump(doc, fh)
+            n = sum(1 for e in doc["traceEvents"] if e["ph"] == "X")
+            print(f"wrote {args.output}: {n} spans from {len(files)} file(s); open it in "
+                  "Perfetto (ui.perfetto.dev) or chrome://tracing")
+        elif args.action == "plot":
+            timeline.plot(files, args.output, title=args.title)
+            print(f"wrote {args.output}")
+        elif args.list:
+            for coll, num, algo, nranks in timeline.list_calls(files):
+                print(f"{coll}#{num} ({algo}) on {nranks} rank(s)")
+        else:
+            print(timeline.explain(files, args.collective, args.call))
+    except ValueError as exc:
+        print(f"mpiring trace {args.action}: {exc}", file=sys.stderr)
+        return 2
+    return 0

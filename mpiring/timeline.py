@@ -1,0 +1,505 @@
+r"""Turn a recorded trace into pictures and explanations (pure: files in, text or JSON out).
+
+A trace directory holds one JSON-lines file per rank (``mpiring.trace``): a
+``header`` (with ``wall_minus_clock``, the offset from the rank's
+``perf_counter`` to wall-clock time), ``step`` records of the ring collectives
+and ``event`` records of other spans (DDP buckets, backward...). From it:
+
+* ``chrome_trace``: one Chrome trace (Perfetto, chrome://tracing) with a row per
+  rank, every ring step nested in its collective call, and the events on the
+  same timeline, each kind on its own track;
+* ``plot``: the same timeline as a PNG (matplotlib);
+* ``explain``: the lecture's step diagram as text. Replaying the step records
+  (who sent which chunk to whom, in order) shows after every step which chunks
+  each rank holds and whose contributions each contains::
+
+      reduce-scatter step 1/3: r0 c3->r1  r1 c0->r2  r2 c1->r3  r3 c2->r0
+              c0     c1     c2     c3
+        r0     0      0    0+3      0
+        r1   0+1      1      1      1
+        ...
+
+Ranks are aligned by wall-clock time (``t + wall_minus_clock``), so files from
+several hosts line up as well as the hosts' clocks agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+# Phases whose receive reduces into what the rank holds; the others copy.
+REDUCING_PHASES = ("reduce-scatter", "reduce", "push")
+PHASE_COLORS = {
+    "reduce-scatter": "tab:blue", "all-gather": "tab:green", "broadcast": "tab:orange",
+    "reduce": "tab:red", "push": "tab:purple", "pull": "tab:brown",
+}
+
+
+@dataclass
+class TraceFile:
+    """One rank's file: its rank, its clock offset and its records (header excluded)."""
+
+    name: str
+    rank: int
+    offset: float
+    records: list[dict[str, Any]]
+
+
+@dataclass
+class Call:
+    """The steps one rank recorded for one collective call."""
+
+    rank: int
+    collective: str
+    call: int
+    algo: str
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    offset: float = 0.0
+
+    @property
+    def t_start(self) -> float:
+        return min(s["t_start"] for s in self.steps) + self.offset
+
+    @property
+    def t_end(self) -> float:
+        return max(s["t_end"] for s in self.steps) + self.offset
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return self.collective, self.call, self.algo
+
+
+def load(directory: str) -> list[TraceFile]:
+    """Read every ``*.jsonl`` file of a trace directory.
+
+    Raises:
+        ValueError: the directory has no trace files, or a file has no header.
+    """
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory: pass the directory given to "
+                         "--trace (or MPIRING_TRACE)")
+    files = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".jsonl"):
+            continue
+        with open(os.path.join(directory, name)) as fh:
+            recs = [json.loads(line) for line in fh if line.strip()]
+        headers = [r for r in recs if r.get("type") == "header"]
+        if not headers:
+            raise ValueError(f"{name}: no header line; is it an mpiring trace file?")
+        h = headers[0]
+        files.append(TraceFile(name, int(h["rank"]), float(h.get("wall_minus_clock", 0.0)),
+                               [r for r in recs if r.get("type") != "header"]))
+    if not files:
+        raise ValueError(f"no trace files (*.jsonl) in {directory!r}: record one with "
+                         "--trace DIR or MPIRING_TRACE=DIR")
+    return files
+
+
+def calls(files: list[TraceFile]) -> list[Call]:
+    """Group each file's step records into calls (consecutive steps with one key)."""
+    out: list[Call] = []
+    for f in files:
+        current: Call | None = None
+        for rec in f.records:
+            if rec.get("type") != "step":
+                continue
+            key = (rec["collective"], rec["call"], rec["algo"])
+            if current is None or current.key != key:
+                current = Call(f.rank, *key, offset=f.offset)
+                out.append(current)
+            current.steps.append(rec)
+    return out
+
+
+def _t0(files: list[TraceFile]) -> float:
+    starts = [r["t_start"] + f.offset for f in files for r in f.records if "t_start" in r]
+    return min(starts) if starts else 0.0
+
+
+def _lanes(spans: list[tuple[float, float]]) -> list[int]:
+    """Greedy interval packing: the lane of each span so that a lane's spans never overlap."""
+    ends: list[float] = []
+    lanes = [0] * len(spans)
+    for i in sorted(range(len(spans)), key=lambda j: spans[j][0]):
+        start, end = spans[i]
+        for lane, last in enumerate(ends):
+            if last <= start:
+                ends[lane] = end
+                lanes[i] = lane
+                break
+        else:
+            ends.append(end)
+            lanes[i] = len(ends) - 1
+    return lanes
+
+
+def _step_name(s: dict[str, Any]) -> str:
+    parts = [f"{s['phase']} {s['step'] + 1}/{s['steps']}"]
+    if s.get("send_chunk") is not None:
+        parts.append(f"c{s['send_chunk']}->r{s['dst']}")
+    if s.get("recv_chunk") is not None:
+        parts.append(f"c{s['recv_chunk']}<-r{s['src']}")
+    return " ".join(parts)
+
+
+def tracks(files: list[TraceFile]) -> list[dict[str, Any]]:
+    """Every span to draw, with its rank, track name and lane: the common input of
+    ``chrome_trace`` and ``plot``.
+
+    Kinds: "call" (a collective call), "step" (one ring step, inside its call),
+    "reduce" (the reduction at the end of a step) and "event" (other spans).
+    Times are seconds since the earliest record of any rank.
+    """
+    t0 = _t0(files)
+    spans: list[dict[str, Any]] = []
+    by_rank_calls: dict[int, list[Call]] = defaultdict(list)
+    for c in calls(files):
+        by_rank_calls[c.rank].append(c)
+    for rank, cs in by_rank_calls.items():
+        lanes = _lanes([(c.t_start, c.t_end) for c in cs])
+        for c, lane in zip(cs, lanes):
+            track = "collectives" if lane == 0 else f"collectives ({lane + 1})"
+            spans.append({"kind": "call", "rank": rank, "track": track,
+                          "name": f"{c.collective}#{c.call} {c.algo}", "cat": c.collective,
+                          "start": c.t_start - t0, "end": c.t_end - t0,
+                          "args": {"steps": len(c.steps),
+                                   "bytes_sent": sum(s.get("bytes_sent", 0) for s in c.steps),
+                                   "bytes_recv": sum(s.get("bytes_recv", 0) for s in c.steps)}})
+            for s in c.steps:
+                start, end = s["t_start"] + c.offset - t0, s["t_end"] + c.offset - t0
+                args = {k: s.get(k) for k in ("send_chunk", "dst", "recv_chunk", "src",
+                                              "bytes_sent", "bytes_recv")}
+                args["wait_us"] = round(s.get("wait_s", 0.0) * 1e6, 3)
+                args["reduce_us"] = round(s.get("reduce_s", 0.0) * 1e6, 3)
+                spans.append({"kind": "step", "rank": rank, "track": track,
+                              "name": _step_name(s), "cat": s["phase"], "start": start,
+                              "end": end, "args": args})
+                if s.get("reduce_s", 0.0) > 0:
+                    spans.append({"kind": "reduce", "rank": rank, "track": track,
+                                  "name": "reduce", "cat": s["phase"],
+                                  "start": end - s["reduce_s"], "end": end, "args": {}})
+    for f in files:
+        events = [r for r in f.records if r.get("type") == "event"]
+        by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in events:
+            by_cat[str(e.get("cat", "event"))].append(e)
+        for cat, es in by_cat.items():
+            lanes = _lanes([(e["t_start"], e["t_end"]) for e in es])
+            for e, lane in zip(es, lanes):
+                extra = {k: v for k, v in e.items()
+                         if k not in ("type", "rank", "name", "cat", "t_start", "t_end")}
+                spans.append({"kind": "event", "rank": f.rank,
+                              "track": cat if lane == 0 else f"{cat} ({lane + 1})",
+                              "name": str(e.get("name", cat)), "cat": cat,
+                              "start": e["t_start"] + f.offset - t0,
+                              "end": e["t_end"] + f.offset - t0, "args": extra})
+    return spans
+
+
+def _track_order(spans: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    seen: dict[tuple[int, str], None] = {}
+    for s in sorted(spans, key=lambda s: (s["rank"], s["kind"] == "event", s["track"])):
+        seen.setdefault((s["rank"], s["track"]), None)
+    return list(seen)
+
+
+def chrome_trace(files: list[TraceFile]) -> dict[str, Any]:
+    """The trace as a Chrome trace-event JSON object (``{"traceEvents": [...]}``).
+
+    pid = rank (a row per rank, named "rank r"), tid = a track within the rank:
+    "collectives" (calls with their steps nested inside, and the reduction at the
+    end of each step nested in the step) and one track per event category.
+    """
+    spans = tracks(files)
+    order = _track_order(spans)
+    tids: dict[tuple[int, str], int] = {}
+    events: list[dict[str, Any]] = []
+    for rank in sorted({r for r, _ in order}):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})
+    for rank, track in order:
+        tid = sum(1 for (r, _) in tids if r == rank)
+        tids[(rank, track)] = tid
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
+                       "args": {"name": track}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
+                       "args": {"sort_index": tid}})
+    # Parents before children at equal start times, so viewers nest them.
+    depth = {"call": 0, "event": 0, "step": 1, "reduce": 2}
+    for s in sorted(spans, key=lambda s: (s["start"], depth[s["kind"]])):
+        events.append({"ph": "X", "name": s["name"], "cat": s["cat"], "pid": s["rank"],
+                       "tid": tids[(s["rank"], s["track"])], "ts": s["start"] * 1e6,
+                       "dur": max(0.0, (s["end"] - s["start"]) * 1e6), "args": s["args"]})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": "mpiring trace merge", "ranks": len({f.rank for f in files})}}
+
+
+def plot(files: list[TraceFile], path: str, title: str = "") -> None:
+    """Draw the timeline as a PNG: a row per rank and track, ring steps coloured by phase.
+
+    The darker end of a step is its reduction; events (DDP buckets, backward...)
+    get their own rows under their rank.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    spans = tracks(files)
+    order = _track_order(spans)
+    row = {t: i for i, t in enumerate(order)}
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.45 * max(1, len(order))))
+    cat_colors: dict[str, str] = {}
+    palette = ["tab:cyan", "tab:olive", "tab:pink", "tab:gray", "gold", "teal"]
+    used: dict[str, str] = {}
+    for s in spans:
+        y = row[(s["rank"], s["track"])]
+        x, w = s["start"] * 1e3, max((s["end"] - s["start"]) * 1e3, 1e-6)
+        if s["kind"] == "call":
+            ax.broken_barh([(x, w)], (y - 0.42, 0.84), facecolors="none", edgecolors="black",
+                           linewidth=0.6)
+        elif s["kind"] == "step":
+            color = PHASE_COLORS.get(s["cat"], "tab:gray")
+            used[s["cat"]] = color
+            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors=color, edgecolors="white",
+                           linewidth=0.3)
+        elif s["kind"] == "reduce":
+            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors="black", alpha=0.35)
+        else:
+            color = cat_colors.setdefault(s["cat"], palette[len(cat_colors) % len(palette)])
+            used[s["cat"]] = color
+            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors=color, edgecolors="black",
+                           linewidth=0.3, alpha=0.8)
+    ax.set_yticks(range(len(order)), [f"r{r} {t}" for r, t in order], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.grid(True, axis="x", alpha=0.3)
+    handles = [Patch(color=c, label=n) for n, c in used.items()]
+    handles.append(Patch(color="black", alpha=0.35, label="reduction"))
+    # Above the axes, so that it never hides a bar.
+    ax.legend(handles=handles, fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0),
+              ncol=min(6, len(handles)), frameon=False)
+    ax.set_title(title or "mpiring trace", fontsize=9, loc="left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- explain: replay the step records ------------------------------------------------
+def list_calls(files: list[TraceFile]) -> list[tuple[str, int, str, int]]:
+    """(collective, call, algo, ranks) of every call in the trace, in time order."""
+    seen: dict[tuple[str, int, str], set[int]] = {}
+    first: dict[tuple[str, int, str], float] = {}
+    for c in calls(files):
+        seen.setdefault(c.key, set()).add(c.rank)
+        first[c.key] = min(first.get(c.key, c.t_start), c.t_start)
+    return [(k[0], k[1], k[2], len(seen[k])) for k in sorted(seen, key=lambda k: first[k])]
+
+
+def _cell(holding: frozenset[int] | None, everyone: frozenset[int]) -> str:
+    if holding is None:
+        return "."
+    if holding == everyone and len(everyone) > 1:
+        return "ALL"
+    return "+".join(str(r) for r in sorted(holding))
+
+
+def _table(state: dict[int, list[frozenset[int] | None]], everyone: frozenset[int]) -> list[str]:
+    nchunks = len(next(iter(state.values())))
+    if nchunks > 12:  # too wide for columns: runs of equal cells per rank
+        lines = []
+        for r in sorted(state):
+            runs, start = [], 0
+            cells = [_cell(h, everyone) for h in state[r]]
+            for i in range(1, nchunks + 1):
+                if i == nchunks or cells[i] != cells[start]:
+                    span = f"c{start}" if i - 1 == start else f"c{start}-c{i - 1}"
+                    runs.append(f"{span}: {cells[start]}")
+                    start = i
+            lines.append(f"  r{r:<4} " + "   ".join(runs))
+        return lines
+    cells = {r: [_cell(h, everyone) for h in state[r]] for r in state}
+    width = max(3, *(len(c) for row in cells.values() for c in row))
+    lines = ["      " + "".join(f"{'c' + str(c):>{width + 2}}" for c in range(nchunks))]
+    for r in sorted(state):
+        lines.append(f"  r{r:<3}" + "".join(f"{c:>{width + 2}}" for c in cells[r]))
+    return lines
+
+
+def _pick(files, collective, call):
+    found = list_calls(files)
+    if collective is not None:
+        found = [c for c in found if c[0] == collective]
+    if call is not None:
+        found = [c for c in found if c[1] == call]
+    if not found:
+        have = ", ".join(f"{c}#{n}" for c, n, _, _ in list_calls(files)[:20]) or "none"
+        raise ValueError(f"no traced call matches collective={collective} call={call}; "
+                         f"the trace has: {have}")
+    return found[0]
+
+
+def replay(files: list[TraceFile], collective: str | None = None, call: int | None = None):
+    """Replay one call's steps; return (key, ranks, snapshots).
+
+    ``snapshots`` is a list of (label, transfers, state): the state after each
+    round of steps (round i = every rank's i-th step), where
+    ``state[rank][chunk]`` is the set of ranks whose data the chunk holds, or
+    None when the rank does not hold that chunk yet.
+
+    Messages are matched in order per (sender, receiver), as MPI matches them;
+    a receive in a reducing phase (reduce-scatter, reduce, push) adds the
+    sender's contributions to the receiver's, any other receive replaces them.
+
+    Raises:
+        ValueError: no such call, or steps that do not match up (for example a
+            call recorded on a sub-communicator whose ranks are not the trace's).
+    """
+    coll, num, algo, _ = _pick(files, collective, call)
+    per_rank = {c.rank: c.steps for c in calls(files) if c.key == (coll, num, algo)}
+    ranks = sorted(per_rank)
+    everyone = frozenset(ranks)
+    for steps in per_rank.values():
+        for s in steps:
+            for peer in (s.get("src"), s.get("dst")):
+                if peer is not None and peer not in everyone:
+                    raise ValueError(
+                        f"{coll}#{num}: a step names rank {peer}, which has no records for this "
+                        "call: the call ran on a sub-communicator (its ranks differ from the "
+                        "trace's), or some rank files are missing")
+    nchunks = max([len(ranks)] + [int(s["steps"]) for st in per_rank.values() for s in st
+                                  if s["phase"] in ("broadcast", "reduce")]
+                  + [int(c) + 1 for st in per_rank.values() for s in st
+                     for c in (s.get("send_chunk"), s.get("recv_chunk")) if c is not None])
+    if coll == "all_gather":
+        state = {r: [frozenset([r]) if c == r else None for c in range(nchunks)] for r in ranks}
+    elif coll == "broadcast":
+        roots = [r for r in ranks if all(s.get("recv_chunk") is None for s in per_rank[r])]
+        state = {r: [frozenset([r]) if r in roots else None for _ in range(nchunks)]
+                 for r in ranks}
+    else:  # all_reduce, reduce_scatter, reduce, ps: everyone starts with its own data
+        state = {r: [frozenset([r]) for _ in range(nchunks)] for r in ranks}
+
+    queues: dict[tuple[int, int], deque] = defaultdict(deque)
+    pos = dict.fromkeys(ranks, 0)  # next step per rank
+    sent = dict.fromkeys(ranks, False)  # whether the current step's send happened
+
+    def send(r, s):
+        queues[(r, s["dst"])].append((s["send_chunk"], state[r][s["send_chunk"]]))
+
+    def try_step(r) -> bool:
+        s = per_rank[r][pos[r]]
+        has_send = s.get("send_chunk") is not None and s.get("dst") is not None
+        has_recv = s.get("recv_chunk") is not None and s.get("src") is not None
+        # Ring steps send one chunk and receive another (the send reads the
+        # state before the receive); pipelined steps forward the chunk just received.
+        forward = has_send and has_recv and s["send_chunk"] == s["recv_chunk"]
+        if has_send and not forward and not sent[r]:
+            send(r, s)
+            sent[r] = True
+        if has_recv:
+            q = queues[(s["src"], r)]
+            if not q:
+                return False
+            chunk, value = q.popleft()
+            if chunk != s["recv_chunk"]:
+                raise ValueError(f"{coll}#{num}: r{r} expected chunk {s['recv_chunk']} from "
+                                 f"r{s['src']} but the next one sent was chunk {chunk}")
+            mine = state[r][chunk]
+            if s["phase"] in REDUCING_PHASES and mine is not None and value is not None:
+                state[r][chunk] = mine | value
+            else:
+                state[r][chunk] = value
+        if forward:
+            send(r, s)
+        pos[r] += 1
+        sent[r] = False
+        return True
+
+    snapshots = [("start", [], {r: list(v) for r, v in state.items()})]
+    rounds = max(len(v) for v in per_rank.values())
+    for i in range(rounds):
+        transfers = []
+        # Run every rank up to and including its step i; a rank may have to run
+        # ahead when its step i waits on a later step of another rank.
+        limit = i
+        while any(pos[r] <= min(i, len(per_rank[r]) - 1) for r in ranks):
+            progressed = False
+            for r in ranks:
+                while pos[r] <= limit and pos[r] < len(per_rank[r]):
+                    s = per_rank[r][pos[r]]
+                    if not try_step(r):
+                        break
+                    progressed = True
+                    if s.get("send_chunk") is not None and s.get("dst") is not None:
+                        transfers.append(f"r{r} c{s['send_chunk']}->r{s['dst']}")
+            if not progressed:
+                if limit >= rounds:
+                    raise ValueError(f"{coll}#{num}: the steps do not match up (a receive "
+                                     "without its send); is a rank's file missing?")
+                limit += 1
+        phases = sorted({per_rank[r][i]["phase"] for r in ranks if i < len(per_rank[r])})
+        counts = {per_rank[r][i]["steps"] for r in ranks if i < len(per_rank[r])}
+        steps_label = "/".join(str(c) for c in sorted(counts))
+        idx = sorted({per_rank[r][i]["step"] + 1 for r in ranks if i < len(per_rank[r])})
+        label = f"{'+'.join(phases)} step {'/'.join(map(str, idx))}/{steps_label}"
+        transfers.sort(key=lambda t: int(t[1:t.index(" ")]))
+        snapshots.append((label, transfers, {r: list(v) for r, v in state.items()}))
+    return (coll, num, algo), ranks, snapshots
+
+
+def check_final(collective: str, ranks: list[int], state) -> list[str]:
+    """What is wrong with the final state for this collective (empty when it is right)."""
+    everyone = frozenset(ranks)
+    problems = []
+    for r in ranks:
+        cells = state[r]
+        if collective == "all_reduce" and any(c != everyone for c in cells):
+            problems.append(f"r{r} does not hold the full sum of every chunk")
+        if collective == "reduce_scatter" and r < len(cells) and cells[r] != everyone:
+            problems.append(f"r{r} does not hold chunk {r} fully reduced")
+        if collective == "all_gather" and any(c != frozenset([i]) for i, c in enumerate(cells)):
+            problems.append(f"r{r} does not hold every chunk from its owner")
+        if collective == "broadcast" and any(c is None or len(c) != 1 for c in cells):
+            problems.append(f"r{r} does not hold every segment of the root's data")
+    if collective in ("reduce", "ps") and not any(all(c == everyone for c in state[r])
+                                                  for r in ranks):
+        problems.append("no rank holds the full reduction")
+    return problems
+
+
+def explain(files: list[TraceFile], collective: str | None = None, call: int | None = None) -> str:
+    """The lecture's step diagram for one traced call, as text.
+
+    Args:
+        files: from ``load``.
+        collective: which collective (default: the first traced call).
+        call: its call number (``all_reduce#3`` is call 3).
+    """
+    (coll, num, algo), ranks, snaps = replay(files, collective, call)
+    per_rank = {c.rank: c.steps for c in calls(files) if c.key == (coll, num, algo)}
+    everyone = frozenset(ranks)
+    nchunks = len(snaps[0][2][ranks[0]])
+    sizes = sorted({max(s.get("bytes_sent", 0), s.get("bytes_recv", 0))
+                    for st in per_rank.values() for s in st})
+    size_text = "/".join(str(b) for b in sizes[:4]) + (" ..." if len(sizes) > 4 else "")
+    out = [f"{coll}#{num} ({algo}) on {len(ranks)} ranks, {nchunks} chunk(s), {size_text} B "
+           "per message",
+           "cell: the ranks whose data that chunk of that rank contains "
+           f"({'ALL' if len(ranks) > 1 else 'its own'} = every rank; . = not held yet)", ""]
+    for label, transfers, state in snaps:
+        out.append(label + (": " + "  ".join(transfers) if transfers else ""))
+        out += _table(state, everyone)
+        out.append("")
+    problems = check_final(coll, ranks, snaps[-1][2])
+    out.append("result: " + ("as the collective promises" if not problems else
+                             "; ".join(problems)))
+    return "\n".join(out)
