@@ -22,6 +22,7 @@ def run(args) -> int:
     import mpiring
     from mpiring.buffers import BFLOAT16
     from mpiring.trace import fmt_bytes
+    from mpiring.wire import allreduce_scalar
 
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     dtype = BFLOAT16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
@@ -35,7 +36,7 @@ def run(args) -> int:
     ref_algo = "native" if args.dtype != "bfloat16" else "ring"
     comm.all_reduce(expected, op=args.op, algo=ref_algo)
     ok = bool(np.array_equal(x, expected))
-    wrong = comm.mpi_comm.allreduce(0 if ok else 1)
+    wrong = allreduce_scalar(comm, 0 if ok else 1)  # no pickle: see mpiring.wire
     comm.tracer.close()
 
     times = []
@@ -45,7 +46,7 @@ def run(args) -> int:
         quiet.barrier()
         t0 = time.perf_counter()
         quiet.all_reduce(y, op=args.op, algo=args.algo)
-        times.append(comm.mpi_comm.allreduce(time.perf_counter() - t0, op=_max()))
+        times.append(allreduce_scalar(comm, time.perf_counter() - t0, "max"))
     t = float(np.median(times)) if times else 0.0
     nbytes = n * dtype.itemsize
     algbw = nbytes / t / 1e9 if t else 0.0
@@ -56,9 +57,3 @@ def run(args) -> int:
               f"busbw {busbw:.2f} GB/s; check against {ref_algo}: "
               f"{'OK' if not wrong else f'WRONG on {wrong} rank(s)'}")
     return 0 if not wrong else 1
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
