@@ -75,13 +75,26 @@ def allgather_bytes(comm, data: bytes) -> list[bytes]:
     return [out[d:d + n].tobytes() for d, n in zip(displs, lengths)]
 
 
+def _plain(value: Any) -> Any:
+    # NumPy scalars and arrays as plain numbers and lists.
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable: send plain numbers, "
+                    "strings, lists and dicts")
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, default=_plain).encode()
+
+
 def bcast_json(comm, obj: Any = None, root: int = 0) -> Any:
-    """The root's JSON-serialisable value on every rank (tuples come back as lists)."""
+    """The root's JSON-serialisable value on every rank (tuples come back as lists;
+    NumPy scalars and arrays as numbers and lists)."""
     mpi = _mpi(comm)
-    data = json.dumps(obj).encode() if mpi.Get_rank() == root else None
+    data = _dumps(obj) if mpi.Get_rank() == root else None
     return json.loads(bcast_bytes(mpi, data, root).decode())
 
 
 def allgather_json(comm, obj: Any) -> list[Any]:
     """Every rank's JSON-serialisable value, in rank order."""
-    return [json.loads(b.decode()) for b in allgather_bytes(comm, json.dumps(obj).encode())]
+    return [json.loads(b.decode()) for b in allgather_bytes(comm, _dumps(obj))]

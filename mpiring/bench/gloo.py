@@ -16,6 +16,8 @@ import socket
 
 import numpy as np
 
+from ..wire import bcast_json
+
 _TORCH_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
 
 
@@ -55,7 +57,7 @@ class Gloo:
         one_host = local_size == self.size
         port = _free_port() if self.rank == 0 else 0
         host = "127.0.0.1" if one_host else socket.gethostname()
-        port, host = mpi_comm.bcast((port, host), root=0)
+        port, host = bcast_json(mpi_comm, (port, host), root=0)  # no pickle
         if one_host:
             # gloo binds to the interface its host name resolves to; pin it to the
             # loopback so that a machine without a resolvable name still works.

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from ..costmodel import AlphaBeta, best_chunks, pipelined_broadcast, prediction_error
+from ..wire import allreduce_scalar
 from .measure import time_iterations
 from .report import make_row
 from .sweep import count_wrong, rank_data, reference
@@ -58,7 +58,7 @@ def chunks_study(comm, nbytes: int, *, dtype: np.dtype | None = None, root: int 
             kwargs["chunks"] = s
         np.copyto(x, src)
         comm.broadcast(x, **kwargs)
-        wrong = comm.mpi_comm.allreduce(count_wrong(x, ref, "sum"), op=MPI.SUM)
+        wrong = allreduce_scalar(comm, count_wrong(x, ref, "sum"))
         times = time_iterations(comm.mpi_comm, lambda kw=kwargs: comm.broadcast(x, check=False, **kw),
                                 iters=iters, warmup=warmup, reset=lambda: np.copyto(x, src))
         seconds = float(np.median(times))

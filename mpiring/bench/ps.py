@@ -44,6 +44,7 @@ from ..costmodel import (
 )
 from ..ops import finish, reducer
 from ..trace import Tracer, clock
+from ..wire import allgather_array, allreduce_scalar, bcast_json
 from .measure import quiet_barrier, time_iterations
 from .report import make_row
 from .sweep import count_wrong, rank_data, reference
@@ -166,7 +167,7 @@ def ps_study(world, nbytes: int, ks: list[int] | None = None, *, iters: int = 10
     ks = ks or list(range(2, world.size + 1))
     count = max(1, nbytes // dtype.itemsize)
     nbytes = count * dtype.itemsize
-    tmp = world.mpi_comm.bcast(tempfile.mkdtemp(prefix="mpiring-ps-") if rank == 0 else None)
+    tmp = bcast_json(world, tempfile.mkdtemp(prefix="mpiring-ps-") if rank == 0 else None)
     rows: list[dict[str, Any]] = []
     try:
         for k in ks:
@@ -183,7 +184,7 @@ def ps_study(world, nbytes: int, ks: list[int] | None = None, *, iters: int = 10
         world.mpi_comm.Barrier()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    return world.mpi_comm.bcast(rows if rank == 0 else None, root=0)
+    return bcast_json(world, rows if rank == 0 else None, root=0)
 
 
 def _study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup, model, world_rank,
@@ -209,8 +210,8 @@ def _study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup, model, wo
         path = os.path.join(tmp, f"{name}.jsonl")
         sent, recv = _count_bytes(path)
         os.unlink(path)
-        wrong = sub.mpi_comm.allreduce(count_wrong(x, ref, op), op=MPI.SUM)
-        table = np.array(sub.mpi_comm.allgather((sent, recv)), dtype=np.int64)
+        wrong = allreduce_scalar(sub, count_wrong(x, ref, op))
+        table = allgather_array(sub, [sent, recv])
         times = time_iterations(sub.mpi_comm, lambda f=sync: f(x, check=False), iters=iters,
                                 warmup=warmup, reset=lambda: np.copyto(x, src))
         seconds = float(np.median(times))

@@ -26,6 +26,7 @@ from ..buffers import BFLOAT16
 from ..chunking import chunk_bounds, default_pipeline_chunks
 from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, predict, prediction_error
 from ..ops import finish, reducer
+from ..wire import allreduce_scalar
 from .measure import time_iterations
 from .report import make_row
 
@@ -249,8 +250,6 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
     example native bfloat16 reductions, which MPI cannot do) are left out and
     noted in ``cfg.notes``; such a refusal is raised on every rank alike.
     """
-    from mpi4py import MPI
-
     dtype = np_dtype(cfg.dtype)
     k, rank = comm.size, comm.rank
     mpi = comm.mpi_comm
@@ -294,7 +293,7 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                 if algo == "native":
                     wrong = count_wrong(got, ref, cfg.op)
                     expected = got.copy()
-                wrong = int(mpi.allreduce(wrong, op=MPI.SUM))
+                wrong = allreduce_scalar(mpi, int(wrong))  # no pickle: see mpiring.wire
                 times = time_iterations(mpi, case.call, iters=cfg.iters, warmup=cfg.warmup,
                                         reset=case.reset)
                 seconds = float(np.median(times)) if times.size else 0.0
