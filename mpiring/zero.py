@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from .chunking import chunk_bounds
+from .wire import allgather_json
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -84,6 +85,38 @@ class _Segment:
     lo: int = 0
     hi: int = 0
     pieces: list[_Piece] = field(default_factory=list)
+
+
+def _state_to_wire(local: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per-parameter state metadata as JSON-ready data: dtypes by name, tensors as lists."""
+    def scalar(v):
+        if torch.is_tensor(v):
+            return {"tensor": v.tolist(), "dtype": str(v.dtype).replace("torch.", "")}
+        return v
+
+    return {str(i): {"first": e["first"],
+                     "elem": {k: str(d).replace("torch.", "") for k, d in e["elem"].items()},
+                     "scalar": {k: scalar(v) for k, v in e["scalar"].items()}}
+            for i, e in local.items()}
+
+
+def _state_from_wire(wire: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """The inverse of ``_state_to_wire`` (only torch dtypes are looked up by name)."""
+    def dtype(name: str) -> torch.dtype:
+        value = getattr(torch, name, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"a peer sent an unknown dtype {name!r}")
+        return value
+
+    def scalar(v):
+        if isinstance(v, dict) and "tensor" in v:
+            return torch.tensor(v["tensor"], dtype=dtype(v["dtype"]))
+        return v
+
+    return {int(i): {"first": e["first"],
+                     "elem": {k: dtype(d) for k, d in e["elem"].items()},
+                     "scalar": {k: scalar(v) for k, v in e["scalar"].items()}}
+            for i, e in wire.items()}
 
 
 def _describe_param(p: torch.Tensor) -> str:
@@ -198,10 +231,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self.stage, self.optimizer_class.__name__,
                 [len(g["params"]) for g in self.param_groups],
                 [_describe_param(p) for p in self._all_params])
-        if self.comm.size > 1:
-            table = self.comm.mpi_comm.allgather(desc)
-        else:
-            table = [desc]
+        # JSON through byte buffers, never pickle (see mpiring.wire).
+        table = allgather_json(self.comm, desc) if self.comm.size > 1 else [desc]
         if error is not None:
             raise error
         bad = [r for r, d in enumerate(table) if d[0] is not None]
@@ -409,7 +440,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     entry["elem"][k] = v.dtype
                 else:
                     entry["scalar"][k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
-        table = self.comm.mpi_comm.allgather(local) if self.comm.size > 1 else [local]
+        if self.comm.size > 1:  # as JSON through byte buffers, never pickle
+            table = [_state_from_wire(t) for t in allgather_json(self.comm, _state_to_wire(local))]
+        else:
+            table = [local]
         merged: dict[int, dict[str, Any]] = {}
         for entries in table:
             for i, e in entries.items():
