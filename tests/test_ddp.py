@@ -1,0 +1,394 @@
+"""mpiring.DistributedDataParallel and the parameter server, on K = 1..4 ranks.
+
+References are computed on every rank without communication: the same model
+run by one process on the concatenated global batch (float64, so that the
+only difference is summation order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mpiring.ddp import DistributedDataParallel as DDP
+from mpiring.ddp import ParameterServer
+from mpiring.ddp.bucketing import MIB
+from mpiring.trace import Tracer
+
+PER_RANK = 3
+SMALL = 1100 / MIB    # bucket caps in MiB: a few parameters of the MLP per bucket
+TINY = 300 / MIB
+
+
+class Recorder(Tracer):
+    """A tracer that keeps its records in memory."""
+
+    def __init__(self, rank: int):
+        super().__init__(rank)
+        self.records: list[dict] = []
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def write(self, rec) -> None:
+        self.records.append(rec)
+
+    def events(self, name: str) -> list[dict]:
+        return [r for r in self.records if r.get("type") == "event" and r["name"] == name]
+
+
+def mlp(seed: int, widths=(6, 16, 16, 16, 3)) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+def global_batch(k: int, salt: int, features: int = 6, outputs: int = 3):
+    g = torch.Generator().manual_seed(1000 + 17 * k + salt)
+    return (torch.randn(k * PER_RANK, features, generator=g, dtype=torch.float64),
+            torch.randn(k * PER_RANK, outputs, generator=g, dtype=torch.float64))
+
+
+def shard(t: torch.Tensor, comm) -> torch.Tensor:
+    return t[comm.rank * PER_RANK:(comm.rank + 1) * PER_RANK]
+
+
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def assert_grads(model: nn.Module, ref: nn.Module, note: str = "") -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=f"{name} {note}")
+
+
+def sgd(model: nn.Module, lr: float = 0.1) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+
+
+def gather(comm, values) -> np.ndarray:
+    """Every rank's 1-d float64/int64 array (same length), as rows."""
+    arr = np.ascontiguousarray(values)
+    out = np.empty((comm.size, arr.size), dtype=arr.dtype)
+    comm.mpi_comm.Allgather(arr, out)
+    return out
+
+
+def flat_params(model: nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().numpy()
+
+
+@pytest.mark.parametrize("overlap,view", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "naive", "bucket-view"])
+def test_gradients_equal_single_process_of_global_batch(comm, overlap, view):
+    model, ref = mlp(1), mlp(1)
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, overlap=overlap,
+              gradient_as_bucket_view=view)
+    assert len(ddp.bucket_params) >= 3
+    for it in range(3):  # the second iteration runs on the rebuilt buckets
+        X, Y = global_batch(comm.size, it)
+        model.zero_grad(set_to_none=it != 2)  # also accumulate into zeroed view grads
+        ref.zero_grad()
+        loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
+        loss_fn(ref(X), Y).backward()
+        assert_grads(model, ref, f"iteration {it}")
+        if view:
+            storages = {b.flat.untyped_storage().data_ptr() for b in ddp.reducer.buckets}
+            assert all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters())
+        sgd(model)
+        sgd(ref)
+    ddp.close()
+
+
+def test_replicas_bit_identical_after_steps(comm):
+    model = mlp(seed=comm.rank).float()  # different on every rank until wrapped
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+    rows = gather(comm, flat_params(model))
+    assert (rows == rows[0]).all(), "construction must take rank 0's parameters"
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for it in range(4):
+        X, Y = global_batch(comm.size, it)
+        opt.zero_grad()
+        loss_fn(ddp(shard(X, comm).float()), shard(Y, comm).float()).backward()
+        opt.step()
+    rows = gather(comm, flat_params(model))
+    assert (rows == rows[0]).all(), "replicas drifted apart"
+    ddp.close()
+
+
+def test_no_sync_accumulates_locally_then_reduces_the_sum(comm):
+    model, ref, local = mlp(2), mlp(2), mlp(2)
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+    (X1, Y1), (X2, Y2) = global_batch(comm.size, 10), global_batch(comm.size, 11)
+    with ddp.no_sync():
+        loss_fn(ddp(shard(X1, comm)), shard(Y1, comm)).backward()
+    loss_fn(local(shard(X1, comm)), shard(Y1, comm)).backward()
+    assert_grads(model, local, "inside no_sync: local gradients only")
+    loss_fn(ddp(shard(X2, comm)), shard(Y2, comm)).backward()
+    loss_fn(ref(X1), Y1).backward()
+    loss_fn(ref(X2), Y2).backward()
+    assert_grads(model, ref, "after the synced backward: mean of the accumulated sums")
+    ddp.close()
+
+
+class Branchy(nn.Module):
+    """``c`` takes part only when asked; ``never`` never does."""
+
+    def __init__(self, with_never: bool = True):
+        super().__init__()
+        torch.manual_seed(5)
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+        self.c = nn.Linear(8, 3)
+        self.never = nn.Linear(8, 3) if with_never else None
+        self.double()
+
+    def forward(self, x, use_c: bool):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h) if use_c else self.b(h)
+
+
+def test_unused_parameters_with_flag(comm):
+    model = Branchy()
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, find_unused_parameters=True)
+    for it in range(2):
+        X, Y = global_batch(comm.size, 20 + it)
+        uses = [(r + it) % 2 == 0 for r in range(comm.size)]
+        model.zero_grad()
+        loss_fn(ddp(shard(X, comm), uses[comm.rank]), shard(Y, comm)).backward()
+        # Expected: each rank's local gradient (zero where a layer was unused), averaged.
+        expected: dict[str, torch.Tensor] = {}
+        for r in range(comm.size):
+            ref = Branchy()
+            ref.load_state_dict(model.state_dict())
+            sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            loss_fn(ref(X[sl], uses[r]), Y[sl]).backward()
+            for name, p in ref.named_parameters():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                expected[name] = expected.get(name, 0) + g / comm.size
+        for name, p in model.named_parameters():
+            if name.startswith("never"):
+                assert p.grad is None, "a parameter unused on every rank keeps .grad untouched"
+            elif name.startswith("c") and not any(uses):
+                assert p.grad is None
+            else:
+                torch.testing.assert_close(p.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
+        sgd(model)
+    ddp.close()
+
+
+def test_unused_parameters_without_flag_raise_on_every_rank(comm):
+    model = Branchy(with_never=False)
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+    X, Y = global_batch(comm.size, 30)
+    last = comm.size - 1
+    out = ddp(shard(X, comm), use_c=comm.rank != last)
+    with pytest.raises(RuntimeError, match=r"c\.weight.*c\.bias|c\.bias.*c\.weight") as info:
+        loss_fn(out, shard(Y, comm)).backward()
+    message = str(info.value)
+    assert f"rank(s) r{last}" in message and "find_unused_parameters=True" in message
+    # The reduction finished everywhere, so the model can go on when all is used again.
+    ref = Branchy(with_never=False)
+    ref.load_state_dict(model.state_dict())
+    model.zero_grad()
+    loss_fn(ddp(shard(X, comm), use_c=True), shard(Y, comm)).backward()
+    loss_fn(ref(X, True), Y).backward()
+    assert_grads(model, ref)
+    ddp.close()
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight  # used at the input and at the output
+        self.double()
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.mid(self.emb(idx))))
+
+
+def test_tied_weights_reduced_once(comm):
+    model, ref = Tied(), Tied()
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+    assert sorted(i for b in ddp.bucket_params for i in b) == [0, 1, 2]
+    g = torch.Generator().manual_seed(40 + comm.size)
+    idx = torch.randint(0, 10, (comm.size * PER_RANK, 5), generator=g)
+    target = torch.randint(0, 10, (comm.size * PER_RANK * 5,), generator=g)
+    ce = nn.functional.cross_entropy
+    mine = slice(comm.rank * PER_RANK * 5, (comm.rank + 1) * PER_RANK * 5)
+    ce(ddp(shard(idx, comm)).reshape(-1, 10), target[mine]).backward()
+    ce(ref(idx).reshape(-1, 10), target).backward()
+    assert_grads(model, ref)
+    ddp.close()
+
+
+def test_batchnorm_buffers_follow_rank0(comm):
+    def make():
+        torch.manual_seed(7)
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+    for broadcast in (True, False):
+        model = make()
+        with torch.no_grad():
+            model[1].running_mean.fill_(float(comm.rank))  # rank-dependent before wrapping
+        ddp = DDP(model, comm, broadcast_buffers=broadcast)
+        assert float(model[1].running_mean.sum()) == 0.0, "construction takes rank 0's buffers"
+        seen = []
+        model[1].register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
+        for it in range(2):
+            X, Y = global_batch(comm.size, 50 + it)
+            loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
+        after_first = gather(comm, seen[1].numpy())  # buffers as the 2nd forward saw them
+        same = bool((after_first == after_first[0]).all())
+        assert same == (broadcast or comm.size == 1)
+        assert int(gather(comm, model[1].num_batches_tracked.reshape(1).numpy())[:, 0].min()) == 2
+        ddp.close()
+
+
+class Shuffled(nn.Module):
+    """Registered l0..l3, used in the order l2, l0, l3, l1."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(8, 8) for _ in range(4))
+        self.double()
+
+    def forward(self, x):
+        for layer in (self.l2, self.l0, self.l3, self.l1):
+            x = torch.tanh(layer(x))
+        return x
+
+
+LAYER_BYTES = (64 + 8) * 8 / MIB  # one Linear(8, 8) of float64 per bucket
+
+
+def test_forward_order_differs_from_registration_order(comm):
+    model, ref = Shuffled(), Shuffled()
+    rec = Recorder(comm.rank)
+    sub = comm.dup()
+    sub.tracer = rec
+    ddp = DDP(model, sub, bucket_cap_mb=LAYER_BYTES, first_bucket_mb=LAYER_BYTES)
+    layer = lambda b: {i // 2 for i in b}  # noqa: E731  (params 2j, 2j+1 belong to layer j)
+    assert [layer(b) for b in ddp.bucket_params] == [{3}, {2}, {1}, {0}]
+    for it in range(3):
+        X, _ = global_batch(comm.size, 60 + it, features=8, outputs=8)
+        model.zero_grad()
+        ref.zero_grad()
+        ddp(shard(X, comm)).pow(2).mean().backward()
+        ref(X).pow(2).mean().backward()
+        assert_grads(model, ref, f"iteration {it}")
+    # Rebuilt after the first iteration from the observed order: l1, l3, l0, l2.
+    assert [layer(b) for b in ddp.bucket_params] == [{1}, {3}, {0}, {2}]
+    layout = np.array([i for b in ddp.bucket_params for i in b] + [len(b) for b in ddp.bucket_params])
+    rows = gather(comm, layout.astype(np.int64))
+    assert (rows == rows[0]).all(), "bucket layout must be the same on every rank"
+
+    # Launch order from the trace: 0, 1, 2, 3 in every iteration, on every rank,
+    # although in iteration 0 bucket 2 (l1) was complete first.
+    events = sorted(rec.events("ddp.all_reduce"), key=lambda e: e["t_start"])
+    order = [(e["iteration"], e["bucket"]) for e in events]
+    assert order == [(it, b) for it in range(3) for b in range(4)]
+    rows = gather(comm, np.array([b for _, b in order], dtype=np.int64))
+    assert (rows == rows[0]).all()
+    ddp.close()
+
+
+def _overlapped(comm, overlap: bool, iterations: int = 3) -> list[bool]:
+    """Per iteration: did some bucket's AllReduce start before backward ended?"""
+    torch.manual_seed(9)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(192, 192), nn.Tanh()) for _ in range(6)])
+    rec = Recorder(comm.rank)
+    sub = comm.dup()
+    sub.tracer = rec
+    ddp = DDP(model, sub, bucket_cap_mb=0.14, first_bucket_mb=0.14, overlap=overlap)
+    x = torch.randn(256, 192, generator=torch.Generator().manual_seed(comm.rank))
+    for _ in range(iterations):
+        ddp(x).pow(2).mean().backward()
+    ddp.close()
+    result = []
+    for it in range(iterations):
+        end = [e["t_end"] for e in rec.events("ddp.backward") if e["iteration"] == it][0]
+        starts = [e["t_start"] for e in rec.events("ddp.all_reduce") if e["iteration"] == it]
+        assert len(starts) == len(ddp.bucket_params) >= 4
+        result.append(min(starts) < end)
+    return result
+
+
+def test_overlap_visible_in_trace(comm):
+    if comm.size not in (2, 4):
+        pytest.skip("trace overlap checked on 2 and 4 ranks")
+    naive = _overlapped(comm, overlap=False)
+    assert not any(naive), "overlap=False must not start any AllReduce before backward ends"
+    overlapped = _overlapped(comm, overlap=True)
+    # Thread scheduling on a loaded machine can delay one iteration; not all of them.
+    assert any(overlapped), f"no bucket started before backward ended: {overlapped}"
+
+
+def test_matches_torch_ddp_over_gloo(world):
+    import torch.distributed as dist
+
+    from mpiring.train.torch_pg import init_torch_process_group
+
+    pg = init_torch_process_group(world, torch.device("cpu"))
+    try:
+        ours, theirs = mlp(11), mlp(11)
+        ddp = DDP(ours, world, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+        tddp = nn.parallel.DistributedDataParallel(theirs, process_group=pg, bucket_cap_mb=SMALL)
+        for it in range(2):
+            X, Y = global_batch(world.size, 70 + it)
+            loss_fn(ddp(shard(X, world)), shard(Y, world)).backward()
+            loss_fn(tddp(shard(X, world)), shard(Y, world)).backward()
+            assert_grads(ours, theirs, f"iteration {it}")
+            for m in (ours, theirs):
+                sgd(m)
+                m.zero_grad()
+        ddp.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_model_difference_raises_on_every_rank_naming_it(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    torch.manual_seed(0)
+    width = 5 if comm.rank == 1 else 4
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, width))
+    with pytest.raises(ValueError, match=r"rank\(s\) r1 differ") as info:
+        DDP(model, comm)
+    message = str(info.value)
+    assert "parameter 1.weight shape (5, 4)" in message and "shape (4, 4)" in message
+
+
+def test_parameter_server_matches_ddp(comm):
+    a, b = mlp(12), mlp(12)
+    ddp = DDP(a, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+    opt = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    ps = ParameterServer(b, comm, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                         server=comm.size - 1, bucket_cap_mb=SMALL)
+    assert (ps.optimizer is not None) == (comm.rank == comm.size - 1)
+    for it in range(3):
+        X, Y = global_batch(comm.size, 80 + it)
+        opt.zero_grad()
+        ps.zero_grad()
+        loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
+        loss_fn(b(shard(X, comm)), shard(Y, comm)).backward()
+        opt.step()
+        ps.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+    rows = gather(comm, flat_params(b))
+    assert (rows == rows[0]).all(), "workers must hold the server's parameters"
+    ddp.close()
