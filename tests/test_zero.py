@@ -9,12 +9,13 @@ to floating-point order.
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torch_gloo import gloo_world  # noqa: E402
 
 from mpiring.zero import ZeroRedundancyOptimizer  # noqa: E402
 
@@ -212,25 +213,10 @@ def test_rejects_bad_arguments_on_every_rank(comm):
             ZeroRedundancyOptimizer(other.parameters(), comm, lr=0.1)
 
 
-def _init_gloo(world):
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        port = None
-        if world.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = world.mpi_comm.bcast(port)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=world.rank, world_size=world.size)
-    return dist
-
-
 @pytest.mark.deadline(90)
 def test_equals_torch_zero_redundancy_optimizer_over_gloo(world, subcomms):
     """torch DDP + torch's ZeroRedundancyOptimizer (gloo) vs ours, same data and init."""
-    dist = _init_gloo(world)
+    dist = gloo_world(world)
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 

@@ -121,6 +121,14 @@ class DistributedDataParallel(nn.Module):
         """Current bucket layout: per bucket, indices into the trainable parameters."""
         return self.reducer.bucket_params
 
+    def register_comm_hook(self, state, hook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` (torch DDP's API; see ``comm_hooks``).
+
+        The hook receives a ``comm_hooks.GradBucket`` with this rank's undivided
+        gradients and returns the mean; call this once, before the first backward.
+        """
+        self.reducer.register_comm_hook(state, hook)
+
     def close(self) -> None:
         """Remove the hooks and stop the communication thread (the module stays usable)."""
         self.reducer.close()

@@ -160,6 +160,7 @@ class Reducer:
         self.rebuilt = False
         self._observed: list[int] = []  # hook order in the first synced backward
         self._rebuild_due = False
+        self._comm_hook: tuple[Any, Callable] | None = None  # register_comm_hook
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                          for i, p in enumerate(self.params)]
         self._build(order=None)
@@ -300,14 +301,16 @@ class Reducer:
         slot = self.buckets[b].flat[off:off + p.numel()]
         # Divide by the world size BEFORE the sum, not after: summing K float16
         # gradients first can overflow (max 65504) where the mean would not.
+        # A comm hook gets the undivided gradients and divides itself (torch's contract).
+        divide = self.size > 1 and self._comm_hook is None
         if self.gradient_as_bucket_view:
             view = slot.view_as(p)
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
                 p.grad = view
-            if self.size > 1:
+            if divide:
                 slot.div_(self.size)
-        elif self.size > 1:
+        elif divide:
             torch.div(grad.reshape(-1), self.size, out=slot)
         else:
             slot.copy_(grad.reshape(-1))
@@ -348,14 +351,24 @@ class Reducer:
                   "params": len(bucket.params), "launch": clock()}
         self._records.append(record)
         comm, algo = self._bucket_comm, self.algo
+        hook = self._comm_hook
+        if hook is not None:
+            hook_args = (bucket.index, bucket.flat, bucket.numel,
+                         [self.params[i] for i in bucket.params], bucket.offsets,
+                         bucket.index == len(self.buckets) - 1, bucket.tail, self.iteration)
 
         def all_reduce_bucket() -> None:
             if event is not None:
                 event.synchronize()
             record["t_start"] = clock()
-            # Pre-divided by K in the hook, so a sum gives the mean; the ring check
-            # is off because every rank built the same layout (checked at construction).
-            comm.all_reduce(bucket.flat, op="sum", algo=algo, check=False)
+            if hook is not None:
+                from .comm_hooks import run_comm_hook
+
+                run_comm_hook(hook[0], hook[1], comm, *hook_args)
+            else:
+                # Pre-divided by K in the hook, so a sum gives the mean; the ring check
+                # is off because every rank built the same layout (checked at construction).
+                comm.all_reduce(bucket.flat, op="sum", algo=algo, check=False)
             record["t_end"] = clock()
             # Copy the means back into .grad right away: autograd has finished with
             # these parameters (their post-accumulate hooks have fired).
@@ -453,6 +466,23 @@ class Reducer:
                      iteration=self.iteration, overlap=self.overlap)
         tracer.event("ddp.wait", "ddp", t_wait, t_done, iteration=self.iteration,
                      overlap=self.overlap)
+
+    # --- communication hooks (torch DDP's register_comm_hook; see comm_hooks.py) -----
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Reduce every bucket with ``hook(state, bucket)`` instead of the plain AllReduce.
+
+        Raises:
+            RuntimeError: a hook is already registered, or a backward already ran.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook: a communication hook is already registered; "
+                               "register one hook, once")
+        if self.iteration > 0 or self._started:
+            raise RuntimeError("register_comm_hook: register the hook before the first backward "
+                               "(the reducer divides gradients differently with a hook)")
+        self._comm_hook = (state, hook)
 
     @property
     def exposed_comm_s(self) -> float:

@@ -1,0 +1,484 @@
+r"""DDP communication hooks: what a bucket's gradient becomes on the wire.
+
+``ddp.register_comm_hook(state, hook)`` replaces the reducer's plain AllReduce
+of a bucket with ``hook(state, bucket)``, as in torch DDP. The hook gets a
+``GradBucket`` whose ``buffer()`` holds this rank's gradients of the bucket,
+*not yet divided* by the world size (the hook decides where to divide), and
+returns the reduced mean gradient (a tensor like ``buffer()``, or a future with
+``wait()``). It runs on the reducer's communication thread and must use
+``bucket.comm``, the reducer's own communicator, for its collectives.
+
+Built-in hooks, cheapest last, bytes sent per rank for a bucket of N float32
+elements on K ranks (the ring sends (K-1)/K of a buffer per phase):
+
+=====================  ==========================  =====================================
+hook                   on the wire                 what it costs in accuracy
+=====================  ==========================  =====================================
+``allreduce_hook``     AllReduce, 2(K-1)/K 4N      none (the reducer's own path)
+``fp16_compress_hook`` AllReduce, 2(K-1)/K 2N      fp16 rounding of the mean, no range
+``bf16_compress_hook`` AllReduce, 2(K-1)/K 2N      bf16 rounding (8 bits), fp32 range
+``topk_hook``          AllGather of k (index,      only the k largest |g| per rank per
+                       value) pairs, (K-1) 8k      step; error feedback keeps the rest
+``powerSGD_hook``      AllReduce of P (n r) and    rank-r approximation of every weight
+                       Q (m r) per n x m matrix    matrix; error feedback, warm start
+=====================  ==========================  =====================================
+
+Division happens *before* the reduction wherever precision allows it (fp16,
+bf16, top-k): the sum of K float16 gradients can overflow where the sum of K
+gradients divided by K cannot. PowerSGD follows torch's ``powerSGD_hook``
+(sum, then divide the small Q) so that the two give the same numbers.
+
+Every state counts the bytes its hook sent (``state.bytes_sent``) so the bench
+can print them. Hooks call the collectives with ``check=False``, as the reducer
+does for its buckets: the layout was compared across ranks at construction and
+every message size here is a function of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..chunking import chunk_bounds
+
+__all__ = [
+    "GradBucket",
+    "HookState",
+    "PowerSGDState",
+    "TopKState",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "fp16_compress_hook",
+    "make_hook",
+    "powerSGD_hook",
+    "ring_bytes_sent",
+    "topk_hook",
+    "HOOKS",
+]
+
+
+class GradBucket:
+    """One bucket as a hook sees it (method names as torch's ``dist.GradBucket``).
+
+    Attributes:
+        comm: the communicator to run the hook's collectives on (the reducer's
+            own duplicate, safe to use from the communication thread).
+        iteration: synced backward passes the reducer finished before this one.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: Sequence[torch.Tensor],
+                 offsets: Sequence[int], is_last: bool, comm, iteration: int = 0):
+        self._index = index
+        self._buffer = buffer
+        self._params = list(params)
+        self._offsets = list(offsets)
+        self._is_last = is_last
+        self.comm = comm
+        self.iteration = iteration
+
+    def index(self) -> int:
+        """Position of the bucket in launch order (0 first)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradients of the bucket (this rank's, not divided by K)."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer's contents with ``tensor`` (same length)."""
+        self._buffer.copy_(tensor)
+
+    def is_last(self) -> bool:
+        """True for the last bucket reduced in an iteration."""
+        return self._is_last
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The bucket's parameters, in the buffer's order."""
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Per parameter, its gradient as a view into ``buffer()`` (parameter shape)."""
+        return [self._buffer[off:off + p.numel()].view_as(p)
+                for p, off in zip(self._params, self._offsets)]
+
+    def offsets(self) -> list[int]:
+        """Element offset of each parameter in ``buffer()``."""
+        return list(self._offsets)
+
+
+def ring_bytes_sent(n: int, itemsize: int, size: int, rank: int, phases: Sequence[str]) -> int:
+    """Bytes this rank sends in a ring ReduceScatter/AllGather/AllReduce of ``n`` elements.
+
+    In ReduceScatter rank r sends every chunk but its own; in AllGather every
+    chunk but the one of its right neighbour. ``phases`` lists "rs" and/or "ag".
+    """
+    if size == 1:
+        return 0
+    bounds = chunk_bounds(n, size)
+    total = 0
+    for phase in phases:
+        skip = rank if phase == "rs" else (rank + 1) % size
+        total += (n - (bounds[skip][1] - bounds[skip][0])) * itemsize
+    return total
+
+
+class HookState:
+    """Counters every built-in hook keeps (and the plain hooks' whole state)."""
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0      # bytes this rank sent on the wire, all buckets
+        self.dense_bytes = 0     # what the plain float AllReduce would have sent
+        self.calls = 0
+
+    def _count(self, comm, n: int, itemsize: int, phases=("rs", "ag")) -> None:
+        self.bytes_sent += ring_bytes_sent(n, itemsize, comm.size, comm.rank, phases)
+
+    def _count_dense(self, comm, bucket: GradBucket) -> None:
+        buf = bucket.buffer()
+        self.dense_bytes += ring_bytes_sent(buf.numel(), buf.element_size(), comm.size,
+                                            comm.rank, ("rs", "ag"))
+        self.calls += 1
+
+
+def _all_reduce_mean_(state: HookState | None, comm, buf: torch.Tensor,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Mean of ``buf`` over the ranks, in place, sent as ``dtype`` (divide first, then sum)."""
+    if comm.size > 1:
+        buf.div_(comm.size)
+    if dtype is None or dtype == buf.dtype:
+        wire = buf
+    else:
+        wire = buf.to(dtype)
+    if comm.size > 1:
+        comm.all_reduce(wire, op="sum", check=False)
+    if state is not None:
+        state._count(comm, wire.numel(), wire.element_size())
+    if wire is not buf:
+        buf.copy_(wire)
+    return buf
+
+
+def allreduce_hook(state: HookState | None, bucket: GradBucket) -> torch.Tensor:
+    """The plain mean: divide by K, ring AllReduce. Same result as no hook."""
+    if state is not None:
+        state._count_dense(bucket.comm, bucket)
+    return _all_reduce_mean_(state, bucket.comm, bucket.buffer())
+
+
+def fp16_compress_hook(state: HookState | None, bucket: GradBucket) -> torch.Tensor:
+    """Send the gradients as float16: half the bytes; divided by K before the cast and the sum."""
+    if state is not None:
+        state._count_dense(bucket.comm, bucket)
+    return _all_reduce_mean_(state, bucket.comm, bucket.buffer(), torch.float16)
+
+
+def bf16_compress_hook(state: HookState | None, bucket: GradBucket) -> torch.Tensor:
+    """Send the gradients as bfloat16: half the bytes, float32's range, 8 bits of mantissa."""
+    if state is not None:
+        state._count_dense(bucket.comm, bucket)
+    return _all_reduce_mean_(state, bucket.comm, bucket.buffer(), torch.bfloat16)
+
+
+# --- top-k sparsification ----------------------------------------------------------
+
+class TopKState(HookState):
+    """State of ``topk_hook``: the ratio kept and each bucket's error-feedback memory.
+
+    Args:
+        ratio: fraction of each bucket's elements each rank sends per step
+            (k = ceil(ratio * N), at least 1).
+        use_error_feedback: add what was not sent to the next step's gradient
+            (without it top-k stalls on the small coordinates; with it every
+            coordinate is sent eventually, Stich et al. 2018).
+        start_iter: plain AllReduce for the first ``start_iter`` iterations.
+    """
+
+    def __init__(self, ratio: float = 0.01, use_error_feedback: bool = True, start_iter: int = 0):
+        super().__init__()
+        if not 0 < ratio <= 1:
+            raise ValueError(f"ratio={ratio}: keep a fraction in (0, 1] of each bucket")
+        self.ratio = float(ratio)
+        self.use_error_feedback = use_error_feedback
+        self.start_iter = int(start_iter)
+        self.errors: dict[int, torch.Tensor] = {}
+        self.iter = 0
+
+
+def topk_hook(state: TopKState, bucket: GradBucket) -> torch.Tensor:
+    """Each rank sends its k largest-magnitude (index, value) pairs; the sum is the mean estimate.
+
+    The exchange uses the project's ring AllGather into fixed-size slots: rank r
+    writes its k indices (int32) and k values into slot r of two K*k buffers,
+    which are exactly chunk r under ``numpy.array_split`` bounds, so one
+    ``all_gather`` each hands every rank every slot. Duplicate indices from
+    different ranks add up (``index_add_``). A bucket too small for the sparse
+    form to pay off (K k (4 + itemsize) >= 2 N itemsize) goes dense.
+    """
+    comm = bucket.comm
+    buf = bucket.buffer()
+    state._count_dense(comm, bucket)
+    k_ranks, n = comm.size, buf.numel()
+    k = max(1, math.ceil(state.ratio * n))
+    dense = (state.iter < state.start_iter
+             or k * k_ranks * (4 + buf.element_size()) >= 2 * n * buf.element_size())
+    if bucket.is_last():
+        state.iter += 1
+    if dense:
+        state.errors.pop(bucket.index(), None)
+        return _all_reduce_mean_(state, comm, buf)
+    g = buf.div_(k_ranks)  # the mean's share of this rank: divide before adding up
+    if state.use_error_feedback:
+        err = state.errors.get(bucket.index())
+        if err is not None and err.numel() == n:
+            g.add_(err)
+    idx = torch.topk(g.abs(), k, sorted=False).indices
+    indices = torch.zeros(k_ranks * k, dtype=torch.int32, device=buf.device)
+    values = torch.zeros(k_ranks * k, dtype=buf.dtype, device=buf.device)
+    slot = slice(comm.rank * k, (comm.rank + 1) * k)
+    indices[slot] = idx.to(torch.int32)
+    values[slot] = g[idx]
+    if state.use_error_feedback:
+        # What this rank did not send this time is sent (added) next time.
+        err = g.clone()
+        err[idx] = 0
+        state.errors[bucket.index()] = err
+    if k_ranks > 1:
+        comm.all_gather(indices, check=False)
+        comm.all_gather(values, check=False)
+        state._count(comm, indices.numel(), indices.element_size(), ("ag",))
+        state._count(comm, values.numel(), values.element_size(), ("ag",))
+    out = buf.zero_()
+    out.index_add_(0, indices, values)
+    return out
+
+
+# --- PowerSGD ----------------------------------------------------------------------
+
+class PowerSGDState(HookState):
+    """State of ``powerSGD_hook`` (Vogels et al., 2019), with torch's arguments and defaults.
+
+    Args:
+        matrix_approximation_rank: r, the rank of the approximation.
+        start_powerSGD_iter: plain AllReduce for this many iterations first
+            (> 1 with error feedback or warm start: the buckets are rebuilt
+            after the first iteration).
+        min_compression_rate: compress an n x m matrix only if
+            n m > rate (n + m) r; smaller tensors (biases, norms) go uncompressed.
+        use_error_feedback: carry each step's approximation error into the next.
+        warm_start: start each step's power iteration from the last Q.
+        orthogonalization_epsilon: added to column norms in Gram-Schmidt.
+        random_seed: seed for the first Q, the same on every rank.
+    """
+
+    def __init__(self, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
+                 min_compression_rate: float = 2, use_error_feedback: bool = True,
+                 warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+                 random_seed: int = 0):
+        super().__init__()
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"matrix_approximation_rank={matrix_approximation_rank}: use >= 1")
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError(
+                f"start_powerSGD_iter={start_powerSGD_iter}: use at least 2 with error feedback "
+                "or warm start (the buckets are rebuilt after the first iteration, and the "
+                "per-bucket memories must start after that)")
+        self.matrix_approximation_rank = int(matrix_approximation_rank)
+        self.start_powerSGD_iter = int(start_powerSGD_iter)
+        self.min_compression_rate = min_compression_rate
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
+        self.orthogonalization_epsilon = orthogonalization_epsilon
+        # The seeds for the first Qs come from one NumPy stream, drawn in bucket
+        # order, so every rank draws the same Q without communicating.
+        self.rng = np.random.RandomState(random_seed)
+        self.errors: dict[int, torch.Tensor] = {}
+        self.p_memory: dict[int, torch.Tensor] = {}
+        self.q_memory: dict[int, torch.Tensor] = {}
+        self.iter = 0
+
+    def _next_iter(self, bucket: GradBucket) -> None:
+        if bucket.is_last():
+            self.iter += 1
+
+
+def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
+    """Orthonormalise the columns of each (n, r) matrix in a (b, n, r) batch, in place.
+
+    Gram-Schmidt for r <= 2 or half precision (QR needs float32), QR otherwise,
+    as torch's PowerSGD does, so both produce the same Q.
+    """
+    r = matrices.shape[2]
+    if r > 2 and matrices.dtype not in (torch.float16, torch.bfloat16):
+        q, _ = torch.linalg.qr(matrices)
+        matrices.copy_(q)
+        return
+    for i in range(r):
+        col = matrices[:, :, i:i + 1]
+        norm = torch.norm(col, dim=1, keepdim=True)
+        col /= norm + epsilon if epsilon else norm
+        if i + 1 < r:
+            rest = matrices[:, :, i + 1:]
+            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+
+
+def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.Tensor:  # noqa: N802
+    """Rank-r compression of every weight matrix M (n x m) of the bucket.
+
+    One step of power iteration, shared by all ranks (the sums are linear)::
+
+        M  += error                        (error feedback)
+        P   = M Q;    AllReduce(P)         Q: last step's (warm start) or random
+        P   = orthonormalise(P)
+        Q   = M^T P;  AllReduce(Q); Q /= K
+        M' = P Q^T                         the mean gradient's rank-r approximation
+        error = M - M'
+
+    Tensors that would not shrink by ``min_compression_rate`` (biases, norms,
+    small matrices) are all-reduced as they are, in one buffer. The wire
+    carries (n + m) r instead of n m per matrix.
+    """
+    comm = bucket.comm
+    buf = bucket.buffer()
+    state._count_dense(comm, bucket)
+    k_ranks = comm.size
+    if state.iter < state.start_powerSGD_iter:
+        state._next_iter(bucket)
+        return _all_reduce_mean_(state, comm, buf)
+    b = bucket.index()
+    n_total, device, dtype = buf.numel(), buf.device, buf.dtype
+    if state.use_error_feedback:
+        err = state.errors.get(b)
+        if err is not None and err.numel() == n_total:
+            buf.add_(err)
+        before = buf.clone()
+    compress, plain = [], []
+    for g in bucket.gradients():
+        matrix = g.view(g.shape[0], -1) if g.dim() > 0 else g.view(1, 1)
+        n, m = matrix.shape
+        r = min(n, m, state.matrix_approximation_rank)
+        (compress if (n + m) * r * state.min_compression_rate < n * m else plain).append(
+            (matrix, g, r))
+    p_size = sum(mat.shape[0] * r for mat, _, r in compress)
+    q_size = sum(mat.shape[1] * r for mat, _, r in compress)
+    fresh = (not state.warm_start or b not in state.p_memory
+             or state.p_memory[b].numel() != p_size or state.q_memory[b].numel() != q_size)
+    if fresh:
+        state.p_memory[b] = torch.empty(p_size, device=device, dtype=dtype)
+        state.q_memory[b] = torch.empty(q_size, device=device, dtype=dtype)
+    p_all, q_all = state.p_memory[b], state.q_memory[b]
+    ps, qs = [], []
+    pi = qi = 0
+    for mat, _, r in compress:
+        n, m = mat.shape
+        ps.append(p_all[pi:pi + n * r].view(1, n, r))
+        qs.append(q_all[qi:qi + m * r].view(1, m, r))
+        pi += n * r
+        qi += m * r
+    if fresh:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(state.rng.randint(1_000_000_000))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, device="cpu", dtype=dtype))
+                orthogonalize_(q, state.orthogonalization_epsilon)
+    else:
+        for q in qs:
+            orthogonalize_(q, state.orthogonalization_epsilon)
+
+    # Uncompressed tensors: one AllReduce of their concatenation.
+    if plain:
+        flat = torch.cat([g.reshape(-1) for _, g, _ in plain])
+        if k_ranks > 1:
+            comm.all_reduce(flat, op="sum", check=False)
+            state._count(comm, flat.numel(), flat.element_size())
+        flat.div_(k_ranks)
+        pos = 0
+        for _, g, _ in plain:
+            g.copy_(flat[pos:pos + g.numel()].view_as(g))
+            pos += g.numel()
+    if compress:
+        for (mat, _, _), p, q in zip(compress, ps, qs):
+            torch.matmul(mat, q[0], out=p[0])
+        if k_ranks > 1:
+            comm.all_reduce(p_all, op="sum", check=False)
+            state._count(comm, p_all.numel(), p_all.element_size())
+        for p in ps:
+            orthogonalize_(p, state.orthogonalization_epsilon)
+        for (mat, _, _), p, q in zip(compress, ps, qs):
+            torch.matmul(mat.t(), p[0], out=q[0])
+        if k_ranks > 1:
+            comm.all_reduce(q_all, op="sum", check=False)
+            state._count(comm, q_all.numel(), q_all.element_size())
+        q_all.div_(k_ranks)
+        for (mat, _, _), p, q in zip(compress, ps, qs):
+            torch.matmul(p[0], q[0].t(), out=mat)
+    if state.use_error_feedback:
+        state.errors[b] = before - buf
+    if not state.warm_start:
+        state.p_memory.clear()
+        state.q_memory.clear()
+    state._next_iter(bucket)
+    return buf
+
+
+HOOKS: dict[str, Callable[[Any, GradBucket], Any] | None] = {
+    "none": None,
+    "allreduce": allreduce_hook,
+    "fp16": fp16_compress_hook,
+    "bf16": bf16_compress_hook,
+    "topk": topk_hook,
+    "powersgd": powerSGD_hook,
+}
+
+
+def make_hook(name: str, **options: Any) -> tuple[HookState | None, Callable | None]:
+    """``(state, hook)`` for a built-in hook by name (the CLI's ``--comm-hook``).
+
+    Options: ``ratio`` (topk), ``rank`` and ``start_iter`` (powersgd; start_iter
+    also for topk).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in HOOKS:
+        raise ValueError(f"unknown comm hook {name!r}: use one of {', '.join(HOOKS)}")
+    hook = HOOKS[name]
+    if name == "none":
+        return None, None
+    if name == "topk":
+        return TopKState(ratio=options.get("ratio", 0.01),
+                         start_iter=options.get("start_iter", 0)), hook
+    if name == "powersgd":
+        return PowerSGDState(matrix_approximation_rank=options.get("rank", 1),
+                             start_powerSGD_iter=max(2, options.get("start_iter", 2))), hook
+    return HookState(), hook
+
+
+def run_comm_hook(state: Any, hook: Callable, comm, bucket_index: int, flat: torch.Tensor,
+                  numel: int, params: Sequence[torch.Tensor], offsets: Sequence[int],
+                  is_last: bool, tail: int | None, iteration: int) -> None:
+    """Reduce one reducer bucket through ``hook`` (called on the communication thread).
+
+    The hook sees only the gradients (``flat[:numel]``); the reducer's status
+    tail, if this bucket has one, is summed exactly with a plain AllReduce of
+    its own, since a compressing hook would corrupt the counts it carries.
+    The mean gradient ends up in ``flat[:numel]``.
+    """
+    buffer = flat[:numel]
+    grad_bucket = GradBucket(bucket_index, buffer, params, offsets, is_last, comm, iteration)
+    result = hook(state, grad_bucket)
+    if hasattr(result, "wait"):
+        result = result.wait()
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+    if not isinstance(result, torch.Tensor) or result.numel() != numel:
+        raise TypeError(f"comm hook {getattr(hook, '__name__', hook)!r} returned "
+                        f"{type(result).__name__} for bucket {bucket_index}: return the reduced "
+                        f"gradient, a tensor of {numel} elements like bucket.buffer()")
+    if result.data_ptr() != buffer.data_ptr():
+        buffer.copy_(result.reshape(-1))
+    if tail is not None and comm.size > 1:
+        comm.all_reduce(flat[tail:], op="sum", check=False)
