@@ -375,10 +375,12 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
                         f"{coll}#{num}: a step names rank {peer}, which has no records for this "
                         "call: the call ran on a sub-communicator (its ranks differ from the "
                         "trace's), or some rank files are missing")
-    nchunks = max([len(ranks)] + [int(s["steps"]) for st in per_rank.values() for s in st
-                                  if s["phase"] in ("broadcast", "reduce")]
-                  + [int(c) + 1 for st in per_rank.values() for s in st
-                     for c in (s.get("send_chunk"), s.get("recv_chunk")) if c is not None])
+    # Ring collectives cut the buffer into K chunks; the pipelined ones into S
+    # segments (one per step); the parameter server moves one whole buffer.
+    nchunks = max([1] + [int(c) + 1 for st in per_rank.values() for s in st
+                         for c in (s.get("send_chunk"), s.get("recv_chunk")) if c is not None])
+    if coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        nchunks = max(nchunks, len(ranks))
     if coll == "all_gather":
         state = {r: [frozenset([r]) if c == r else None for c in range(nchunks)] for r in ranks}
     elif coll == "broadcast":

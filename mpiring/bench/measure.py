@@ -123,20 +123,27 @@ def ring_exchange(mpi_comm: MPI.Comm, sizes: Sequence[int], reps: int = 5) -> li
 
 
 def fit_pingpong(mpi_comm: MPI.Comm, max_bytes: int = 16 << 20,
-                 reps: int = 5) -> dict[str, AlphaBeta]:
+                 reps: int = 5) -> tuple[dict[str, AlphaBeta], dict[str, str]]:
     """Fit the alpha-beta model both ways: ``pair`` (ping-pong r0<->r1) and ``ring``.
 
-    Returns an empty dict on one rank (there is no neighbour).
+    Returns ``(fits, failures)``: the fits by source, and for a source whose
+    points could not be fitted (a machine so busy that times do not grow with
+    size) the reason. Both are empty on one rank (there is no neighbour). Every
+    rank gets the same answer: the points are broadcast or max-reduced.
     """
+    fits: dict[str, AlphaBeta] = {}
+    failures: dict[str, str] = {}
     if mpi_comm.Get_size() < 2:
-        return {}
+        return fits, failures
     sizes = pingpong_sizes(max_bytes)
-    fits = {}
     for source, points in (("pair", pingpong(mpi_comm, sizes, reps)),
                            ("ring", ring_exchange(mpi_comm, sizes, reps))):
         ns, ts = zip(*points)
-        fits[source] = fit_alpha_beta(ns, ts, source=source)
-    return fits
+        try:
+            fits[source] = fit_alpha_beta(ns, ts, source=source)
+        except ValueError as exc:
+            failures[source] = str(exc)
+    return fits, failures
 
 
 def memory_bandwidth(mpi_comm: MPI.Comm, local_size: int, nbytes: int = 64 << 20,

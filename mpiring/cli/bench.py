@@ -113,9 +113,10 @@ def _run(args) -> int:
               f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['bench'] else ''}".rstrip(), file=out)
 
     bound = measure.memory_bandwidth(comm.mpi_comm, comm.local_size)
-    fits = {}
+    fits, failures = {}, {}
     if args.model or args.sweep_chunks is not None or args.ps is not None:
-        fits = measure.fit_pingpong(comm.mpi_comm, max_bytes=max(1 << 20, min(sizes[-1], 16 << 20)))
+        fits, failures = measure.fit_pingpong(
+            comm.mpi_comm, max_bytes=max(1 << 20, min(sizes[-1], 16 << 20)))
     ab = fits.get(args.fit)
     if out:
         print(f"# memory: {bound.describe()} (see the README's Performance section for the bound)",
@@ -125,6 +126,8 @@ def _run(args) -> int:
                     "ring exchange, every rank sends right and receives from the left at once")
             used = " <- used for the model" if name == args.fit else ""
             print(f"# alpha-beta fit, {what}: {fit.describe()}{used}", file=out)
+        for name, why in failures.items():
+            print(f"# alpha-beta fit ({name}) failed, no model from it: {why}", file=out)
 
     rows: list[dict] = []
     progress_on = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())

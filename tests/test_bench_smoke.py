@@ -1,0 +1,95 @@
+"""Short bench runs: the sweep, the PS traffic study and the S study in this job, and the
+``bench`` command (with gloo) in a nested 2-rank launch."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mpiring.bench import report
+from mpiring.bench.pipeline import chunks_study
+from mpiring.bench.ps import ps_study
+from mpiring.bench.sweep import CHUNKED, COLLECTIVES, SweepConfig, resolve_algos, run_sweep
+from mpiring.costmodel import AlphaBeta
+
+
+def test_sweep_every_collective_and_algo_is_right(world):
+    algos = resolve_algos(COLLECTIVES, None, gloo=False)
+    cfg = SweepConfig(COLLECTIVES, algos, sizes=[4, 1000, 4096], iters=2, warmup=1,
+                      dtype="float32", op="sum", root=world.size - 1, chunks=3,
+                      model=AlphaBeta(1e-5, 1e9))
+    rows = run_sweep(world, cfg)
+    assert not cfg.notes
+    expected = sum(len(a) for a in algos.values()) * 3
+    if world.size > 1:  # reduce_scatter/all_gather round 4 B down to 0 elements: skipped
+        expected -= sum(len(algos[c]) for c in CHUNKED)
+    assert len(rows) == expected
+    for r in rows:
+        assert set(report.ROW_KEYS) <= set(r)
+        assert r["wrong"] == 0, r
+        assert r["time_us"] > 0
+    ring = [r for r in rows if r["algo"] == "ring" and r["collective"] == "all_reduce"]
+    assert all(r["model_us"] is not None for r in ring) or world.size == 1
+
+
+def test_sweep_skips_what_the_communicator_refuses(world):
+    # MPI cannot reduce bfloat16: native is refused on every rank, ring is checked
+    # against the NumPy reference instead.
+    cfg = SweepConfig(["all_reduce"], {"all_reduce": ["native", "ring"]}, sizes=[256],
+                      iters=1, warmup=0, dtype="bfloat16", op="sum")
+    rows = run_sweep(world, cfg)
+    assert [r["algo"] for r in rows] == ["ring"] and rows[0]["wrong"] == 0
+    assert "bfloat16" in cfg.notes[0]
+
+
+def test_ps_traffic_counted_from_the_trace_matches_the_lecture(world):
+    m = 4 * 840  # 840 elements: whole chunks for K = 2, 3, 4
+    rows = ps_study(world, m, iters=1, warmup=0)
+    assert len(rows) == 3 * (world.size - 1)
+    for r in rows:
+        k = r["ranks"]
+        assert r["wrong"] == 0
+        assert len(r["sent"]) == k
+        if r["algo"] == "ring":  # every rank sends and receives 2(K-1)/K M
+            assert r["sent"] == [2 * (k - 1) * m // k] * k
+            assert r["recv"] == [2 * (k - 1) * m // k] * k
+        elif r["algo"] == "ps":  # the server moves (K-1) M each way, a worker M
+            assert r["server_recv"] == r["server_sent"] == (k - 1) * m
+            assert r["sent"][1:] == [m] * (k - 1)
+        else:  # Reduce + Broadcast on the ring: M each way at the server
+            assert r["server_recv"] == r["server_sent"] == m
+            assert r["worker_sent"] == (2 * m if k >= 3 else m)
+
+
+def test_chunks_study(world):
+    rows = chunks_study(world, 4096, iters=1, warmup=0, model=AlphaBeta(1e-5, 1e9),
+                        max_chunks=8)
+    assert [r["chunks"] for r in rows] == [None, 1, 2, 4, 8]
+    assert all(r["wrong"] == 0 for r in rows)
+    assert rows[1]["model_best"] >= 1
+
+
+@pytest.mark.deadline(150)
+def test_bench_command_with_gloo_json_plot_and_model(rank0_subprocess, tmp_path_factory, world):
+    pytest.importorskip("torch")
+    tmp = tmp_path_factory.mktemp("bench") if world.rank == 0 else None
+    js = os.path.join(str(tmp), "b.json") if tmp else ""
+    png = os.path.join(str(tmp), "b.png") if tmp else ""
+    result = rank0_subprocess(2, ["-m", "mpiring", "bench", "-b", "64", "-e", "4K", "-f", "8",
+                                  "-n", "2", "-w", "1", "--algo", "ring,native,gloo", "--model",
+                                  "--json", js, "--plot", png, "--progress", "on"], timeout=120)
+    if result is None:
+        return
+    rc, out, _ = result
+    assert rc == 0, out
+    for text in ("# all_reduce on 2 ranks", "# -- ring", "# -- native", "# -- gloo",
+                 "# memory: single-core memcpy", "x native", "[####"):
+        assert text in out, out
+    rows = json.loads(open(js).read())
+    assert {r["algo"] for r in rows} == {"ring", "native", "gloo"}
+    assert [r["bytes"] for r in rows if r["algo"] == "gloo"] == [64, 512, 4096]
+    for r in rows:
+        assert set(report.ROW_KEYS) <= set(r) and r["wrong"] == 0 and r["ranks"] == 2
+    assert open(png, "rb").read(4) == b"\x89PNG"
+    assert np.isfinite([r["busbw"] for r in rows]).all()
