@@ -1,0 +1,118 @@
+"""Short GPU benchmark: NCCL native vs ring, MPI on GPU buffers (staged or CUDA-aware) vs host.
+
+Run under mpiexec on a machine with a GPU; every rank uses GPU local_rank % count.
+
+    mpiexec -n 2 python -m mpiring gpu-bench --sizes 1M,64M
+
+Rows (AllReduce, float32, sum):
+
+* ``nccl native`` / ``nccl ring``: ncclAllReduce vs the lecture's ring over
+  NCCL send/recv (skipped, with the reason, when NCCL cannot start here);
+* ``mpi staged`` or ``mpi cuda-aware``: CuPy buffers on the MPI backend, ring
+  and native (a non-CUDA-aware MPI is staged through pinned host memory);
+* ``mpi host``: the same collectives on NumPy arrays, the staging baseline.
+
+Time per call: each iteration starts after a barrier and ends when the slowest
+rank's GPU has finished (device synchronize, then MPI max); the median of
+``--iters`` is reported with algbw = bytes/time and busbw = algbw x 2(K-1)/K.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from . import parse_size
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--sizes", default="1M,64M",
+                   help="comma list of message sizes in bytes (K/M/G), default 1M,64M")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations, default 10")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations, default 3")
+    p.add_argument("--backends", default="nccl,mpi", help="comma list of nccl, mpi")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON (rank 0)")
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    import mpiring
+    from mpiring.cuda import cuda_aware_mpi, import_cupy
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    cupy, reason = import_cupy()
+    ok = cupy is not None
+    if ok:
+        try:
+            ndev = cupy.cuda.runtime.getDeviceCount()
+            ok = ndev > 0
+            reason = "no CUDA device"
+        except Exception as exc:  # noqa: BLE001
+            ok, reason = False, f"no usable CUDA device ({type(exc).__name__})"
+    if world.allreduce(0 if ok else 1, op=MPI.MAX):
+        say(f"gpu-bench: no GPU on some rank ({reason}); nothing to measure")
+        return 1
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    cupy.cuda.Device(node.Get_rank() % ndev).use()
+    node.Free()
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    rows: list[dict] = []
+    k = world.Get_size()
+    say(f"gpu-bench: {k} rank(s), AllReduce float32 sum, median of {args.iters} "
+        f"(after {args.warmup} warm-up)")
+    say(f"{'backend':<8} {'path':<11} {'algo':<7} {'bytes':>10} {'time_us':>10} "
+        f"{'algbw_GB/s':>11} {'busbw_GB/s':>11}")
+
+    def bench(comm, path, algo, make):
+        for nbytes in sizes:
+            x = make(nbytes // 4)
+            times = []
+            for i in range(args.warmup + args.iters):
+                world.Barrier()
+                t0 = time.perf_counter()
+                comm.all_reduce(x, algo=algo, check=False)
+                if path != "host":
+                    cupy.cuda.Device().synchronize()
+                dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                if i >= args.warmup:
+                    times.append(dt)
+            t = float(np.median(times))
+            algbw = nbytes / t / 1e9
+            busbw = algbw * 2 * (k - 1) / k
+            row = {"backend": comm.backend, "path": path, "algo": algo, "bytes": nbytes,
+                   "ranks": k, "time_us": t * 1e6, "algbw": algbw, "busbw": busbw}
+            rows.append(row)
+            say(f"{comm.backend:<8} {path:<11} {algo:<7} {nbytes:>10} {t * 1e6:>10.1f} "
+                f"{algbw:>11.2f} {busbw:>11.2f}")
+
+    def on_gpu(n):
+        return cupy.ones(n, dtype=cupy.float32)
+
+    if "nccl" in backends:
+        try:
+            comm = mpiring.init(backend="nccl")
+        except mpiring.BackendUnavailable as exc:
+            say(f"nccl     skipped: {str(exc).splitlines()[1].strip()}")
+        else:
+            for algo in ("native", "ring"):
+                bench(comm, "device", algo, on_gpu)
+    if "mpi" in backends:
+        comm = mpiring.init(backend="mpi")
+        aware, how = cuda_aware_mpi()
+        path = "cuda-aware" if aware else "staged"
+        if not aware:
+            say(f"mpi      CUDA-aware MPI not available ({how}): GPU buffers are staged")
+        for algo in ("native", "ring"):
+            bench(comm, path, algo, on_gpu)
+        for algo in ("native", "ring"):
+            bench(comm, "host", algo, lambda n: np.ones(n, dtype=np.float32))
+    if args.json and rank == 0:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
