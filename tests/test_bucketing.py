@@ -6,8 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpiring.ddp.bucketing import (MIB, bucket_offsets, compute_buckets, describe_buckets,
-                                   order_from_observed)
+from mpiring.ddp.bucketing import (
+    MIB,
+    bucket_offsets,
+    compute_buckets,
+    describe_buckets,
+    order_from_observed,
+)
 
 
 def test_reverse_order_small_first_bucket_then_cap():

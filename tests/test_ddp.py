@@ -245,8 +245,9 @@ def test_batchnorm_buffers_follow_rank0(comm):
             model[1].running_mean.fill_(float(comm.rank))  # rank-dependent before wrapping
         ddp = DDP(model, comm, broadcast_buffers=broadcast)
         assert float(model[1].running_mean.sum()) == 0.0, "construction takes rank 0's buffers"
-        seen = []
-        model[1].register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
+        seen: list[torch.Tensor] = []
+        model[1].register_forward_pre_hook(
+            lambda m, a, seen=seen: seen.append(m.running_mean.clone()))
         for it in range(2):
             X, Y = global_batch(comm.size, 50 + it)
             loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
