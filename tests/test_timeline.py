@@ -14,6 +14,7 @@ from mpiring import timeline
 from mpiring.chunking import all_gather_indices, chunk_bounds, reduce_scatter_indices
 from mpiring.cli import main as cli_main
 from mpiring.trace import Tracer
+from mpiring.wire import bcast_json
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def recorded(world):
     Returns the directory on rank 0 and None elsewhere.
     """
     mpi = world.mpi_comm
-    tmp = mpi.bcast(tempfile.mkdtemp(prefix="mpiring-trace-test-") if world.rank == 0 else None)
+    tmp = bcast_json(mpi, tempfile.mkdtemp(prefix="mpiring-trace-test-") if world.rank == 0 else None)
     comm = world.dup()
     comm.tracer = Tracer(world.rank, tmp)
     n = 37  # not a multiple of the rank count: uneven chunks

@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..costmodel import AlphaBeta, MemoryBound, fit_alpha_beta
+from ..wire import bcast_json
 
 clock = time.perf_counter
 
@@ -97,7 +98,7 @@ def pingpong(mpi_comm: MPI.Comm, sizes: Sequence[int], reps: int = 5,
                     rtts.append(clock() - t0)
         quiet_barrier(mpi_comm)
         one_way = float(np.median(rtts)) / 2 if rtts else 0.0
-        results.append((n, mpi_comm.bcast(one_way, root=a)))
+        results.append((n, float(bcast_json(mpi_comm, one_way, root=a))))
     return results
 
 
@@ -170,10 +171,10 @@ def memory_bandwidth(mpi_comm: MPI.Comm, local_size: int, nbytes: int = 64 << 20
         # Best of reps: the machine's capability, not its worst moment.
         copy_bw, add_bw = a.nbytes / min(copies), a.nbytes / min(adds)
     quiet_barrier(mpi_comm)
-    copy_bw, add_bw = mpi_comm.bcast((copy_bw, add_bw), root=0)
+    copy_bw, add_bw = bcast_json(mpi_comm, (copy_bw, add_bw), root=0)
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    cores = mpi_comm.bcast(min(local_size, cpus), root=0)
+    cores = int(bcast_json(mpi_comm, min(local_size, cpus), root=0))
     return MemoryBound(copy_bw, add_bw, cores)
