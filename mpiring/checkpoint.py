@@ -1,0 +1,345 @@
+"""Checkpoints that survive a crash in the middle of a write, and a replica check.
+
+A checkpoint is one file, ``DIR/ckpt-{step:09d}.pt``, written by ``torch.save``
+and read back with ``torch.load(weights_only=True)`` (tensors and plain data
+only: loading never runs code from the file). A write is atomic:
+
+1. the state goes into a new temporary file in the same directory
+   (``.ckpt-{step}.pt.tmp-{host}-{pid}-{random}``, created with ``O_EXCL`` and
+   ``O_NOFOLLOW``, so nothing planted there is followed or overwritten);
+2. the file is flushed and ``fsync``\\ ed;
+3. ``os.replace`` renames it to its final name (atomic on POSIX; a symlink
+   already at that name is replaced, never followed);
+4. the directory is ``fsync``\\ ed so that the rename itself is on disk.
+
+A crash at any point leaves the previous checkpoints as they were, plus at
+worst a temporary file that ``latest_checkpoint`` ignores and the next save of
+the same host removes.
+
+What a training checkpoint holds (``training_state``): the step, the model's
+and the optimizer's ``state_dict``, the sampler's position and the RNG states
+of Python, NumPy and torch (CUDA too when present). ``restore_training_state``
+puts them all back, so a resumed run draws the same random numbers as an
+uninterrupted one.
+
+Typical use in a training loop (rank 0 writes; every rank reads)::
+
+    path = latest_checkpoint(args.checkpoint_dir)
+    step = restore_training_state(load_checkpoint(path), model, opt, sampler) if path else 0
+    ...
+    if comm.rank == 0 and step % every == 0:
+        save_checkpoint(args.checkpoint_dir, training_state(step, model, opt, sampler))
+    if step % check_every == 0:
+        check_replicas(model, comm, step=step)
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import re
+import secrets
+import socket
+import zipfile
+from typing import Any
+
+import numpy as np
+
+FORMAT = "mpiring-checkpoint-1"
+_NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
+_TEMP = re.compile(r"^\.ckpt-\d+\.pt\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The ranks' copies of the model differ (raised on every rank)."""
+
+
+def checkpoint_name(step: int) -> str:
+    """``ckpt-000000120.pt`` for step 120: names sort in step order."""
+    return f"ckpt-{int(step):09d}.pt"
+
+
+# --- RNG states -------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states of Python, NumPy's global generator and torch (CPU and CUDA)."""
+    import torch
+
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        # NumPy's state as a tensor and plain numbers: weights_only loading takes
+        # tensors, not NumPy arrays.
+        "numpy": {"bit_generator": np_state["bit_generator"],
+                  "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                  "pos": int(np_state["state"]["pos"]),
+                  "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state({
+        "bit_generator": n["bit_generator"],
+        "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+        "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- what a training checkpoint holds ----------------------------------------------------
+
+def training_state(step: int, model=None, optimizer=None, sampler=None,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything a resumed run needs, as a dict ``save_checkpoint`` can write.
+
+    Args:
+        step: the number of optimizer steps taken so far.
+        model: a ``torch.nn.Module`` (its ``state_dict()``).
+        optimizer: a ``torch.optim.Optimizer`` (its ``state_dict()``).
+        sampler: anything with ``state_dict()`` (``mpiring.ddp.DistributedSampler``),
+            or plain data (an int position, a dict) stored as it is.
+        extra: more plain data (tensors, numbers, strings, lists, dicts).
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step={step!r}: give the non-negative number of steps taken")
+    return {
+        "format": FORMAT,
+        "step": int(step),
+        "model": model.state_dict() if model is not None else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else sampler,
+        "rng": rng_state(),
+        "extra": extra,
+    }
+
+
+def restore_training_state(state: dict[str, Any], model=None, optimizer=None, sampler=None,
+                           *, rng: bool = True) -> int:
+    """Load ``state`` (from ``load_checkpoint``) into the objects given; returns the step."""
+    if model is not None:
+        model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if sampler is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(state["sampler"])
+    if rng:
+        set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+# --- files --------------------------------------------------------------------------------
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    # Only this host's, and only those whose writer is gone: another process may
+    # be writing one right now (a shared directory, a second job).
+    host = socket.gethostname()
+    for entry in os.scandir(directory):
+        m = _TEMP.match(entry.name)
+        if not m or m["host"] != host or int(m["pid"]) == os.getpid():
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # someone else's live process
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+
+
+def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None = None) -> str:
+    """Write ``state`` atomically as ``DIR/ckpt-{step}.pt``; returns the path.
+
+    Args:
+        directory: created if missing (mode 0o700 for new directories).
+        state: a dict with an integer ``"step"`` (``training_state`` builds one).
+        keep: if given, remove all but the newest ``keep`` complete checkpoints
+            after this one is safely on disk.
+
+    Raises:
+        ValueError: ``state`` has no valid step, or ``keep`` < 1.
+    """
+    import torch
+
+    step = state.get("step") if isinstance(state, dict) else None
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError("state must be a dict with a non-negative integer 'step' "
+                         "(build it with mpiring.checkpoint.training_state)")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (or None for all)")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _remove_stale_temporaries(directory)
+    final = os.path.join(directory, checkpoint_name(step))
+    temp = os.path.join(directory, f".{checkpoint_name(step)}.tmp-{socket.gethostname()}-"
+                                   f"{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+    if keep is not None:
+        for old in _checkpoints(directory)[keep:]:
+            os.unlink(os.path.join(directory, old[1]))
+    return final
+
+
+def _checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, name) of the regular files named like checkpoints, newest first."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        m = _NAME.match(entry.name)
+        if m and entry.is_file(follow_symlinks=False):  # never a planted symlink
+            found.append((int(m.group(1)), entry.name))
+    return sorted(found, reverse=True)
+
+
+def _open_nofollow(path: str):
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+
+
+def is_complete(path: str) -> bool:
+    """Whether ``path`` is a whole checkpoint archive (its zip directory is readable)."""
+    try:
+        with _open_nofollow(path) as fh, zipfile.ZipFile(fh) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete checkpoint in ``directory``, or None.
+
+    Temporary files, symlinks, other names and damaged files are skipped.
+    """
+    for _, name in _checkpoints(directory):
+        path = os.path.join(directory, name)
+        if is_complete(path):
+            return path
+    return None
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Read a checkpoint with ``torch.load(weights_only=True)``, on the CPU.
+
+    Raises:
+        ValueError: not an mpiring checkpoint.
+        OSError: missing, or a symlink (``ELOOP``: checkpoints are never read
+            through a link).
+    """
+    import torch
+
+    try:
+        with _open_nofollow(path) as fh:
+            state = torch.load(fh, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(exc.errno, f"{path} is a symlink: checkpoints are never read "
+                                     "through a link; pass the real file") from exc
+        raise
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an mpiring checkpoint (no format {FORMAT!r})")
+    return state
+
+
+# --- replicas ------------------------------------------------------------------------------
+
+def _tensor_digests(module) -> tuple[list[str], list[int]]:
+    import torch
+
+    names, digests = [], []
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    for name, t in tensors:
+        flat = t.detach().to("cpu").contiguous().reshape(-1)
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+        names.append(name)
+        digests.append(int.from_bytes(h.digest(), "little", signed=True))
+    return names, digests
+
+
+def _allgather(comm, values: list[int]) -> np.ndarray:
+    vec = np.array(values, dtype=np.int64)
+    be = getattr(comm, "_be", None)
+    if be is not None and hasattr(be, "exchange"):  # under the watchdog's deadline
+        return be.exchange(vec)
+    from .wire import allgather_array
+
+    return allgather_array(comm, vec)
+
+
+def check_replicas(module, comm, *, step: int | None = None) -> None:
+    """Hash every parameter and buffer on every rank; raise on every rank if they differ.
+
+    One small Allgather when the replicas agree (a count and one hash per rank);
+    on a difference a second one finds which tensors differ.
+
+    Raises:
+        ReplicaDivergenceError: naming the ranks that differ from the majority
+            (ties: from rank 0's group) and their first differing tensors.
+    """
+    names, digests = _tensor_digests(module)
+    total = hashlib.blake2b(np.array(digests, dtype=np.int64).tobytes(), digest_size=8)
+    summary = _allgather(comm, [len(digests), int.from_bytes(total.digest(), "little",
+                                                              signed=True)])
+    if (summary == summary[0]).all():
+        return
+    size = summary.shape[0]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r in range(size):
+        groups.setdefault(tuple(summary[r].tolist()), []).append(r)
+    reference = max(groups.values(), key=lambda g: (len(g), -g[0]))
+    diverged = [r for r in range(size) if r not in reference]
+    at = f" at step {step}" if step is not None else ""
+    lines = [f"replicas diverged{at}: {', '.join(f'r{r}' for r in diverged)} differ from "
+             f"r{reference[0]} (agreeing: {', '.join(f'r{r}' for r in reference)})"]
+    counts = summary[:, 0]
+    if (counts == counts[0]).all():
+        table = _allgather(comm, digests)
+        ref = table[reference[0]]
+        for r in diverged:
+            differ = [names[i] for i in np.flatnonzero(table[r] != ref)]
+            shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+            lines.append(f"r{r}: {shown}")
+    else:
+        lines.append("tensor counts differ: " + " ".join(f"r{r}={int(c)}" for r, c in enumerate(counts)))
+    lines.append("every rank must start from the same weights (broadcast them from rank 0) "
+                 "and apply the same averaged gradients")
+    raise ReplicaDivergenceError("\n".join(lines))
