@@ -58,7 +58,17 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._module.run(args) or 0)
+    from ..errors import BackendUnavailable
+
+    try:
+        return int(args._module.run(args) or 0)
+    except BackendUnavailable as exc:
+        # Raised on every rank at once with the same text: one message, no traceback.
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            sys.stderr.write(f"python -m mpiring {args.command}: {exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ def add_arguments(p) -> None:
     p.add_argument("--op", default="sum", help="sum, avg, max, min or prod")
     p.add_argument("--dtype", default="float32", help="element type, default float32")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the buffer lives: cpu (NumPy) or cuda (CuPy, GPU local_rank %% "
+                        "count); default cuda for --backend nccl, cpu for mpi")
     add_backend_arguments(p)
 
 
@@ -25,27 +28,30 @@ def run(args) -> int:
     from mpiring.wire import allreduce_scalar
 
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
+    to_dev, to_host, sync = _placement(args, comm)
     dtype = BFLOAT16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
     n = max(parse_size(args.size) // dtype.itemsize, 0)
     # Rank- and index-dependent small integers: exact in every dtype, so the ring
     # and the native result must agree bit for bit.
     base = ((np.arange(n, dtype=np.int64) * 5 + comm.rank * 3) % 7).astype(dtype)
-    x = base.copy()
+    x = to_dev(base)
     comm.all_reduce(x, op=args.op, algo=args.algo)  # the traced/logged call
-    expected = base.copy()
+    expected = to_dev(base)
     ref_algo = "native" if args.dtype != "bfloat16" else "ring"
     comm.all_reduce(expected, op=args.op, algo=ref_algo)
-    ok = bool(np.array_equal(x, expected))
+    ok = bool(np.array_equal(to_host(x), to_host(expected)))
     wrong = allreduce_scalar(comm, 0 if ok else 1)  # no pickle: see mpiring.wire
     comm.tracer.close()
 
     times = []
     quiet = mpiring.init(backend=args.backend, trace="", log="none", check=False)
     for _ in range(args.iters):
-        y = base.copy()
+        y = to_dev(base)
+        sync()
         quiet.barrier()
         t0 = time.perf_counter()
         quiet.all_reduce(y, op=args.op, algo=args.algo)
+        sync()  # NCCL returns before the GPU has finished
         times.append(allreduce_scalar(comm, time.perf_counter() - t0, "max"))
     t = float(np.median(times)) if times else 0.0
     nbytes = n * dtype.itemsize
@@ -57,3 +63,15 @@ def run(args) -> int:
               f"busbw {busbw:.2f} GB/s; check against {ref_algo}: "
               f"{'OK' if not wrong else f'WRONG on {wrong} rank(s)'}")
     return 0 if not wrong else 1
+
+
+def _placement(args, comm):
+    """(to_device, to_host, synchronize) for --device; CuPy only when the GPU is asked for."""
+    device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+    if device == "cpu":
+        return (lambda a: a.copy()), (lambda a: a), (lambda: None)
+    import cupy
+
+    if args.backend == "mpi":  # NCCL picked its GPU already
+        cupy.cuda.Device(comm.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+    return cupy.array, cupy.asnumpy, (lambda: cupy.cuda.Device().synchronize())
