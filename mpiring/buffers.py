@@ -129,7 +129,16 @@ def _from_torch(x) -> Buffer:
         return Buffer(x, array, name, "cpu", "torch")
     if x.device.type == "cuda":
         cupy = _import_cupy()
-        return Buffer(x, cupy.from_dlpack(flat), name, "cuda", "torch")
+        try:
+            array = cupy.from_dlpack(flat)
+        except (TypeError, ValueError, NotImplementedError, BufferError) as exc:
+            if name != "bfloat16":
+                raise
+            raise TypeError(
+                "this CuPy cannot take a bfloat16 CUDA tensor through DLPack: upgrade to "
+                "CuPy >= 14 with ml_dtypes installed, or cast the tensor to float16/float32"
+            ) from exc
+        return Buffer(x, array, name, "cuda", "torch")
     raise TypeError(f"tensors on device {x.device} are not supported: use a CPU or CUDA tensor")
 
 
