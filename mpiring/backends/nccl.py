@@ -33,7 +33,8 @@ makes the caller's stream (CuPy's current stream, and torch's for a torch
 tensor) wait for the backend's stream and restores it. Result: **when a
 collective returns, its result is ready for work queued afterwards on the
 caller's stream**; the host is not blocked (call ``.get()`` or synchronize the
-stream to read it on the host).
+stream to read it on the host). For the same reason a step trace on NCCL
+(``--log steps``) records when each step was enqueued, not when the GPU ran it.
 
 Native collectives
 ------------------
