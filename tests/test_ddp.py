@@ -22,6 +22,14 @@ SMALL = 1100 / MIB    # bucket caps in MiB: a few parameters of the MLP per buck
 TINY = 300 / MIB
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _warm_torch_optim():
+    # torch.optim imports torch._dynamo on first use (seconds of CPU): every rank
+    # pays for it here, side by side, not one after another inside tests where
+    # the other ranks of a communicator wait.
+    import torch._dynamo  # noqa: F401
+
+
 class Recorder(Tracer):
     """A tracer that keeps its records in memory."""
 

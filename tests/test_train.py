@@ -28,6 +28,11 @@ def corpus() -> tuple[np.ndarray, np.ndarray]:
 @pytest.fixture(scope="module")
 def solo(world):
     """A one-rank communicator on every rank (for the single-process reference)."""
+    # torch.optim imports torch._dynamo on first use (seconds of CPU): let every
+    # rank pay for it now, side by side, rather than one after another inside
+    # tests that wait for each other.
+    import torch._dynamo  # noqa: F401
+
     return world.split(world.rank, key=0)
 
 
@@ -59,6 +64,23 @@ def test_same_global_batch_same_loss_curve_on_1_and_k_ranks(solo, comm, mode):
     assert result.losses[-1] < result.losses[0]
     np.testing.assert_allclose(result.losses, _REFERENCE["losses"], rtol=2e-4)
     assert job.step == 4 and len(result.step_times) == 4 and np.isfinite(result.val_loss)
+
+
+def test_job_state_round_trip_continues_the_same_run(solo):
+    train_bytes, val_bytes = corpus()
+    cfg = dict(preset="tiny", seq_len=16, batch_size=4, lr=3e-3, seed=4, val_batches=1)
+    whole = TrainJob(solo, TrainConfig(steps=4, **cfg), train_data=train_bytes, val_data=val_bytes)
+    expected = train(whole).losses
+    whole.close()
+    first = TrainJob(solo, TrainConfig(steps=2, **cfg), train_data=train_bytes, val_data=val_bytes)
+    train(first)
+    state = first.state_dict()
+    first.close()
+    assert state["sampler"]["start"] == 8 and state["step"] == 2
+    second = TrainJob(solo, TrainConfig(steps=4, **cfg), train_data=train_bytes, val_data=val_bytes)
+    second.load_state_dict(state)
+    np.testing.assert_allclose(train(second).losses, expected, rtol=1e-6)
+    second.close()
 
 
 def test_train_command_runs_every_mode(world, capsys, tmp_path):

@@ -51,6 +51,9 @@ class DistributedSampler:
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
+        # Where this rank's shard resumes: a training loop advances it as it uses
+        # indices, so a checkpoint of state_dict() records the data position.
+        self.start = 0
         if drop_last:
             # Largest multiple of K that fits: every rank gets floor(n / K).
             self.num_samples = self.length // num_replicas
@@ -59,8 +62,12 @@ class DistributedSampler:
         self.total_size = self.num_samples * num_replicas
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the permutation of the next ``iter()`` (call it at each epoch start)."""
+        """Choose the permutation of the next ``iter()`` (call it at each epoch start).
+
+        Also rewinds ``start`` to the beginning of the shard.
+        """
         self.epoch = int(epoch)
+        self.start = 0
 
     def global_indices(self) -> list[int]:
         """The epoch's indices for all ranks (before the shard is taken), length total_size."""
@@ -79,16 +86,23 @@ class DistributedSampler:
             indices += (indices * math.ceil(short / len(indices)))[:short]
         return indices
 
+    def shard(self) -> list[int]:
+        """This rank's whole shard for the current epoch (``start`` ignored)."""
+        return self.global_indices()[self.rank:self.total_size:self.num_replicas]
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self.global_indices()[self.rank:self.total_size:self.num_replicas])
+        """This rank's shard from ``start`` on (the whole shard unless resuming)."""
+        return iter(self.shard()[self.start:])
 
     def __len__(self) -> int:
         return self.num_samples
 
     def state_dict(self) -> dict[str, int]:
-        """What a checkpoint needs to reproduce the order: seed and epoch."""
-        return {"seed": self.seed, "epoch": self.epoch}
+        """What a checkpoint needs to continue the same order: seed, epoch, position."""
+        return {"seed": self.seed, "epoch": self.epoch, "start": self.start}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore ``state_dict()``'s output."""
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
+        self.start = int(state.get("start", 0))

@@ -10,9 +10,10 @@ Modes:
 
 Everything a later feature needs to save and restore a run lives on
 ``TrainJob``: ``state_dict()``/``load_state_dict()`` cover the model, the
-optimizer (on the ranks that hold one), the step, the data position and the
-loss history; ``train()`` calls ``on_start(job)`` and ``on_step_end(job)`` of
-each callback, so checkpointing can be added as a callback in its own module.
+optimizer (on the ranks that hold one), the step, the data position (the
+sampler's ``epoch`` and ``start``) and the loss history; ``train()`` calls
+``on_start(job)`` and ``on_step_end(job)`` of each callback, so checkpointing
+can be added as a callback in its own module.
 """
 
 from __future__ import annotations
@@ -118,12 +119,10 @@ class TrainJob:
         torch.manual_seed(cfg.seed)
         self.model = GPT(self.model_cfg).to(self.device)
         self.step = 0                  # optimizer steps done
-        self.epoch = 0
-        self.position = 0              # batches of this epoch already used
         self.losses: list[float] = []  # this rank's loss of every step
         self.step_times: list[float] = []
         self.exposed_comm: list[float] = []
-        self._order: list[int] | None = None
+        self._shard: list[int] | None = None  # this epoch's shard (sampler.start marks the position)
         self._pg = None
         self.ps: ParameterServer | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -166,17 +165,24 @@ class TrainJob:
     def batches_per_epoch(self) -> int:
         return len(self.sampler) // self.cfg.batch_size
 
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next batch; a new epoch (new shuffle, same on all ranks) when one ends."""
-        if self._order is None or self.position >= self.batches_per_epoch:
-            if self._order is not None:
-                self.epoch += 1
-                self.position = 0
-            self.sampler.set_epoch(self.epoch)
-            self._order = list(self.sampler)
+        """This rank's next batch; a new epoch (new shuffle, same on all ranks) when one ends.
+
+        The position lives in the sampler (``epoch``, ``start``), so a checkpoint
+        of ``sampler.state_dict()`` resumes the data exactly.
+        """
         b = self.cfg.batch_size
-        idx = self._order[self.position * b:(self.position + 1) * b]
-        self.position += 1
+        if self.sampler.start + b > len(self.sampler):
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._shard = None
+        if self._shard is None:
+            self._shard = self.sampler.shard()
+        idx = self._shard[self.sampler.start:self.sampler.start + b]
+        self.sampler.start += b
         return self.train_set.batch(idx, self.device)
 
     # --- one step ------------------------------------------------------------------
@@ -248,7 +254,7 @@ class TrainJob:
             "config": asdict(self.cfg),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "step": self.step, "epoch": self.epoch, "position": self.position,
+            "step": self.step,
             "sampler": self.sampler.state_dict(),
             "losses": list(self.losses),
         }
@@ -259,11 +265,8 @@ class TrainJob:
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
         self.sampler.load_state_dict(state["sampler"])
-        self.sampler.set_epoch(self.epoch)
-        self._order = list(self.sampler)
+        self._shard = None
         self.losses = list(state.get("losses", []))
 
     def close(self) -> None:
