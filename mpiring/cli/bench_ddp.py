@@ -1,0 +1,103 @@
+"""Time a DDP training step by parts: ddp vs naive vs ps vs torch-ddp vs compute alone.
+
+Run under mpiexec. Every mode trains the project's GPT on the same data and
+ranks; each step is split into forward, backward compute, exposed
+communication, optimizer and the rest, with the overlap fraction of the
+bucket AllReduces and the slowdown over compute alone (no communication).
+
+    mpiexec -n 4 python -m mpiring bench-ddp                          # preset comm: d=512, 4 layers, 64 tokens
+    mpiexec -n 4 python -m mpiring bench-ddp --bucket-sweep 1,4,16,64 --plot ddp.png
+    mpiexec -n 2 python -m mpiring bench-ddp --preset small --modes compute,ddp,naive
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import add_backend_arguments
+
+
+def _floats(text: str) -> list[float]:
+    return [float(t) for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", default="comm",
+                   help="GPT preset: comm (d=512, 4 layers, 64 tokens, 12.8M params; default), "
+                        "small, tiny")
+    p.add_argument("--modes", default="compute,ddp,naive,ps,torch-ddp",
+                   help="comma list of compute, ddp, naive, ps, torch-ddp (default all)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per rank per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the preset's)")
+    p.add_argument("-n", "--steps", type=int, default=8, help="timed steps per mode (default 8)")
+    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (default 25)")
+    p.add_argument("--bucket-sweep", type=_floats, default=[],
+                   help="also run ddp with these bucket caps in MiB, e.g. 1,4,16,64")
+    p.add_argument("--algo", choices=("ring", "native"), default="ring",
+                   help="bucket AllReduce: the project's ring (default) or the library's own")
+    p.add_argument("--max-data-mb", type=float, default=2.0, help="corpus size (default 2)")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--plot", metavar="PNG", help="step-time bars, one per mode and bucket size")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bar on rank 0's stderr (auto: when stderr is a terminal)")
+    add_backend_arguments(p)
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    try:
+        return _run(args)
+    except Exception:  # noqa: BLE001 - any failure must end every rank, not leave them waiting
+        if world.Get_size() == 1:
+            raise
+        import traceback
+
+        sys.stdout.flush()
+        sys.stderr.write(f"[r{world.Get_rank()}] bench-ddp failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
+        return 1
+
+
+def _run(args) -> int:
+    import datetime
+    import json
+
+    import mpiring
+    from mpiring.bench.ddp import DDPBenchConfig, format_ddp_table, plot_ddp, run_ddp_bench
+    from mpiring.bench.report import Progress
+
+    if args.backend != "mpi":
+        raise ValueError("bench-ddp runs on the MPI backend (CPU); use --backend mpi")
+    cfg = DDPBenchConfig(preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len,
+                         steps=args.steps, warmup=args.warmup,
+                         modes=[m.strip() for m in args.modes.split(",") if m.strip()],
+                         bucket_mb=args.bucket_mb, bucket_sweep=args.bucket_sweep,
+                         algo=args.algo, max_data_mb=args.max_data_mb)
+    cfg.validate()
+    comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    if comm.rank == 0:
+        print(f"# mpiring bench-ddp, {now}: {comm.size} rank(s); command: mpiexec -n "
+              f"{comm.size} python -m mpiring bench-ddp {' '.join(sys.argv[2:])}".rstrip())
+    on = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+    bar = Progress(len(cfg.modes) + len(cfg.bucket_sweep), enabled=on and comm.rank == 0)
+    try:
+        rows = run_ddp_bench(comm, cfg, progress=bar)
+    finally:
+        bar.close()
+    if comm.rank == 0:
+        print(format_ddp_table(rows))
+        for note in cfg.notes:
+            print(f"# note: {note}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+                fh.write("\n")
+        if args.plot:
+            plot_ddp(rows, args.plot, title=f"mpiring bench-ddp, {now}, {comm.size} ranks, "
+                                            f"preset {cfg.preset}")
+    return 0
