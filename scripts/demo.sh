@@ -4,14 +4,10 @@
 #   scripts/demo.sh                      # 4 ranks, 1 KiB, steps on stderr
 #   NP=3 SIZE=64M scripts/demo.sh        # other rank count / size
 #   HOSTFILE=hostfiles/mpich-localhost scripts/demo.sh
+source "$(dirname "$0")/_hostfile.sh"  # first: a bad HOSTFILE stops before any set-up
 source "$(dirname "$0")/_venv.sh"
 NP="${NP:-4}"
 SIZE="${SIZE:-1K}"
-HOSTARGS=()
-if [ -n "${HOSTFILE:-}" ]; then
-    [ -f "$HOSTFILE" ] || { echo "scripts/demo.sh: hostfile '$HOSTFILE' does not exist: pass an existing file (see hostfiles/)" >&2; exit 2; }
-    HOSTARGS=(-f "$HOSTFILE")
-fi
 echo "== ring AllReduce of $SIZE on $NP ranks, one line per ring step ==" >&2
 mpiexec "${HOSTARGS[@]}" -n "$NP" python -m mpiring allreduce --size "$SIZE" --algo ring --log steps --trace trace/demo
 echo "== 64 MiB: ring vs MPI_Allreduce ==" >&2
