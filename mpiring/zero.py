@@ -85,6 +85,7 @@ class _Segment:
     lo: int = 0
     hi: int = 0
     pieces: list[_Piece] = field(default_factory=list)
+    external: bool = False  # gradients arrive reduced (by DDP), not reduced in step()
 
 
 def _state_to_wire(local: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -146,6 +147,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             then holds the mean over ranks after ``step``).
         broadcast_params: copy rank 0's parameters to every rank at
             construction, so that replicas start equal (as DDP does).
+        ddp: an ``mpiring.DistributedDataParallel`` wrapping the model. Stage 2
+            then reduce-scatters each DDP bucket on the reducer's communication
+            thread as soon as backward fills it (a comm hook; overlapped with
+            the rest of backward), with the shards laid out like the buckets;
+            stage 1 takes DDP's averaged gradients as they are. ``no_sync``
+            works as with DDP: step after the synced backward.
         **defaults: hyperparameters for ``optimizer_class`` (lr, betas, ...).
 
     Raises:
@@ -156,12 +163,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     After ``step``, parameters are identical on every rank. With stage 2,
     ``p.grad`` is left as this rank's local gradient (only the shard's mean is
-    ever formed); with stage 1 it is the mean over ranks.
+    ever formed; with ``ddp``, only this rank's shard of ``p.grad`` is the mean,
+    the rest holds partial sums); with stage 1 it is the mean over ranks.
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], comm,
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                 stage: int = 2, *, broadcast_params: bool = True, **defaults: Any):
+                 stage: int = 2, *, broadcast_params: bool = True, ddp=None,
+                 **defaults: Any):
         self._initialized = False
         error: Exception | None = None
         try:
@@ -175,6 +184,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if stage not in (1, 2):
                 raise ValueError(f"stage={stage!r}: use 1 (shard the optimizer state) or 2 "
                                  "(also reduce-scatter the gradients)")
+            if ddp is not None and not (hasattr(ddp, "register_comm_hook")
+                                        and hasattr(ddp, "reducer")):
+                raise TypeError(f"ddp must be an mpiring.DistributedDataParallel, got "
+                                f"{type(ddp).__name__}")
+            if ddp is not None and ddp.comm.size != comm.size:
+                raise ValueError(f"ddp runs on {ddp.comm.size} ranks, comm has {comm.size}: "
+                                 "pass the communicator the DDP model was built with")
         except (TypeError, ValueError) as exc:
             error = exc
         if error is not None and not hasattr(comm, "mpi_comm"):
@@ -184,6 +200,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.stage = int(stage) if error is None else 2
         self.optimizer_class = optimizer_class
         self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._shapes = [p.shape for p in self._all_params]
         self._group_of: list[int] = [g for g, grp in enumerate(self.param_groups)
                                      for _ in grp["params"]]
         if error is None:
@@ -195,13 +212,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None
         self._consolidated_at = -1
         self._steps = 0
-        self._segments = self._build_segments()
+        self._ddp = ddp
+        self._ddp_iteration = -1   # DDP's synced backward count at the last step
+        self._reduced: dict[int, tuple[int, ...]] = {}  # bucket -> its params, from the hook
+        self._segments = self._build_segments(self._layout())
         if broadcast_params:
             for seg in self._segments:
                 comm.broadcast(seg.flat_param, root=0)
         self.optim = self._make_inner_optimizer()
         # The inner optimizer filled in its defaults (betas, eps, ...): show them here too.
         self._sync_groups(self.optim.param_groups, self.param_groups)
+        if ddp is not None and self.stage == 2:
+            ddp.register_comm_hook(self, _reduce_scatter_hook)
         self._initialized = True
 
     # --- construction ---------------------------------------------------------
@@ -251,15 +273,41 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"ZeroRedundancyOptimizer: parameter {i} differs: r0 has {a}, "
                                      f"r{r} has {b}; every rank must pass the same model")
 
-    def _build_segments(self) -> list[_Segment]:
-        # One segment per (dtype, device), parameters in registration order: one
-        # ReduceScatter and one AllGather per dtype per step, the largest messages
-        # (best bandwidth) the ring can send.
+    def _by_dtype(self, indices: Iterable[int]) -> list[list[int]]:
         by_key: dict[tuple, list[int]] = {}
-        for i, p in enumerate(self._all_params):
+        for i in indices:
+            p = self._all_params[i]
             by_key.setdefault((p.dtype, p.device), []).append(i)
+        return list(by_key.values())
+
+    def _layout(self, buckets: list[list[int]] | None = None) -> list[tuple[list[int], bool]]:
+        """Segments as (parameter indices, gradients reduced by DDP already)."""
+        # Alone: one segment per (dtype, device), parameters in registration order:
+        # one ReduceScatter and one AllGather per dtype per step, the largest
+        # messages (best bandwidth) the ring can send.
+        if self._ddp is None:
+            return [(seg, False) for seg in self._by_dtype(range(len(self._all_params)))]
+        index_of = {id(p): i for i, p in enumerate(self._all_params)}
+        reducer = self._ddp.reducer
+        if buckets is None:
+            buckets = [[index_of[id(reducer.params[j])] for j in bucket
+                        if id(reducer.params[j]) in index_of] for bucket in reducer.bucket_params]
+        covered = {i for bucket in buckets for i in bucket}
+        rest = [i for i in range(len(self._all_params)) if i not in covered]
+        if self.stage == 1:
+            # DDP all-reduced these already; any layout will do.
+            segments = [(seg, True) for seg in self._by_dtype(sorted(covered))]
+        else:
+            # The hook reduce-scattered each bucket: chunk r of every bucket is ours.
+            segments = [(bucket, True) for bucket in buckets if bucket]
+        # Parameters DDP does not reduce (not in the wrapped module): on our own.
+        return segments + [(seg, False) for seg in self._by_dtype(rest)]
+
+    def _build_segments(self, layout: list[tuple[list[int], bool]]) -> list[_Segment]:
         segments = []
-        for (dtype, device), indices in by_key.items():
+        for indices, external in layout:
+            first = self._all_params[indices[0]]
+            dtype, device = first.dtype, first.device
             offsets, total = [], 0
             for i in indices:
                 offsets.append(total)
@@ -272,7 +320,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 # The parameter now lives in the flat buffer: the AllGather updates the model.
                 p.data = view
             seg = _Segment(indices, offsets, total, flat_param,
-                           torch.zeros(total, dtype=dtype, device=device))
+                           torch.zeros(total, dtype=dtype, device=device), external=external)
             seg.lo, seg.hi = chunk_bounds(total, self.comm.size)[self.comm.rank]
             for i, off in zip(indices, offsets):
                 a, b = max(seg.lo, off), min(seg.hi, off + self._all_params[i].numel())
@@ -315,14 +363,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 p = self._all_params[i]
                 view = seg.flat_param[off:off + p.numel()]
                 if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
-                    if p.shape != self._shape_of(i):
+                    if p.shape != self._shapes[i]:
                         raise ValueError(f"parameter {i} changed shape to {tuple(p.shape)} after "
                                          "the optimizer was built: build a new optimizer")
                     view.copy_(p.detach().reshape(-1))
                     p.data = view.view_as(p)
-
-    def _shape_of(self, i: int) -> torch.Size:
-        return self._all_params[i].shape
 
     def _has_grad(self) -> list[bool]:
         """Per parameter: does any rank have a gradient? (None on every rank: skip it, as torch does.)"""
@@ -339,6 +384,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         k = self.comm.size
         for seg in self._segments:
             flat = seg.flat_grad
+            if seg.external:
+                # DDP reduced these (the whole mean, or our chunk of each bucket):
+                # take this rank's pieces only.
+                for pc in seg.pieces:
+                    g = self._all_params[pc.index].grad
+                    if g is None:
+                        pc.grad.zero_()
+                    else:
+                        pc.grad.copy_(g.reshape(-1)[pc.start:pc.stop])
+                continue
             for i, off in zip(seg.indices, seg.offsets):
                 p = self._all_params[i]
                 dst = flat[off:off + p.numel()]
@@ -379,6 +434,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._rebind()
+        if self._ddp is not None:
+            self._follow_ddp()
         has_grad = self._has_grad()
         self._reduce_gradients()
         for pc in self._pieces():
@@ -390,6 +447,31 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self.comm.all_gather(seg.flat_param)
         self._steps += 1
         return loss
+
+    def _follow_ddp(self) -> None:
+        iteration = self._ddp.reducer.iteration
+        if iteration == self._ddp_iteration:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.step(): no synced backward since the last step (every "
+                "backward ran under no_sync?), so the gradients were never reduced; step after "
+                "a backward outside no_sync()")
+        self._ddp_iteration = iteration
+        if self.stage != 2:
+            return
+        reduced, self._reduced = self._reduced, {}
+        index_of = {id(p): i for i, p in enumerate(self._all_params)}
+        buckets = [[index_of[j] for j in reduced[b] if j in index_of] for b in sorted(reduced)]
+        current = [seg.indices for seg in self._segments if seg.external]
+        if [b for b in buckets if b] != current:
+            # DDP rebuilt its buckets (after its first iteration): lay the shards
+            # out like the new buckets, taking the optimizer state along.
+            self._relayout(self._layout(buckets))
+
+    def _relayout(self, layout: list[tuple[list[int], bool]]) -> None:
+        full = self._gather_state(None)
+        self._segments = self._build_segments(layout)
+        self.optim = self._make_inner_optimizer()
+        self._load_full_state(full)
 
     # --- state dicts --------------------------------------------------------------
     def _per_element(self, key: str, value: Any, like_shape: torch.Size, ndim: int) -> bool:
@@ -520,6 +602,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         state = {index_of[k]: v for k, v in state_dict["state"].items()}
         self._sync_groups(groups, self.param_groups)
         self._sync_groups(self.param_groups, self.optim.param_groups)
+        self._load_full_state(state)
+        self._consolidated = None
+
+    def _load_full_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Keep this rank's slice of every parameter's full state."""
         self.optim.state.clear()
         for pc in self._pieces():
             full = state.get(pc.index)
@@ -535,4 +622,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 else:
                     mine[k] = v.clone() if torch.is_tensor(v) else v
             self.optim.state[pc.view] = mine
-        self._consolidated = None
+
+
+def _reduce_scatter_hook(opt: ZeroRedundancyOptimizer, bucket) -> torch.Tensor:
+    """DDP comm hook for stage 2: reduce-scatter the bucket (ring), chunk ``rank`` is ours.
+
+    Runs on the reducer's communication thread while backward goes on. Only this
+    rank's chunk of the returned buffer is the mean; ``step()`` reads just that.
+    """
+    buf = bucket.buffer()
+    comm = bucket.comm
+    if comm.size > 1:
+        buf.div_(comm.size)  # divide before the sum, as everywhere in mpiring
+        comm.reduce_scatter(buf, op="sum", check=False)
+    opt._reduced[bucket.index()] = tuple(id(p) for p in bucket.parameters())
+    return buf
