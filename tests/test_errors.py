@@ -272,3 +272,14 @@ def test_mpiring_check_0_turns_it_off_for_new_communicators(world, monkeypatch):
 def test_unknown_backend_lists_the_valid_names():
     with pytest.raises(ValueError, match="unknown backend 'bogus': use one of mpi, nccl"):
         mpiring.init(backend="bogus")
+
+
+def test_check_cost_command_runs(world, capsys):
+    from argparse import Namespace
+
+    from mpiring.cli import check_cost
+
+    assert check_cost.run(Namespace(sizes="1K", iters=3)) == 0
+    out = capsys.readouterr().out
+    if world.rank == 0:
+        assert "check on" in out and "1.0 KiB" in out and "watchdog stamp" in out, out
