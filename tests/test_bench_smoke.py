@@ -93,3 +93,26 @@ def test_bench_command_with_gloo_json_plot_and_model(rank0_subprocess, tmp_path_
         assert set(report.ROW_KEYS) <= set(r) and r["wrong"] == 0 and r["ranks"] == 2
     assert open(png, "rb").read(4) == b"\x89PNG"
     assert np.isfinite([r["busbw"] for r in rows]).all()
+
+
+class _Corrupting:
+    """A Communicator whose ring all_reduce gets one element wrong on rank 0."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_reduce(self, x, **kwargs):
+        self._comm.all_reduce(x, **kwargs)
+        if kwargs.get("algo") == "ring" and self._comm.rank == 0:
+            x[3] += 1
+        return x
+
+
+def test_wrong_counts_every_bad_element_on_every_rank(world):
+    cfg = SweepConfig(["all_reduce"], {"all_reduce": ["native", "ring"]}, sizes=[400],
+                      iters=1, warmup=0)
+    rows = run_sweep(_Corrupting(world), cfg)
+    assert {r["algo"]: r["wrong"] for r in rows} == {"native": 0, "ring": 1}
