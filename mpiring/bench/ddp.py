@@ -288,7 +288,7 @@ def plot_ddp(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     colors = {"forward": "tab:blue", "backward": "tab:green", "exposed": "tab:red",
               "optimizer": "tab:purple", "other": "tab:gray"}
     labels = [_label(r) for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.45 * len(rows)))
+    fig, ax = plt.subplots(figsize=(9, 1.4 + 0.45 * len(rows)))
     left = np.zeros(len(rows))
     for part in PARTS:
         widths = np.array([r[f"{part}_ms"] for r in rows])
@@ -300,7 +300,8 @@ def plot_ddp(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
             ax.text(left[y], y, f"  overlap {r['overlap'] * 100:.0f}%", va="center", fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("time per training step (ms)")
-    ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=5, frameon=False)
+    # Under the axis, so that it never covers the title or a bar.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=5, frameon=False)
     r0 = rows[0]
     ax.set_title(title or f"GPT {r0['preset']} ({r0['params'] / 1e6:.1f}M params), "
                  f"{r0['ranks']} ranks", fontsize=9, loc="left")

@@ -281,7 +281,9 @@ def plot_ps(rows: list[dict[str, Any]], path: str) -> None:
         axes[1].plot(ks, [r["time_us"] / 1e3 for r in sub], marker=marker, ls="-", label=method)
     axes[0].set_ylabel("bytes sent + received per sync (units of M)")
     axes[1].set_ylabel("time per sync (ms)")
+    ks_all = sorted({r["ranks"] for r in rows})
     for ax in axes:
+        ax.set_xticks(ks_all)
         ax.set_xlabel("ranks K")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
