@@ -173,6 +173,12 @@ def as_buffer(x: Any) -> Buffer:
         return _from_torch(x)
     if module == "cupy":
         return _from_cupy(x)
+    if hasattr(type(x), "__cuda_array_interface__"):
+        # Another library's GPU array (Numba, JAX...): CuPy wraps it without a copy.
+        raise TypeError(
+            f"unsupported GPU array type {type(x).__name__}: pass a cupy array or a torch "
+            "CUDA tensor; cupy.asarray(x) wraps this one without a copy"
+        )
     raise TypeError(
         f"unsupported buffer type {type(x).__name__}: pass a numpy array, a torch "
         "tensor or a cupy array"

@@ -297,6 +297,13 @@ def device_plan(be, buf: Buffer, collective: str, algo: str, op: str | None) -> 
         return _BackendPlan(be)
     if buf.device != "cuda":
         return _Plan()
+    # Load the CUDA calls now, while every rank can still agree to stop: failing
+    # in enter(), after the argument check, would leave the other ranks waiting.
+    try:
+        cuda_ops()
+    except ImportError as exc:
+        raise TypeError(f"{collective}: a CUDA buffer on the MPI backend needs CuPy: "
+                        f"{GPU_INSTALL_HINT}") from exc
     aware, _ = cuda_aware_mpi()
     if aware:
         return _PassThrough()

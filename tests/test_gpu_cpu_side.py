@@ -282,6 +282,7 @@ class HostCopies:
 
 def test_device_plan_per_backend_and_awareness(monkeypatch, world):
     be = world._be
+    monkeypatch.setattr(cuda, "_OPS", object())  # plans for CUDA buffers load the CUDA calls
     host = Buffer(np.zeros(4), np.zeros(4), "float64", "cpu", "numpy")
     dev_arr = FakeDeviceArray(np.zeros(4))
     dev = Buffer(dev_arr, dev_arr, "float64", "cuda", "cupy")
