@@ -278,7 +278,12 @@ def _monitor() -> None:
         _wake.clear()
         at = now()
         for act, since in expired(at):
-            text = act.report(at, since)
+            try:
+                text = act.report(at, since)
+            except Exception as exc:  # noqa: BLE001 - a broken report must not save the hang
+                text = (f"[r{act.rank}] mpiring stall: a blocking call outlived its deadline "
+                        f"({act.timeout:g} s); the report failed ({exc!r}). Aborting the job "
+                        f"(exit {STALL_EXIT_CODE}).\n")
             if act.since == since:  # still the same wait: not a race with its end
                 fire(act, text)
 
