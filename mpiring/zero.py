@@ -483,18 +483,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return key != "step" and value.numel() == 1
         return value.shape == like_shape
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Assemble the full optimizer state on rank ``to`` (a collective: call it on every rank).
 
         Every per-element state tensor is put back together with the ring
         AllGather over its segment, so each rank briefly holds one full state
         tensor of one segment at a time. Then ``state_dict()`` on rank ``to``
-        returns the unsharded state.
+        (on every rank if ``to`` is None) returns the unsharded state.
         """
-        if not (isinstance(to, int) and 0 <= to < self.comm.size):
-            raise ValueError(f"to={to!r}: use a rank in 0..{self.comm.size - 1}")
+        if to is not None and not (isinstance(to, int) and 0 <= to < self.comm.size):
+            raise ValueError(f"to={to!r}: use a rank in 0..{self.comm.size - 1}, or None for all")
         full = self._gather_state(to)
-        if self.comm.rank == to:
+        if to is None or self.comm.rank == to:
             groups = []
             start = 0
             for group in self.param_groups:

@@ -291,3 +291,27 @@ def test_zero_with_ddp_buckets_no_sync_and_rebuild(comm, stage):
     with pytest.raises(RuntimeError, match="no synced backward"):
         opt.step()
     ddp.close()
+
+
+def test_training_job_zero2_and_zero1_with_fp16_hook_follow_adamw(world, subcomms):
+    """The train command's configurations: zero2 and zero1+fp16 give AdamW's loss curve."""
+    from mpiring.train.data import read_corpus
+    from mpiring.train.loop import TrainConfig, TrainJob, train
+
+    comm = subcomms[world.size]
+    train_bytes, val_bytes, _ = read_corpus(150_000)
+    common = dict(preset="tiny", steps=3, lr=3e-3, seed=3, val_batches=1, log_every=3,
+                  batch_size=3, bucket_mb=0.05, first_bucket_mb=0.01)
+    curves = {}
+    for name, extra in (("adamw", {}), ("zero2", dict(optimizer="zero2")),
+                        ("zero1-fp16", dict(optimizer="zero1", comm_hook="fp16"))):
+        job = TrainJob(comm, TrainConfig(**common, **extra), train_data=train_bytes,
+                       val_data=val_bytes)
+        curves[name] = train(job).losses
+        if name == "zero1-fp16":
+            assert job.comm_hook_state.bytes_sent * 2 == job.comm_hook_state.dense_bytes
+            state = job.state_dict()  # a collective with a sharded optimizer: full state everywhere
+            assert len(state["optimizer"]["state"]) == len(list(job.model.parameters()))
+        job.close()
+    np.testing.assert_allclose(curves["zero2"], curves["adamw"], rtol=1e-5)
+    np.testing.assert_allclose(curves["zero1-fp16"], curves["adamw"], rtol=2e-3)

@@ -42,6 +42,18 @@ def add_arguments(p) -> None:
     p.add_argument("--val-batches", type=int, default=4, help="validation batches per rank (default 4)")
     p.add_argument("--log-every", type=int, default=10, help="global loss every N steps (default 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # Sharded optimizer and gradient compression (mpiring.zero, mpiring.ddp.comm_hooks).
+    p.add_argument("--optimizer", choices=("adamw", "zero1", "zero2"), default="adamw",
+                   help="adamw, or AdamW sharded over the ranks: zero1 (state sharded), zero2 "
+                        "(state sharded, buckets reduce-scattered during backward)")
+    p.add_argument("--comm-hook", choices=("none", "allreduce", "fp16", "bf16", "topk", "powersgd"),
+                   default="none", help="how DDP buckets travel: fp16/bf16 (half the bytes), topk "
+                                        "(largest entries, error feedback), powersgd (low rank)")
+    p.add_argument("--topk-ratio", type=float, default=0.01,
+                   help="topk: fraction of each bucket sent (default 0.01)")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="powersgd: approximation rank (default 1)")
+    p.add_argument("--hook-start", type=int, default=10,
+                   help="topk/powersgd: plain AllReduce for the first N steps (default 10)")
     add_backend_arguments(p)
 
 
@@ -54,7 +66,9 @@ def config_from_args(args):
         lr=args.lr, seed=args.seed, preset=args.preset, d_model=args.d_model,
         n_layers=args.layers, n_heads=args.heads, bucket_mb=args.bucket_mb,
         first_bucket_mb=args.first_bucket_mb, algo=args.algo, max_data_mb=args.max_data_mb,
-        val_batches=args.val_batches, log_every=args.log_every)
+        val_batches=args.val_batches, log_every=args.log_every,
+        optimizer=args.optimizer, comm_hook=args.comm_hook, topk_ratio=args.topk_ratio,
+        powersgd_rank=args.powersgd_rank, hook_start=args.hook_start)
 
 
 class ProgressBar:
@@ -137,5 +151,19 @@ def run(args) -> int:
               f"model={cfg.preset} {n_params / 1e6:.2f}M params, {cfg.steps} steps of "
               f"{tokens} tokens: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
               f"val loss {result.val_loss:.3f}, median step {step_s * 1e3:.1f} ms, "
-              f"{tokens / step_s if step_s else 0:,.0f} tok/s{exposed}", flush=True)
+              f"{tokens / step_s if step_s else 0:,.0f} tok/s{exposed}{_zero_and_hook(cfg, job)}",
+              flush=True)
     return 0
+
+
+def _zero_and_hook(cfg, job) -> str:
+    """The sharded optimizer and comm hook, if any, for the summary line."""
+    parts = []
+    if cfg.optimizer != "adamw":
+        parts.append(f"optimizer {cfg.optimizer}")
+    state = job.comm_hook_state
+    if state is not None:
+        ratio = state.dense_bytes / state.bytes_sent if state.bytes_sent else float("nan")
+        parts.append(f"comm hook {cfg.comm_hook}: {state.bytes_sent / max(1, cfg.steps) / 2**20:.2f} "
+                     f"MiB/step sent by rank 0, {ratio:.1f}x fewer than plain")
+    return "".join(", " + p for p in parts)

@@ -34,6 +34,7 @@ from ..trace import clock
 from .data import Windows, shared_corpus
 
 MODES = ("ddp", "naive", "ps", "torch-ddp")
+OPTIMIZERS = ("adamw", "zero1", "zero2")  # AdamW, or AdamW sharded by ZeroRedundancyOptimizer
 
 
 @dataclass
@@ -56,6 +57,13 @@ class TrainConfig:
     max_data_mb: float = 4.0
     val_batches: int = 4
     log_every: int = 10
+    # Sharded optimizer and DDP communication hooks (modes ddp and naive; see
+    # mpiring.zero and mpiring.ddp.comm_hooks).
+    optimizer: str = "adamw"      # adamw, zero1, zero2
+    comm_hook: str = "none"       # none, allreduce, fp16, bf16, topk, powersgd
+    topk_ratio: float = 0.01      # topk: fraction of each bucket sent
+    powersgd_rank: int = 1        # powersgd: rank of the approximation
+    hook_start: int = 10          # topk, powersgd: plain AllReduce for the first steps
 
     def model_config(self) -> GPTConfig:
         if self.preset not in PRESETS:
@@ -72,6 +80,21 @@ class TrainConfig:
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}: must be positive")
         self.model_config()
+        self._validate_zero_and_hook()
+
+    def _validate_zero_and_hook(self) -> None:
+        from ..ddp.comm_hooks import HOOKS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+        if self.comm_hook not in HOOKS:
+            raise ValueError(f"unknown comm hook {self.comm_hook!r}: use one of {', '.join(HOOKS)}")
+        if self.mode not in ("ddp", "naive") and (self.optimizer != "adamw" or self.comm_hook != "none"):
+            raise ValueError(f"optimizer={self.optimizer} comm_hook={self.comm_hook}: sharded "
+                             "optimizers and comm hooks run on mpiring's DDP: use mode ddp or naive")
+        if self.optimizer == "zero2" and self.comm_hook != "none":
+            raise ValueError("zero2 reduce-scatters the buckets itself (its own comm hook): use "
+                             "comm_hook none, or zero1 with a comm hook")
 
 
 class Callback(Protocol):
@@ -126,11 +149,27 @@ class TrainJob:
         self._pg = None
         self.ps: ParameterServer | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.comm_hook_state = None    # the comm hook's state (bytes_sent), if one is registered
         self.wrapped = self._wrap()
 
     # --- construction per mode ---------------------------------------------------
-    def _make_optimizer(self, params) -> torch.optim.Optimizer:
+    def _make_optimizer(self, params, ddp=None) -> torch.optim.Optimizer:
+        if self.cfg.optimizer in ("zero1", "zero2"):
+            from ..zero import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(params, self.comm, torch.optim.AdamW,
+                                           stage=int(self.cfg.optimizer[-1]), ddp=ddp,
+                                           lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         return torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def _register_comm_hook(self, ddp) -> None:
+        from ..ddp.comm_hooks import make_hook
+
+        state, hook = make_hook(self.cfg.comm_hook, ratio=self.cfg.topk_ratio,
+                                rank=self.cfg.powersgd_rank, start_iter=self.cfg.hook_start)
+        if hook is not None:
+            ddp.register_comm_hook(state, hook)
+            self.comm_hook_state = state
 
     def _wrap(self):
         mode, cfg = self.cfg.mode, self.cfg
@@ -140,7 +179,8 @@ class TrainJob:
             wrapped = DistributedDataParallel(
                 self.model, self.comm, bucket_cap_mb=cfg.bucket_mb,
                 first_bucket_mb=cfg.first_bucket_mb, overlap=(mode == "ddp"), algo=cfg.algo)
-            self.optimizer = self._make_optimizer(self.model.parameters())
+            self._register_comm_hook(wrapped)
+            self.optimizer = self._make_optimizer(self.model.parameters(), ddp=wrapped)
             return wrapped
         if mode == "ps":
             self.ps = ParameterServer(self.model, self.comm, self._make_optimizer,
@@ -249,7 +289,13 @@ class TrainJob:
 
     # --- state for checkpoints -----------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue this rank's run exactly (optimizer: where held)."""
+        """Everything needed to continue this rank's run exactly (optimizer: where held).
+
+        With a sharded optimizer (zero1, zero2) this is a collective: the
+        optimizer state is consolidated onto every rank.
+        """
+        if hasattr(self.optimizer, "consolidate_state_dict"):
+            self.optimizer.consolidate_state_dict(to=None)
         return {
             "config": asdict(self.cfg),
             "model": self.model.state_dict(),
