@@ -59,6 +59,14 @@ class Call:
     algo: str
     steps: list[dict[str, Any]] = field(default_factory=list)
     offset: float = 0.0
+    nth: int = 0  # earlier calls with the same key in this rank's file
+
+    @property
+    def ident(self) -> tuple[str, int, str, int]:
+        """Identifies the call across ranks: two communicators of one rank (a DDP
+        bucket communicator and its parent, say) both count ``all_reduce#1``, but
+        every rank makes its calls in the same order, so the n-th one matches."""
+        return self.collective, self.call, self.algo, self.nth
 
     @property
     def t_start(self) -> float:
@@ -105,12 +113,18 @@ def calls(files: list[TraceFile]) -> list[Call]:
     out: list[Call] = []
     for f in files:
         current: Call | None = None
+        seen: dict[tuple[str, int, str], int] = {}
         for rec in f.records:
             if rec.get("type") != "step":
                 continue
             key = (rec["collective"], rec["call"], rec["algo"])
-            if current is None or current.key != key:
-                current = Call(f.rank, *key, offset=f.offset)
+            # A new call starts when the key changes or its step numbering restarts.
+            restart = (current is not None and current.key == key and rec["step"] == 0
+                       and rec["phase"] == current.steps[0]["phase"])
+            if current is None or current.key != key or restart:
+                nth = seen.get(key, -1) + 1
+                seen[key] = nth
+                current = Call(f.rank, *key, offset=f.offset, nth=nth)
                 out.append(current)
             current.steps.append(rec)
     return out
@@ -185,17 +199,24 @@ def tracks(files: list[TraceFile]) -> list[dict[str, Any]]:
                                   "start": end - s["reduce_s"], "end": end, "args": {}})
     for f in files:
         events = [r for r in f.records if r.get("type") == "event"]
-        by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        # A track per event name (ddp.backward, ddp.all_reduce...), unless a
+        # category has many names (one per bucket, say): then one per category.
+        names_in: dict[str, set[str]] = defaultdict(set)
         for e in events:
-            by_cat[str(e.get("cat", "event"))].append(e)
-        for cat, es in by_cat.items():
+            names_in[str(e.get("cat", "event"))].add(str(e.get("name", "")))
+        by_track: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in events:
+            cat = str(e.get("cat", "event"))
+            track = str(e.get("name") or cat) if len(names_in[cat]) <= 6 else cat
+            by_track[track].append(e)
+        for track, es in by_track.items():
             lanes = _lanes([(e["t_start"], e["t_end"]) for e in es])
             for e, lane in zip(es, lanes):
                 extra = {k: v for k, v in e.items()
                          if k not in ("type", "rank", "name", "cat", "t_start", "t_end")}
-                spans.append({"kind": "event", "rank": f.rank,
-                              "track": cat if lane == 0 else f"{cat} ({lane + 1})",
-                              "name": str(e.get("name", cat)), "cat": cat,
+                spans.append({"kind": "event", "rank": f.rank, "group": track,
+                              "track": track if lane == 0 else f"{track} ({lane + 1})",
+                              "name": str(e.get("name", track)), "cat": str(e.get("cat", "event")),
                               "start": e["t_start"] + f.offset - t0,
                               "end": e["t_end"] + f.offset - t0, "args": extra})
     return spans
@@ -241,11 +262,16 @@ def chrome_trace(files: list[TraceFile]) -> dict[str, Any]:
             "otherData": {"source": "mpiring trace merge", "ranks": len({f.rank for f in files})}}
 
 
-def plot(files: list[TraceFile], path: str, title: str = "") -> None:
+def plot(files: list[TraceFile], path: str, title: str = "",
+         window: tuple[float, float] | None = None) -> None:
     """Draw the timeline as a PNG: a row per rank and track, ring steps coloured by phase.
 
     The darker end of a step is its reduction; events (DDP buckets, backward...)
-    get their own rows under their rank.
+    get their own rows under their rank. ``window`` = (from, to) in ms since the
+    trace's start draws only that stretch (a training run's last steps, say).
+
+    Raises:
+        ValueError: nothing recorded falls inside ``window``.
     """
     import matplotlib
 
@@ -254,6 +280,11 @@ def plot(files: list[TraceFile], path: str, title: str = "") -> None:
     from matplotlib.patches import Patch
 
     spans = tracks(files)
+    if window is not None:
+        lo, hi = window[0] / 1e3, window[1] / 1e3
+        spans = [s for s in spans if s["end"] >= lo and s["start"] <= hi]
+        if not spans:
+            raise ValueError(f"nothing recorded between {window[0]:g} and {window[1]:g} ms")
     order = _track_order(spans)
     row = {t: i for i, t in enumerate(order)}
     fig, ax = plt.subplots(figsize=(11, 0.9 + 0.45 * max(1, len(order))))
@@ -274,10 +305,12 @@ def plot(files: list[TraceFile], path: str, title: str = "") -> None:
         elif s["kind"] == "reduce":
             ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors="black", alpha=0.35)
         else:
-            color = cat_colors.setdefault(s["cat"], palette[len(cat_colors) % len(palette)])
-            used[s["cat"]] = color
+            color = cat_colors.setdefault(s["group"], palette[len(cat_colors) % len(palette)])
+            used[s["group"]] = color
             ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors=color, edgecolors="black",
                            linewidth=0.3, alpha=0.8)
+    if window is not None:
+        ax.set_xlim(window[0], window[1])
     ax.set_yticks(range(len(order)), [f"r{r} {t}" for r, t in order], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
@@ -294,14 +327,23 @@ def plot(files: list[TraceFile], path: str, title: str = "") -> None:
 
 
 # --- explain: replay the step records ------------------------------------------------
-def list_calls(files: list[TraceFile]) -> list[tuple[str, int, str, int]]:
-    """(collective, call, algo, ranks) of every call in the trace, in time order."""
-    seen: dict[tuple[str, int, str], set[int]] = {}
-    first: dict[tuple[str, int, str], float] = {}
+def list_calls(files: list[TraceFile]) -> list[tuple[str, int, str, int, int]]:
+    """(collective, call, algo, nth, ranks) of every call in the trace, in time order.
+
+    ``nth`` > 0 marks a later call with the same name (another communicator's).
+    """
+    seen: dict[tuple[str, int, str, int], set[int]] = {}
+    first: dict[tuple[str, int, str, int], float] = {}
     for c in calls(files):
-        seen.setdefault(c.key, set()).add(c.rank)
-        first[c.key] = min(first.get(c.key, c.t_start), c.t_start)
-    return [(k[0], k[1], k[2], len(seen[k])) for k in sorted(seen, key=lambda k: first[k])]
+        seen.setdefault(c.ident, set()).add(c.rank)
+        first[c.ident] = min(first.get(c.ident, c.t_start), c.t_start)
+    return [(*k, len(seen[k])) for k in sorted(seen, key=lambda k: first[k])]
+
+
+def call_name(collective: str, call: int, nth: int = 0) -> str:
+    """``all_reduce#3``, or ``all_reduce#3 (2nd)`` for a later call with the same name."""
+    suffix = {1: "2nd", 2: "3rd"}.get(nth, f"{nth + 1}th")
+    return f"{collective}#{call}" + (f" ({suffix})" if nth else "")
 
 
 def _cell(holding: frozenset[int] | None, everyone: frozenset[int]) -> str:
@@ -341,7 +383,7 @@ def _pick(files, collective, call):
     if call is not None:
         found = [c for c in found if c[1] == call]
     if not found:
-        have = ", ".join(f"{c}#{n}" for c, n, _, _ in list_calls(files)[:20]) or "none"
+        have = ", ".join(call_name(c, n, i) for c, n, _, i, _ in list_calls(files)[:20]) or "none"
         raise ValueError(f"no traced call matches collective={collective} call={call}; "
                          f"the trace has: {have}")
     return found[0]
@@ -363,8 +405,8 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
         ValueError: no such call, or steps that do not match up (for example a
             call recorded on a sub-communicator whose ranks are not the trace's).
     """
-    coll, num, algo, _ = _pick(files, collective, call)
-    per_rank = {c.rank: c.steps for c in calls(files) if c.key == (coll, num, algo)}
+    coll, num, algo, nth, _ = _pick(files, collective, call)
+    per_rank = {c.rank: c.steps for c in calls(files) if c.ident == (coll, num, algo, nth)}
     ranks = sorted(per_rank)
     everyone = frozenset(ranks)
     for steps in per_rank.values():
@@ -455,7 +497,7 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
         label = f"{'+'.join(phases)} step {'/'.join(map(str, idx))}/{steps_label}"
         transfers.sort(key=lambda t: int(t[1:t.index(" ")]))
         snapshots.append((label, transfers, {r: list(v) for r, v in state.items()}))
-    return (coll, num, algo), ranks, snapshots
+    return (coll, num, algo, nth), ranks, snapshots
 
 
 def check_final(collective: str, ranks: list[int], state) -> list[str]:
@@ -486,14 +528,14 @@ def explain(files: list[TraceFile], collective: str | None = None, call: int | N
         collective: which collective (default: the first traced call).
         call: its call number (``all_reduce#3`` is call 3).
     """
-    (coll, num, algo), ranks, snaps = replay(files, collective, call)
-    per_rank = {c.rank: c.steps for c in calls(files) if c.key == (coll, num, algo)}
+    (coll, num, algo, nth), ranks, snaps = replay(files, collective, call)
+    per_rank = {c.rank: c.steps for c in calls(files) if c.ident == (coll, num, algo, nth)}
     everyone = frozenset(ranks)
     nchunks = len(snaps[0][2][ranks[0]])
     sizes = sorted({max(s.get("bytes_sent", 0), s.get("bytes_recv", 0))
                     for st in per_rank.values() for s in st})
     size_text = "/".join(str(b) for b in sizes[:4]) + (" ..." if len(sizes) > 4 else "")
-    out = [f"{coll}#{num} ({algo}) on {len(ranks)} ranks, {nchunks} chunk(s), {size_text} B "
+    out = [f"{call_name(coll, num, nth)} ({algo}) on {len(ranks)} ranks, {nchunks} chunk(s), {size_text} B "
            "per message",
            "cell: the ranks whose data that chunk of that rank contains "
            f"({'ALL' if len(ranks) > 1 else 'its own'} = every rank; . = not held yet)", ""]

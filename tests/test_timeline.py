@@ -49,7 +49,7 @@ def recorded(world):
 def _explain_replays_every_recorded_collective(recorded, world):
     files = timeline.load(recorded)
     assert sorted(f.rank for f in files) == list(range(world.size))
-    listed = [(c, n) for c, n, _, _ in timeline.list_calls(files)]
+    listed = [(c, n) for c, n, _, _, _ in timeline.list_calls(files)]
     if world.size == 1:  # one rank: nothing moves, nothing is traced
         assert listed == []
         return
@@ -61,7 +61,7 @@ def _explain_replays_every_recorded_collective(recorded, world):
     text = timeline.explain(files, "all_reduce")
     k = world.size
     assert text.count("reduce-scatter step") == k - 1 and text.count("all-gather step") == k - 1
-    (_, _, _), ranks, snaps = timeline.replay(files, "all_reduce")
+    _, ranks, snaps = timeline.replay(files, "all_reduce")
     everyone = frozenset(ranks)
     after_rs = snaps[k - 1][2]  # the lecture: after K-1 steps rank r holds chunk r reduced
     for r in ranks:
@@ -197,3 +197,30 @@ def test_load_errors(tmp_path):
     _write_ring_trace(tmp_path, 2, 4)
     with pytest.raises(ValueError, match="the trace has: all_reduce#1"):
         timeline.explain(timeline.load(str(tmp_path)), "broadcast")
+
+
+def test_plot_window(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace = tmp_path / "trace"
+    _write_ring_trace(trace, 2, 4)  # steps 1 s apart: the trace spans 2 s
+    files = timeline.load(str(trace))
+    timeline.plot(files, str(tmp_path / "w.png"), window=(500.0, 1500.0))
+    assert (tmp_path / "w.png").exists()
+    with pytest.raises(ValueError, match="nothing recorded"):
+        timeline.plot(files, str(tmp_path / "x.png"), window=(5000.0, 6000.0))
+
+
+def test_calls_with_the_same_name_on_two_communicators_stay_apart(tmp_path):
+    # A DDP bucket communicator and its parent both count all_reduce#1.
+    for r in range(2):
+        tracer = Tracer(r, str(tmp_path))
+        for _ in range(2):
+            call = tracer.call("all_reduce", 1, "ring")
+            for phase, (s, rc) in (("reduce-scatter", (1 - r, r)), ("all-gather", (r, 1 - r))):
+                call.step(phase, 0, 1, send_chunk=s, dst=1 - r, recv_chunk=rc, src=1 - r,
+                          bytes_sent=4, bytes_recv=4, t_start=0.0, t_recv=0.0, t_end=0.0)
+        tracer.close()
+    files = timeline.load(str(tmp_path))
+    assert [(c, n, i) for c, n, _, i, _ in timeline.list_calls(files)] == \
+        [("all_reduce", 1, 0), ("all_reduce", 1, 1)]
+    assert timeline.explain(files).endswith("result: as the collective promises")

@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
     pl.add_argument("dir", help="trace directory")
     pl.add_argument("-o", "--output", default="timeline.png", help="output PNG, default timeline.png")
     pl.add_argument("--title", default="", help="plot title")
+    pl.add_argument("--window", default=None, metavar="FROM:TO",
+                    help="draw only this stretch, in ms since the trace's start (e.g. 9000:)")
     e = sub.add_parser("explain", help="after each ring step: which chunks each rank holds, "
                                        "and whose contributions each contains")
     e.add_argument("dir", help="trace directory")
@@ -45,14 +47,30 @@ def run(args) -> int:
             print(f"wrote {args.output}: {n} spans from {len(files)} file(s); open it in "
                   "Perfetto (ui.perfetto.dev) or chrome://tracing")
         elif args.action == "plot":
-            timeline.plot(files, args.output, title=args.title)
+            window = _window(args.window, files) if args.window else None
+            timeline.plot(files, args.output, title=args.title, window=window)
             print(f"wrote {args.output}")
         elif args.list:
-            for coll, num, algo, nranks in timeline.list_calls(files):
-                print(f"{coll}#{num} ({algo}) on {nranks} rank(s)")
+            for coll, num, algo, nth, nranks in timeline.list_calls(files):
+                print(f"{timeline.call_name(coll, num, nth)} ({algo}) on {nranks} rank(s)")
         else:
             print(timeline.explain(files, args.collective, args.call))
-    except ValueError as exc:
+    except ValueError as exc:  # bad input: a message, not a traceback
         print(f"mpiring trace {args.action}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _window(text: str, files) -> tuple[float, float]:
+    """'FROM:TO' in ms; an empty end means the trace's end."""
+    from .. import timeline
+
+    try:
+        lo, _, hi = text.partition(":")
+        start = float(lo) if lo.strip() else 0.0
+        end = float(hi) if hi.strip() else max(s["end"] for s in timeline.tracks(files)) * 1e3
+    except ValueError:
+        raise ValueError(f"--window {text!r}: use FROM:TO in milliseconds, e.g. 9000:9500") from None
+    if end <= start:
+        raise ValueError(f"--window {text!r}: TO must be after FROM")
+    return start, end
