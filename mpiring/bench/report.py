@@ -188,9 +188,12 @@ def plot_busbw(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> No
     import matplotlib.pyplot as plt
 
     collectives = list(dict.fromkeys(r["collective"] for r in rows))
-    fig, axes = plt.subplots(1, len(collectives), figsize=(5.2 * len(collectives), 4),
-                             squeeze=False)
-    for ax, coll in zip(axes[0], collectives):
+    ncols = min(3, len(collectives))
+    nrows = -(-len(collectives) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(collectives):]:
+        ax.set_visible(False)
+    for ax, coll in zip(axes.flat, collectives):
         sub = [r for r in rows if r["collective"] == coll]
         for algo in dict.fromkeys(r["algo"] for r in sub):
             pts = sorted((r["bytes"], r["busbw"]) for r in sub if r["algo"] == algo)
