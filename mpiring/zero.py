@@ -215,6 +215,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._ddp = ddp
         self._ddp_iteration = -1   # DDP's synced backward count at the last step
         self._reduced: dict[int, tuple[int, ...]] = {}  # bucket -> its params, from the hook
+        self.relayouts = 0         # times the shards followed a DDP bucket rebuild
         self._segments = self._build_segments(self._layout())
         if broadcast_params:
             for seg in self._segments:
@@ -319,14 +320,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 view.copy_(p.detach())
                 # The parameter now lives in the flat buffer: the AllGather updates the model.
                 p.data = view
-            seg = _Segment(indices, offsets, total, flat_param,
-                           torch.zeros(total, dtype=dtype, device=device), external=external)
-            seg.lo, seg.hi = chunk_bounds(total, self.comm.size)[self.comm.rank]
+            lo, hi = chunk_bounds(total, self.comm.size)[self.comm.rank]
+            # Gradients DDP reduced arrive in p.grad: only our shard needs a buffer.
+            # Ours to reduce need the whole flat buffer for the collective.
+            base = lo if external else 0
+            flat_grad = torch.zeros(hi - lo if external else total, dtype=dtype, device=device)
+            seg = _Segment(indices, offsets, total, flat_param, flat_grad, lo, hi,
+                           external=external)
             for i, off in zip(indices, offsets):
-                a, b = max(seg.lo, off), min(seg.hi, off + self._all_params[i].numel())
+                a, b = max(lo, off), min(hi, off + self._all_params[i].numel())
                 if a < b:
                     seg.pieces.append(_Piece(i, self._group_of[i], off, a - off, b - off,
-                                             seg.flat_param[a:b], seg.flat_grad[a:b]))
+                                             seg.flat_param[a:b], flat_grad[a - base:b - base]))
             segments.append(seg)
         return segments
 
@@ -468,10 +473,32 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._relayout(self._layout(buckets))
 
     def _relayout(self, layout: list[tuple[list[int], bool]]) -> None:
-        full = self._gather_state(None)
-        self._segments = self._build_segments(layout)
+        # Each rank needs the old state of its new pieces: gather one (old
+        # segment, key) at a time and copy out the new pieces' slices, so no rank
+        # ever holds more than one segment's state tensor beyond its own shard.
+        new_segments = self._build_segments(layout)
+        new_pieces: dict[int, list[_Piece]] = {}
+        for seg in new_segments:
+            for pc in seg.pieces:
+                new_pieces.setdefault(pc.index, []).append(pc)
+        moved: dict[int, dict[str, Any]] = {}  # id(new piece view) -> state
+
+        def take(seg: _Segment, key: str, buf: torch.Tensor, merged) -> None:
+            for i, off in zip(seg.indices, seg.offsets):
+                if i in merged and key in merged[i]["elem"]:
+                    for pc in new_pieces.get(i, ()):
+                        moved.setdefault(id(pc.view), {})[key] = \
+                            buf[off + pc.start:off + pc.stop].clone()
+
+        merged = self._exchange_state(take)
+        self.relayouts += 1
+        self._segments = new_segments
         self.optim = self._make_inner_optimizer()
-        self._load_full_state(full)
+        for pc in self._pieces():
+            if pc.index in merged:
+                scalars = {k: v.clone() if torch.is_tensor(v) else v
+                           for k, v in merged[pc.index]["scalar"].items()}
+                self.optim.state[pc.view] = {**scalars, **moved.get(id(pc.view), {})}
 
     # --- state dicts --------------------------------------------------------------
     def _per_element(self, key: str, value: Any, like_shape: torch.Size, ndim: int) -> bool:
@@ -509,6 +536,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _gather_state(self, to: int | None) -> dict[int, dict[str, Any]]:
         """Full per-parameter state on rank ``to`` (or every rank if None)."""
+        mine = to is None or self.comm.rank == to
+        out: dict[int, dict[str, Any]] = {}
+
+        def keep(seg: _Segment, key: str, buf: torch.Tensor, merged) -> None:
+            if mine:
+                for i, off in zip(seg.indices, seg.offsets):
+                    if i in merged and key in merged[i]["elem"]:
+                        p = self._all_params[i]
+                        out.setdefault(i, {})[key] = buf[off:off + p.numel()].clone().view(p.shape)
+
+        merged = self._exchange_state(keep)
+        if not mine:
+            return {}
+        return {i: {**merged[i]["scalar"], **out.get(i, {})} for i in sorted(merged)}
+
+    def _exchange_state(self, visit) -> dict[int, dict[str, Any]]:
+        """Put each (segment, state key) back together and hand it to ``visit`` (collective).
+
+        Returns the merged metadata: per parameter with state, the per-element
+        keys' dtypes (``elem``) and the scalar state (``scalar``).
+        """
         # 1. Metadata: which parameters have which state on which rank; scalar
         #    state travels here too (it is tiny).
         local: dict[int, dict[str, Any]] = {}
@@ -533,12 +581,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 m["elem"].update(e["elem"])
                 if e["first"] or not m["scalar"]:
                     m["scalar"].update(e["scalar"])
-        mine = to is None or self.comm.rank == to
-        out: dict[int, dict[str, Any]] = {}
-        for i in sorted(merged):
-            out[i] = dict(merged[i]["scalar"]) if mine else {}
-        # 2. Per-element state, one flat buffer per (segment, key): each rank fills
-        #    its own chunk and the ring AllGather fills in the rest.
+        # 2. Per-element state, one flat buffer per (segment, key) at a time: each
+        #    rank fills its own chunk and the ring AllGather fills in the rest.
         for seg in self._segments:
             keys: dict[str, torch.dtype] = {}
             for i in seg.indices:
@@ -551,12 +595,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     if st and key in st:
                         buf[pc.offset + pc.start:pc.offset + pc.stop].copy_(st[key])
                 self.comm.all_gather(buf)
-                if mine:
-                    for i, off in zip(seg.indices, seg.offsets):
-                        if i in merged and key in merged[i]["elem"]:
-                            p = self._all_params[i]
-                            out[i][key] = buf[off:off + p.numel()].clone().view(p.shape)
-        return out if mine else {}
+                visit(seg, key, buf, merged)
+                del buf
+        return merged
 
     def state_dict(self) -> dict[str, Any]:
         """The full optimizer state, on the rank named in ``consolidate_state_dict``.

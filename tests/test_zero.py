@@ -257,6 +257,7 @@ def test_zero_with_ddp_buckets_no_sync_and_rebuild(comm, stage):
     model = make_model()
     # Tiny buckets: several per dtype, and the rebuild reorders them.
     ddp = DistributedDataParallel(model, comm, bucket_cap_mb=200 / 2**20, first_bucket_mb=100 / 2**20)
+    initial_buckets = [list(b) for b in ddp.bucket_params]
     opt = ZeroRedundancyOptimizer(groups(model), comm, torch.optim.AdamW, stage=stage, ddp=ddp,
                                   lr=0.05)
     reference = make_model()
@@ -284,6 +285,9 @@ def test_zero_with_ddp_buckets_no_sync_and_rebuild(comm, stage):
                 if seg.external]
         assert ours == [[id(ddp.reducer.params[j]) for j in b] for b in ddp.bucket_params]
         assert ddp.reducer.rebuilt
+        # The rebuild moved parameters between buckets: the state moved along
+        # (AdamW's step counts and moments, or the curve above would differ).
+        assert ddp.bucket_params != initial_buckets and opt.relayouts == 1
     # A step without a synced backward would skip the reduction: refused on every rank.
     x, y = batch(99)
     with ddp.no_sync():
