@@ -18,7 +18,7 @@ from mpiring.bench.ddp import (  # noqa: E402
 
 @pytest.mark.deadline(120)
 def test_every_mode_splits_its_step(world, tmp_path):
-    cfg = DDPBenchConfig(preset="tiny", batch_size=2, steps=2, warmup=1,
+    cfg = DDPBenchConfig(preset="tiny", batch_size=2, steps=1, warmup=1,
                          modes=("compute", "ddp", "naive", "ps"), bucket_sweep=(0.05,),
                          max_data_mb=0.25)
     rows = run_ddp_bench(world, cfg)
