@@ -150,7 +150,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         ddp: an ``mpiring.DistributedDataParallel`` wrapping the model. Stage 2
             then reduce-scatters each DDP bucket on the reducer's communication
             thread as soon as backward fills it (a comm hook; overlapped with
-            the rest of backward), with the shards laid out like the buckets;
+            the rest of backward), with the shards laid out like the buckets
+            (DDP's first synced backward is all-reduced instead: DDP rebuilds
+            its buckets after it, and the first step lays the shards out like
+            the rebuilt ones);
             stage 1 takes DDP's averaged gradients as they are. ``no_sync``
             works as with DDP: step after the synced backward.
         **defaults: hyperparameters for ``optimizer_class`` (lr, betas, ...).
@@ -214,7 +217,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._steps = 0
         self._ddp = ddp
         self._ddp_iteration = -1   # DDP's synced backward count at the last step
-        self._reduced: dict[int, tuple[int, ...]] = {}  # bucket -> its params, from the hook
+        # bucket -> (ids of its params, all-reduced rather than reduce-scattered), from the hook
+        self._reduced: dict[int, tuple[tuple[int, ...], bool]] = {}
         self.relayouts = 0         # times the shards followed a DDP bucket rebuild
         self._segments = self._build_segments(self._layout())
         if broadcast_params:
@@ -464,13 +468,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self.stage != 2:
             return
         reduced, self._reduced = self._reduced, {}
-        index_of = {id(p): i for i, p in enumerate(self._all_params)}
-        buckets = [[index_of[j] for j in reduced[b] if j in index_of] for b in sorted(reduced)]
         current = [seg.indices for seg in self._segments if seg.external]
-        if [b for b in buckets if b] != current:
-            # DDP rebuilt its buckets (after its first iteration): lay the shards
-            # out like the new buckets, taking the optimizer state along.
-            self._relayout(self._layout(buckets))
+        if any(full for _, full in reduced.values()):
+            # DDP's first backward: the hook all-reduced (p.grad holds the whole
+            # mean) because DDP rebuilds its buckets after it. Rebuild them now and
+            # lay the shards out like the new buckets before any state exists.
+            self._ddp.reducer.rebuild_if_due()
+            layout = self._layout()
+        else:
+            index_of = {id(p): i for i, p in enumerate(self._all_params)}
+            layout = self._layout([[index_of[j] for j in reduced[b][0] if j in index_of]
+                                   for b in sorted(reduced)])
+        if [seg for seg, external in layout if external] != current:
+            # The buckets changed under us: follow them, taking the state along.
+            self._relayout(layout)
 
     def _relayout(self, layout: list[tuple[list[int], bool]]) -> None:
         # Each rank needs the old state of its new pieces: gather one (old
@@ -673,8 +684,14 @@ def _reduce_scatter_hook(opt: ZeroRedundancyOptimizer, bucket) -> torch.Tensor:
     """
     buf = bucket.buffer()
     comm = bucket.comm
+    # DDP rebuilds its buckets after its first synced backward: all-reduce that
+    # one, so the first step can lay the shards out like the rebuilt buckets.
+    full = bucket.iteration == 0 and not opt._ddp.reducer.rebuilt
     if comm.size > 1:
         buf.div_(comm.size)  # divide before the sum, as everywhere in mpiring
-        comm.reduce_scatter(buf, op="sum", check=False)
-    opt._reduced[bucket.index()] = tuple(id(p) for p in bucket.parameters())
+        if full:
+            comm.all_reduce(buf, op="sum", check=False)
+        else:
+            comm.reduce_scatter(buf, op="sum", check=False)
+    opt._reduced[bucket.index()] = (tuple(id(p) for p in bucket.parameters()), full)
     return buf

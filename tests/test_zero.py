@@ -97,7 +97,11 @@ def assert_replicas_identical(model, comm):
 def test_zero_equals_unsharded_data_parallel(comm, stage):
     model = make_model()
     opt = ZeroRedundancyOptimizer(groups(model), comm, torch.optim.AdamW, stage=stage, lr=0.05)
-    train_zero(model, opt, comm, STEPS)
+    train_zero(model, opt, comm, STEPS - 1)
+    # Lay the shards out anew mid-run (what a DDP bucket rebuild triggers): the
+    # state follows its elements to their new owners.
+    opt._relayout([(seg.indices[::-1], False) for seg in opt._segments[::-1]])
+    train_zero(model, opt, comm, 1, start=STEPS - 1)
     reference, _ = train_reference(STEPS)
     assert_same_params(model, reference)
     assert_replicas_identical(model, comm)
@@ -285,8 +289,8 @@ def test_zero_with_ddp_buckets_no_sync_and_rebuild(comm, stage):
                 if seg.external]
         assert ours == [[id(ddp.reducer.params[j]) for j in b] for b in ddp.bucket_params]
         assert ddp.reducer.rebuilt
-        # The rebuild moved parameters between buckets: the state moved along
-        # (AdamW's step counts and moments, or the curve above would differ).
+        # The rebuild moved parameters between buckets; the first step followed it
+        # before any optimizer state existed.
         assert ddp.bucket_params != initial_buckets and opt.relayouts == 1
     # A step without a synced backward would skip the reduction: refused on every rank.
     x, y = batch(99)
