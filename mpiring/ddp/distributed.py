@@ -48,6 +48,9 @@ class DistributedDataParallel(nn.Module):
             backward first (the naive design).
         algo: AllReduce algorithm for the buckets: "ring" (the project's) or
             "native" (the library's own).
+        quiet_wait: wait for all ranks before each bucket's AllReduce without
+            spinning a core (see ``reducer.quiet_barrier``); default on for CPU
+            buckets on the MPI backend.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -58,7 +61,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 overlap: bool = True, *, algo: str = "ring"):
+                 overlap: bool = True, *, algo: str = "ring", quiet_wait: bool | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got "
@@ -84,7 +87,7 @@ class DistributedDataParallel(nn.Module):
                                bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                find_unused_parameters=find_unused_parameters,
                                gradient_as_bucket_view=gradient_as_bucket_view,
-                               overlap=overlap, algo=algo)
+                               overlap=overlap, algo=algo, quiet_wait=quiet_wait)
 
     def forward(self, *args, **kwargs):
         grad = torch.is_grad_enabled()

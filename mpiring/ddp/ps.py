@@ -24,6 +24,7 @@ from torch import nn
 
 from .bucketing import MIB, bucket_offsets, compute_buckets
 from .distributed import check_same_model, describe_module, sync_from_root
+from .reducer import quiet_barrier
 
 
 class ParameterServer:
@@ -73,6 +74,8 @@ class ParameterServer:
     def step(self) -> None:
         """Push the gradients, update on the server, pull the parameters (collective)."""
         k = self.comm.size
+        if k > 1 and self.comm.backend == "mpi" and self.params[0].device.type == "cpu":
+            quiet_barrier(self.comm.mpi_comm)  # do not spin while slower workers compute
         with torch.no_grad():
             for group, offsets, flat in self.buckets:
                 for i, off in zip(group, offsets):

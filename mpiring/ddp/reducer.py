@@ -38,8 +38,10 @@ raises the same error instead of one rank waiting forever for a bucket.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +70,21 @@ class _Bucket:
         self.tail = tail              # offset of the status tail (last bucket only)
         self.dtype = flat.dtype
         self.device = flat.device
+
+
+def quiet_barrier(mpi_comm, poll_s: float = 2e-4) -> None:
+    """Wait until every rank of ``mpi_comm`` has arrived, sleeping instead of spinning.
+
+    MPICH busy-polls inside blocking calls. A rank that reaches a collective
+    first would spin a core while its peers are still computing; on a host with
+    more ranks than cores that spin takes the CPU from the very computation it
+    waits for (and, with a communication thread, from its own backward). An
+    ``Ibarrier`` polled with short sleeps costs one small message round and
+    leaves the cores to the ranks that are still working.
+    """
+    req = mpi_comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll_s)
 
 
 class CommThread:
@@ -136,14 +153,20 @@ class Reducer:
         overlap: launch each bucket as soon as it is complete (True) or only after
             backward has finished (False, the naive design).
         algo: the AllReduce algorithm for buckets ("ring" or "native").
+        quiet_wait: before each bucket's AllReduce, wait for every rank with
+            ``quiet_barrier`` (default: on the MPI backend with CPU buckets, unless
+            ``MPIRING_QUIET_WAIT=0``).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], comm, *,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 overlap: bool = True, algo: str = "ring"):
+                 overlap: bool = True, algo: str = "ring", quiet_wait: bool | None = None):
         self.params = list(params)
         self.names = list(names)
+        if not self.params:
+            raise ValueError("DistributedDataParallel: the module has no parameter that requires "
+                             "grad, so there is nothing to reduce: wrap a trainable module")
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * MIB))
@@ -152,6 +175,7 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.overlap = overlap
         self.algo = algo
+        self.quiet_wait = quiet_wait
         # The bucket AllReduces run on their own communicator: the comm thread's
         # messages can never match a collective the main thread issues meanwhile.
         self._bucket_comm = comm.dup()
@@ -351,6 +375,10 @@ class Reducer:
                   "params": len(bucket.params), "launch": clock()}
         self._records.append(record)
         comm, algo = self._bucket_comm, self.algo
+        quiet = self.quiet_wait
+        if quiet is None:
+            quiet = (comm.backend == "mpi" and not bucket.flat.is_cuda and comm.size > 1
+                     and os.environ.get("MPIRING_QUIET_WAIT", "1") != "0")
         hook = self._comm_hook
         if hook is not None:
             hook_args = (bucket.index, bucket.flat, bucket.numel,
@@ -359,8 +387,14 @@ class Reducer:
 
         def all_reduce_bucket() -> None:
             if event is not None:
+                torch.cuda.set_device(bucket.flat.device)  # a new thread starts on GPU 0
                 event.synchronize()
+            # The AllReduce starts here; with quiet_wait its first part is the wait
+            # for the other ranks (``t_peers``: when the last one arrived).
             record["t_start"] = clock()
+            if quiet:
+                quiet_barrier(comm.mpi_comm)
+            record["t_peers"] = clock()
             if hook is not None:
                 from .comm_hooks import run_comm_hook
 
@@ -460,6 +494,7 @@ class Reducer:
             if "t_end" in rec:
                 tracer.event("ddp.all_reduce", "ddp", rec["t_start"], rec["t_end"],
                              bucket=rec["bucket"], iteration=rec["iteration"], bytes=rec["bytes"],
+                             t_peers=rec["t_peers"],
                              params=rec["params"], launch=rec["launch"], overlap=self.overlap,
                              algo=self.algo)
         tracer.event("ddp.backward", "ddp", self._t_backward or t_end_backward, t_end_backward,
