@@ -41,7 +41,9 @@ ALGOS = {
 # Collectives that reduce (and therefore take an op).
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 
-_DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks")
+# "call" last: the call number of this collective on this communicator. It
+# differs when a rank made more or fewer calls than the others (one unchecked).
+_DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks", "call")
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -144,6 +146,16 @@ class Communicator:
     def _prepare(self, collective: str, x, *, op=None, algo="ring", root=None,
                  chunks=None, check=None) -> tuple[Buffer, int]:
         call = self._next_call(collective)
+        try:
+            return self._checked(collective, call, x, op, algo, root, chunks, check)
+        except BaseException:
+            # A call refused before any data moved does not count: every rank
+            # refused it, so the call numbers stay in step across ranks.
+            self._calls[collective] = call - 1
+            raise
+
+    def _checked(self, collective: str, call: int, x, op, algo, root, chunks,
+                 check) -> tuple[Buffer, int]:
         self._act.begin(collective, call, algo if isinstance(algo, str) else None)
         error: Exception | None = None
         buf = None
@@ -155,7 +167,8 @@ class Communicator:
             if error is not None:
                 raise error
             return self._enter(buf), call
-        table = self._be.exchange(_descriptor(collective, buf, op, algo, root, chunks, error))
+        table = self._be.exchange(_descriptor(collective, buf, op, algo, root, chunks, call,
+                                              error))
         name = f"{collective}#{call}"
         bad = [r for r in range(self.size) if table[r, -1]]
         if bad:
@@ -176,6 +189,9 @@ class Communicator:
                 differs.append(f"{field} differs: {values}")
                 if field == "collective":  # the other fields then mean different things
                     break
+                if field == "call":
+                    differs[-1] += (f" (a rank made more or fewer {collective} calls on this "
+                                    "communicator than the others)")
         if differs:
             raise MismatchError(f"{name}: " + "; ".join(differs))
         return self._enter(buf), call
@@ -343,7 +359,7 @@ def _int_or(value: Any) -> int:
     return -2
 
 
-def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks,
+def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks, call: int,
                 error: Exception | None) -> np.ndarray:
     """The call as int64s, in ``_DESC_FIELDS`` order plus an error flag; never raises."""
     return np.array([
@@ -354,6 +370,7 @@ def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks,
         _int_or(root),
         _name_code(algo),
         _int_or(chunks),
+        call,
         0 if error is None else 1,
     ], dtype=np.int64)
 

@@ -28,7 +28,7 @@ def fresh(world):
 
 def still_works(comm):
     x = data(comm.rank, 37, np.float32)
-    comm.all_reduce(x)
+    comm.all_reduce(x, algo="ring")
     expected = sum(data(r, 37, np.float64) for r in range(comm.size)).astype(np.float32)
     np.testing.assert_array_equal(x, expected)
 
@@ -182,7 +182,7 @@ BAD = {
     "op-not-a-name": ("reduce", lambda n: {"x": np.zeros(n, np.float32), "op": ["sum"]},
                       ValueError, "unknown op"),
     "unknown-algo": ("all_reduce", lambda n: {"x": np.zeros(n, np.float32), "algo": "tree"},
-                     ValueError, "unknown algo 'tree' for all_reduce: use one of ring"),
+                     ValueError, "unknown algo 'tree' for all_reduce: use one of .*ring"),
     "avg-on-int": ("all_reduce", lambda n: {"x": np.zeros(n, np.int32), "op": "avg"},
                    ValueError, "avg' is not defined for integer dtype int32.*op='sum'"),
     "root-out-of-range": ("broadcast", lambda n: {"x": np.zeros(n, np.float32), "root": 99},
@@ -255,9 +255,9 @@ def test_check_false_per_call_skips_the_exchange(fresh):
     fresh._be.exchange = counter
     try:
         x = data(fresh.rank, 50, np.float32)
-        fresh.all_reduce(x.copy())
+        fresh.all_reduce(x.copy(), algo="ring")
         assert counter.calls == 1
-        fresh.all_reduce(x.copy(), check=False)
+        fresh.all_reduce(x.copy(), algo="ring", check=False)
         fresh.broadcast(x.copy(), check=False)
         assert counter.calls == 1, "check=False must not exchange descriptors"
     finally:
@@ -274,7 +274,7 @@ def test_mpiring_check_0_turns_it_off_for_new_communicators(world, monkeypatch):
     quiet._be.exchange = counter
     still_works(quiet)
     assert counter.calls == 0
-    quiet.all_reduce(np.zeros(3, np.float32), check=True)  # per call wins over the env
+    quiet.all_reduce(np.zeros(3, np.float32), algo="ring", check=True)  # per call wins
     assert counter.calls == (1 if quiet.size > 1 else 0)
 
 
@@ -292,3 +292,14 @@ def test_check_cost_command_runs(world, capsys):
     out = capsys.readouterr().out
     if world.rank == 0:
         assert "check on" in out and "1.0 KiB" in out and "watchdog stamp" in out, out
+
+
+def test_an_extra_call_on_one_rank_is_named(fresh):
+    x = np.zeros(8, dtype=np.float32)
+    if fresh.rank == 0:  # as if r0 had made one all_reduce more than the others
+        fresh._calls["all_reduce"] = 1
+    expected = "^all_reduce#\\d: call differs: " + row(fresh, lambda r: 2 if r == 0 else 1)
+    with pytest.raises(mpiring.MismatchError, match=expected + " \\(a rank made more or fewer "
+                                                    "all_reduce calls"):
+        fresh.all_reduce(x, algo="ring")
+    fresh._calls["all_reduce"] = 0  # back in step
