@@ -164,20 +164,24 @@ class Activity:
     # --- read by the monitor ----------------------------------------------------
     def current_step(self) -> str:
         """The ring step in progress, e.g. ``reduce-scatter step 2/3``, or ''."""
-        phases = PHASES.get(self.collective or "")
-        if self.algo == "native" or self.collective not in PHASES:
+        if self.algo == "native" or self.collective is None:
             return ""
+        # The phase table describes the lecture's ring algorithms; for any other
+        # algorithm only the steps it reported are known.
+        phases = PHASES.get(self.collective) if self.algo in ("ring", "pipelined") else None
         ring_steps = self.size - 1
         if self.phase is None:
+            if not phases:
+                return "first step"
             first = phases[0]
-            total = ring_steps if first in _RING_PHASES else None
-            return _fmt_step(first, 0, total)
+            return _fmt_step(first, 0, ring_steps if first in _RING_PHASES else None)
         if self.step_done + 1 < self.steps:
             return _fmt_step(self.phase, self.step_done + 1, self.steps)
-        if self.phase in phases and phases.index(self.phase) + 1 < len(phases):
+        if phases and self.phase in phases and phases.index(self.phase) + 1 < len(phases):
             nxt = phases[phases.index(self.phase) + 1]
             return _fmt_step(nxt, 0, ring_steps if nxt in _RING_PHASES else None)
-        return f"after {_fmt_step(self.phase, self.step_done, self.steps)} (finishing)"
+        done = f"after {_fmt_step(self.phase, self.step_done, self.steps)}"
+        return f"{done} (finishing)" if phases else done
 
     def _who(self, peer: int) -> str:
         text = f"r{peer}"

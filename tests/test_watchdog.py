@@ -70,6 +70,10 @@ def test_step_in_progress_follows_the_ring_phases():
     assert act.current_step() == "broadcast step 2/8"
     act.begin("all_reduce", 4, "native")
     assert act.current_step() == ""
+    act.begin("all_reduce", 5, "recursive-doubling")  # an algorithm without a phase table
+    assert act.current_step() == "first step"
+    act.step("recursive-doubling", 1, 2)
+    assert act.current_step() == "after recursive-doubling step 2/2"
 
 
 def test_report_in_the_argument_check_and_with_world_ranks():
@@ -154,7 +158,7 @@ def test_a_wait_is_stamped_with_the_step_and_peer(world):
     if comm.rank == 0:
         time.sleep(0.4)
     x = data(comm.rank, 1000, np.float32)
-    comm.all_reduce(x, check=False)  # straight into the ring: the wait is a ring step
+    comm.all_reduce(x, algo="ring", check=False)  # straight into the ring: the wait is a ring step
     stop.set()
     sampler.join()
     left = (comm.rank - 1) % comm.size

@@ -17,7 +17,7 @@ comm = mpiring.init()
 sleeper = int(sys.argv[1]) if len(sys.argv) > 1 else comm.size // 2
 x = np.ones(4096, dtype=np.float32)
 for _ in range(3):  # all_reduce#1..3 run normally
-    comm.all_reduce(x)
+    comm.all_reduce(x, algo="ring")
 
 if comm.rank == sleeper:
     send = comm._be.send
@@ -32,5 +32,5 @@ if comm.rank == sleeper:
     comm._be.send = slow_send
 
 print(f"[r{comm.rank}] entering all_reduce#4 at {time.time():.3f}", flush=True)
-comm.all_reduce(x)
+comm.all_reduce(x, algo="ring")
 print(f"[r{comm.rank}] all_reduce#4 returned: the stall was not detected", flush=True)
