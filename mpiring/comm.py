@@ -32,9 +32,9 @@ from .trace import Tracer
 from .watchdog import Activity, parse_timeout
 
 ALGOS = {
-    "all_reduce": ("ring", "native"),
-    "reduce_scatter": ("ring", "native"),
-    "all_gather": ("ring", "native"),
+    "all_reduce": ("auto", "ring", "ring-seg", "recursive-doubling", "native"),
+    "reduce_scatter": ("auto", "ring", "ring-seg", "native"),
+    "all_gather": ("auto", "ring", "ring-seg", "native"),
     "broadcast": ("ring", "pipelined", "native"),
     "reduce": ("ring", "pipelined", "native"),
 }
@@ -65,6 +65,7 @@ class Communicator:
     """
 
     _plan = None  # what the current collective does with a GPU buffer (mpiring.cuda)
+    _auto = None  # algo="auto"'s decision table, agreed at the first auto call (autotune)
 
     def __init__(self, be, tracer: Tracer | None = None, *, check: bool | None = None,
                  timeout: float | str | None = None):
@@ -197,13 +198,16 @@ class Communicator:
         return self._enter(buf), call
 
     # --- collectives ----------------------------------------------------------
-    def all_reduce(self, x, op: str = "sum", algo: str = "ring", *, check: bool | None = None):
+    def all_reduce(self, x, op: str = "sum", algo: str = "auto", *, check: bool | None = None):
         """Reduce ``x`` over all ranks, in place; every rank gets the result.
 
         Args:
             x: numpy array, torch tensor or cupy array (contiguous, writable).
             op: "sum", "avg", "max", "min" or "prod".
-            algo: "ring" (ReduceScatter + AllGather) or "native" (the library's own).
+            algo: "auto" (the fastest for this size, see ``mpiring.autotune``),
+                "ring" (the lecture's ReduceScatter + AllGather), "ring-seg" (the
+                same ring cut into pipelined segments), "recursive-doubling"
+                (log2 K steps, for small messages) or "native" (the library's own).
             check: compare the call's arguments across ranks first (default on;
                 ``MPIRING_CHECK=0`` turns it off).
 
@@ -211,40 +215,61 @@ class Communicator:
             ``x``.
         """
         buf, call = self._prepare("all_reduce", x, op=op, algo=algo, check=check)
+        if algo == "auto":
+            algo = self._auto_algo("all_reduce", buf, op)
         if algo == "native":
             self._be.native_all_reduce(buf.array, op)
+        elif algo == "ring-seg":
+            coll.segmented_all_reduce(self._be, buf.array, op,
+                                      self._steps("all_reduce", call, algo))
+        elif algo == "recursive-doubling":
+            coll.recursive_doubling_all_reduce(self._be, buf.array, op,
+                                               self._steps("all_reduce", call, algo))
         else:
             coll.ring_all_reduce(self._be, buf.array, op, self._steps("all_reduce", call, algo))
         self._finish()
         return x
 
-    def reduce_scatter(self, x, op: str = "sum", algo: str = "ring", *, check: bool | None = None):
+    def reduce_scatter(self, x, op: str = "sum", algo: str = "auto", *,
+                       check: bool | None = None):
         """Reduce ``x`` in place so that rank r holds chunk r fully reduced.
 
         Chunks follow numpy.array_split bounds over the flattened buffer. The other
-        chunks of ``x`` hold partial sums afterwards.
+        chunks of ``x`` hold partial sums afterwards. ``algo``: "auto", "ring",
+        "ring-seg" or "native" (as for ``all_reduce``).
 
         Returns:
             The view of chunk ``self.rank`` of ``x`` (same type as ``x``).
         """
         buf, call = self._prepare("reduce_scatter", x, op=op, algo=algo, check=check)
+        if algo == "auto":
+            algo = self._auto_algo("reduce_scatter", buf, op)
         if algo == "native":
             lo, hi = self._be.native_reduce_scatter(buf.array, op)
+        elif algo == "ring-seg":
+            lo, hi = coll.segmented_reduce_scatter(
+                self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
         else:
             lo, hi = coll.ring_reduce_scatter(
                 self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
         self._finish()
         return buf.chunk(lo, hi)
 
-    def all_gather(self, x, algo: str = "ring", *, check: bool | None = None):
+    def all_gather(self, x, algo: str = "auto", *, check: bool | None = None):
         """Fill every chunk of ``x`` in place from its owner; rank r provides chunk r.
+
+        ``algo``: "auto", "ring", "ring-seg" or "native" (as for ``all_reduce``).
 
         Returns:
             ``x``.
         """
         buf, call = self._prepare("all_gather", x, algo=algo, check=check)
+        if algo == "auto":
+            algo = self._auto_algo("all_gather", buf, None)
         if algo == "native":
             self._be.native_all_gather(buf.array)
+        elif algo == "ring-seg":
+            coll.segmented_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
         else:
             coll.ring_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
         self._finish()
@@ -294,6 +319,27 @@ class Communicator:
                                   self._steps("reduce", call, algo))
         self._finish()
         return x
+
+    def _auto_algo(self, collective: str, buf: Buffer, op: str | None) -> str:
+        """What ``algo="auto"`` runs: a function of values equal on every rank.
+
+        The first auto call on a communicator takes rank 0's table to every rank
+        (two small exchanges, see ``mpiring.autotune``); every rank then looks up
+        the same (collective, bytes) in the same table, so all choose alike.
+        """
+        if self._auto is None:
+            from .autotune import shared_table
+
+            self._auto = shared_table(self)
+        algo = self._auto.choose(collective, buf.nbytes)
+        if algo == "native":
+            try:  # e.g. MPI cannot reduce bfloat16: the best of mpiring's own instead
+                self._be.check_native(collective, buf.dtype,
+                                      op if collective in REDUCING else None)
+            except (TypeError, ValueError):
+                algo = self._auto.choose(collective, buf.nbytes, native_ok=False)
+        self._act.algo = algo  # the stall report names the algorithm that runs
+        return algo
 
     def _pipeline_chunks(self, buf: Buffer, algo: str, chunks: int | None) -> int:
         if algo == "ring":

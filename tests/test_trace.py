@@ -18,7 +18,7 @@ def traced(comm, directory, **kw):
 def test_all_reduce_sends_two_k_minus_one_chunks(comm, tmp_path, n):
     tc = traced(comm, tmp_path)
     x = np.arange(n, dtype=np.float32) + comm.rank
-    tc.all_reduce(x)
+    tc.all_reduce(x, algo="ring")  # the lecture's ring (the default 'auto' may pick another)
     tc.tracer.close()
     steps = [r for r in read_trace(str(tmp_path)) if r["type"] == "step"]
     k, r = comm.size, comm.rank
@@ -60,7 +60,7 @@ def test_step_log_lines_rank_first(comm, tmp_path, caplog):
     logger = logging.getLogger("mpiring.steps")
     logger.addHandler(caplog.handler)
     try:
-        tc.all_reduce(np.ones(8 * comm.size, dtype=np.float32))
+        tc.all_reduce(np.ones(8 * comm.size, dtype=np.float32), algo="ring")
     finally:
         logger.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if r.name == "mpiring.steps"]

@@ -77,6 +77,26 @@ class MPIBackend:
         finally:
             act.since = 0.0
 
+    def isend(self, buf, dst: int):
+        """Start sending ``buf`` (the segmented ring keeps several in flight)."""
+        return self.comm.Isend(_bytes(buf), dest=dst, tag=TAG)
+
+    def wait_send(self, req, dst: int) -> None:
+        act = self.activity
+        act.blocked("Wait(Isend)", dst)
+        try:
+            req.Wait()
+        finally:
+            act.since = 0.0
+
+    def wait_sends(self, reqs, dst: int) -> None:
+        act = self.activity
+        act.blocked("Waitall(Isend)", dst)
+        try:
+            MPI.Request.Waitall(reqs)
+        finally:
+            act.since = 0.0
+
     def sendrecv(self, sendbuf, dst: int, recvbuf, src: int) -> None:
         act = self.activity
         act.blocked("Sendrecv", src)

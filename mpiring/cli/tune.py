@@ -1,0 +1,175 @@
+"""Fit algo="auto" to this machine: time every algorithm per size, store the decision table.
+
+Run under mpiexec with the ranks and hosts you will train on; the table is
+stored per backend, world size and host layout (see mpiring.autotune):
+
+    mpiexec -n 4 python -m mpiring tune                   # K=4, 8 B .. 256 MiB
+    mpiexec -n 4 python -m mpiring tune --world-sizes 2,3,4 --max-size 64M
+    mpiexec -n 2 python -m mpiring tune --dry-run         # print, do not store
+
+Every algorithm runs at every size, interleaved with the others (so a burst of
+load hits all alike); the medians are fitted to a decision table. Until you
+run this, algo="auto" uses built-in tables.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from . import parse_size
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--collective", "-c", default="all_reduce,reduce_scatter,all_gather",
+                   help="comma list of all_reduce, reduce_scatter, all_gather (default: all three)")
+    p.add_argument("--min-size", default="8", help="smallest message in bytes, default 8")
+    p.add_argument("--max-size", default="256M", help="largest message in bytes, default 256M")
+    p.add_argument("--factor", type=int, default=4, help="size step factor, default 4")
+    p.add_argument("--reps", type=int, default=7, help="timed rounds per size (median), default 7")
+    p.add_argument("--world-sizes", type=_ints, default=None,
+                   help="also fit sub-communicators of these sizes on the first ranks "
+                        "(e.g. 2,3,4); default: the job's size only")
+    p.add_argument("--margin", type=float, default=None,
+                   help="keep native unless another algorithm is this much faster (default 0.03)")
+    p.add_argument("--cache", default=None,
+                   help="JSON file to store into (default $MPIRING_CACHE/tune.json or "
+                        "~/.cache/mpiring/tune.json)")
+    p.add_argument("--dry-run", action="store_true", help="print the tables, store nothing")
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    try:
+        return _run(args)
+    except Exception:  # noqa: BLE001 - a failing rank must end the job, not leave it waiting
+        if world.Get_size() == 1:
+            raise
+        import traceback
+
+        sys.stderr.write(f"[r{world.Get_rank()}] tune failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
+        return 1
+
+
+def _run(args) -> int:
+    import mpiring
+    from mpiring import autotune
+    from mpiring.bench.measure import quiet_barrier
+
+    collectives = [c.strip() for c in args.collective.split(",") if c.strip()]
+    for c in collectives:
+        if c not in autotune.CANDIDATES:
+            raise ValueError(f"tune knows {', '.join(autotune.CANDIDATES)}, not {c!r}")
+    if args.reps < 1 or args.factor < 2:
+        raise ValueError("--reps must be >= 1 and --factor >= 2")
+    sizes = _sizes(parse_size(args.min_size), parse_size(args.max_size), args.factor)
+    comm = mpiring.init(backend="mpi", trace="", log="none", check=False)
+    ks = sorted(set(args.world_sizes or [comm.size]))
+    if any(k < 1 or k > comm.size for k in ks):
+        raise ValueError(f"--world-sizes must lie in 1..{comm.size}")
+    margin = autotune.MARGIN if args.margin is None else args.margin
+    out = comm.rank == 0
+    for k in ks:
+        sub = comm if k == comm.size else comm.split(0 if comm.rank < k else None, comm.rank)
+        if sub is not None:
+            table = tune_communicator(sub, collectives, sizes, args.reps, margin)
+            if sub.rank == 0:
+                print(format_table(table), flush=True)
+                if not args.dry_run:
+                    path = autotune.write_cache(table, args.cache)
+                    print(f"# stored under '{table.key}' in {path}", flush=True)
+        # Ranks outside the sub-communicator sleep rather than spin: on a machine
+        # with fewer cores than ranks a spinning rank would skew the timings.
+        quiet_barrier(comm.mpi_comm)
+    if out and args.dry_run:
+        print("# dry run: nothing stored")
+    return 0
+
+
+def _sizes(lo: int, hi: int, factor: int) -> list[int]:
+    if lo < 1 or hi < lo:
+        raise ValueError("need 1 <= --min-size <= --max-size")
+    sizes, n = [], lo
+    while n <= hi:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
+def tune_communicator(comm, collectives, sizes, reps: int, margin: float):
+    """Time every candidate of every collective on ``comm``; return the fitted AutoTable.
+
+    Collective over ``comm``; every rank returns the same table.
+    """
+    from mpiring import autotune
+
+    hosts = autotune.host_layout(comm._be, comm.local_rank, comm.local_size)
+    key = autotune.layout_key(comm.backend, comm.size, hosts)
+    measured = {}
+    for coll in collectives:
+        algos = autotune.CANDIDATES[coll]
+        measured[coll] = {a: [] for a in algos}
+        for nbytes in sizes:
+            med = time_algos(comm, coll, algos, nbytes, reps)
+            for a in algos:
+                measured[coll][a].append(med[a])
+    return autotune.fit_table(key, sizes, measured, margin)
+
+
+def time_algos(comm, collective: str, algos, nbytes: int, reps: int) -> dict[str, float]:
+    """Median seconds per algorithm for one size (the slowest rank's time each round)."""
+    from mpi4py import MPI
+
+    n = max(1, nbytes // 4)
+    x = np.empty(n, dtype=np.float32)
+    x.fill(0.0)  # real pages (not the lazily mapped zero page); sums stay 0, no denormals
+    method = getattr(comm, collective)
+    kwargs = {"op": "sum"} if collective != "all_gather" else {}
+    # Small messages: several calls per timing, so the timer and the barrier do not dominate.
+    inner = int(min(50, max(1, (1 << 20) // max(nbytes, 1))))
+    mpi = comm.mpi_comm
+    for a in algos:  # warm-up: scratch buffers, pages, the MPI library's paths
+        method(x, algo=a, check=False, **kwargs)
+    times = {a: [] for a in algos}
+    local = np.zeros(1)
+    slowest = np.zeros(1)
+    for _ in range(reps):
+        for a in algos:
+            mpi.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                method(x, algo=a, check=False, **kwargs)
+            local[0] = (time.perf_counter() - t0) / inner
+            mpi.Allreduce(local, slowest, op=MPI.MAX)
+            times[a].append(float(slowest[0]))
+    return {a: float(np.median(t)) for a, t in times.items()}
+
+
+def format_table(table) -> str:
+    """Medians (busbw-free: plain times) and the decision, as text."""
+    from mpiring.trace import fmt_bytes
+
+    lines = [f"# auto decision table for {table.key}"]
+    sizes = table.measured.get("sizes", [])
+    for coll, per_algo in table.measured.get("seconds", {}).items():
+        algos = list(per_algo)
+        lines.append(f"\n{coll}: median time per call (us), * = chosen")
+        lines.append(f"{'size':>10} " + " ".join(f"{a:>19}" for a in algos))
+        for i, s in enumerate(sizes):
+            pick = table.choose(coll, s)
+            cells = [f"{per_algo[a][i] * 1e6:>18.1f}{'*' if a == pick else ' '}" for a in algos]
+            lines.append(f"{fmt_bytes(s):>10} " + " ".join(cells))
+        lines.append("decision: " + ", ".join(
+            f"<= {fmt_bytes(u)} {a}" if u is not None else f"above {a}"
+            for u, a in table.best[coll].intervals))
+    return "\n".join(lines)
