@@ -406,3 +406,15 @@ def test_each_ring_step_sends_and_receives_in_one_group_on_the_backend_stream(fa
         assert fake.groups == ([[("recv", left)]]
                                + [[("recv", left), ("send", right)]] * 3 + [[("send", right)]])
 
+
+
+def test_other_algorithms_over_fake_nccl(fake_nccl_comm):
+    # Recursive doubling (fold/unfold for K=3: lone sends and receives), the
+    # segmented ring (no isend on NCCL: the literal ring runs) and "auto".
+    c = fake_nccl_comm
+    for n in (0, 5, 1001):
+        for algo in ("recursive-doubling", "ring-seg", "auto"):
+            x = data(c.rank, n, np.float32)
+            c.all_reduce(x, op="sum", algo=algo)
+            np.testing.assert_array_equal(x, _reference(c.size, n, np.float32, "sum"),
+                                          err_msg=f"{algo} n={n}")
