@@ -3,7 +3,9 @@
 # on first use). Tables go to out/perf/*.txt (and JSON), pictures to docs/.
 #   scripts/perf.sh                 # everything (a few minutes on 2 cores)
 #   ONLY=allreduce scripts/perf.sh  # one part: allreduce, chunks, ps, ddp, trace
+#   HOSTFILE=hostfiles/mpich-localhost scripts/perf.sh
 # Measure on a quiet machine: other jobs on the same cores change every number.
+source "$(dirname "$0")/_hostfile.sh"  # first: a bad HOSTFILE stops before any set-up
 source "$(dirname "$0")/_venv.sh"
 OUT=out/perf
 mkdir -p "$OUT" docs
@@ -12,35 +14,35 @@ uptime > "$OUT/load.txt"
 if run allreduce; then
     for n in 2 4; do
         echo "== all_reduce on $n ranks: ring vs native (MPI_Allreduce) vs gloo, 4 KiB to 64 MiB ==" >&2
-        mpiexec -n "$n" python -m mpiring bench -b 4K -e 64M -f 2 -n 20 -w 3 \
+        mpiexec "${HOSTARGS[@]}" -n "$n" python -m mpiring bench -b 4K -e 64M --stepfactor 2 -n 20 -w 3 \
             --algo ring,native,gloo --model --json "$OUT/allreduce-$n.json" \
             --plot "docs/busbw-$n.png" | tee "$OUT/allreduce-$n.txt"
     done
 fi
 if run chunks; then
     echo "== pipelined Broadcast: S against the model's S* ==" >&2
-    mpiexec -n 4 python -m mpiring bench --sweep-chunks 16M -n 10 -w 2 \
+    mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring bench --sweep-chunks 16M -n 10 -w 2 \
         --json "$OUT/chunks.json" | tee "$OUT/chunks.txt"
 fi
 if run ps; then
     echo "== parameter server vs ring AllReduce, K = 2..4 ==" >&2
-    mpiexec -n 4 python -m mpiring bench --ps 16M -n 10 -w 2 --json "$OUT/ps.json" \
+    mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring bench --ps 16M -n 10 -w 2 --json "$OUT/ps.json" \
         --plot docs/ps.png | tee "$OUT/ps.txt"
 fi
 if run ddp; then
     echo "== DDP step: compute vs ddp vs naive vs ps vs torch-ddp, bucket sweep ==" >&2
-    mpiexec -n 4 python -m mpiring bench-ddp --preset comm -n 8 -w 2 --bucket-sweep 1,4 \
+    mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring bench-ddp --preset comm -n 8 -w 2 --bucket-sweep 1,4 \
         --json "$OUT/ddp.json" --plot docs/ddp.png | tee "$OUT/ddp.txt"
 fi
 if run trace; then
     echo "== a traced ring AllReduce: timeline and step diagram ==" >&2
     rm -rf "$OUT/trace"
-    mpiexec -n 4 python -m mpiring allreduce --size 16M --iters 1 --trace "$OUT/trace"
+    mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring allreduce --size 16M --iters 1 --trace "$OUT/trace"
     python -m mpiring trace merge "$OUT/trace" -o "$OUT/trace.json"
     python -m mpiring trace plot "$OUT/trace" -o docs/timeline.png \
         --title "ring AllReduce of 16 MiB on 4 ranks"
     rm -rf "$OUT/trace-small"
-    mpiexec -n 4 python -m mpiring allreduce --size 1K --iters 1 --trace "$OUT/trace-small"
+    mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring allreduce --size 1K --iters 1 --trace "$OUT/trace-small"
     python -m mpiring trace explain "$OUT/trace-small" | tee "$OUT/explain.txt"
 fi
 uptime >> "$OUT/load.txt"
