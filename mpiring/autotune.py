@@ -93,12 +93,15 @@ class AutoTable:
         best: per collective, the decision over every candidate.
         own: per collective, the decision over mpiring's own algorithms only.
         measured: the medians it was fitted from (sizes, seconds per algo), if any.
+        pipeline: (alpha s, beta B/s) of the pipelined Broadcast/Reduce model, which
+            sets their default chunk count S; None: the built-in values.
     """
 
     key: str
     best: dict[str, Decision]
     own: dict[str, Decision]
     measured: dict[str, Any] = field(default_factory=dict)
+    pipeline: tuple[float, float] | None = None
 
     def choose(self, collective: str, nbytes: int, native_ok: bool = True) -> str:
         """The algorithm for ``collective`` on ``nbytes`` (``native_ok=False``: mpiring's own)."""
@@ -108,18 +111,33 @@ class AutoTable:
             return "ring"
         return decision.choose(nbytes)
 
+    def pipeline_chunks(self, nbytes: int, size: int) -> int:
+        """The model's best chunk count S for a pipelined Broadcast/Reduce of ``nbytes``."""
+        from .chunking import default_pipeline_chunks
+
+        if self.pipeline is None:
+            return default_pipeline_chunks(nbytes, size)
+        return default_pipeline_chunks(nbytes, size, *self.pipeline)
+
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key,
                 "best": {c: d.to_json() for c, d in self.best.items()},
                 "own": {c: d.to_json() for c, d in self.own.items()},
-                "measured": self.measured}
+                "measured": self.measured,
+                "pipeline": None if self.pipeline is None else list(self.pipeline)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> AutoTable:
+        pipeline = data.get("pipeline")
+        if pipeline is not None:
+            alpha, beta = (float(v) for v in pipeline)
+            if not (alpha > 0 and beta > 0):
+                raise ValueError("pipeline needs alpha > 0 and beta > 0")
+            pipeline = (alpha, beta)
         return cls(key=str(data.get("key", "")),
                    best={c: Decision.from_json(d) for c, d in data["best"].items()},
                    own={c: Decision.from_json(d) for c, d in data["own"].items()},
-                   measured=dict(data.get("measured") or {}))
+                   measured=dict(data.get("measured") or {}), pipeline=pipeline)
 
 
 def fit_decision(sizes: Sequence[int], times: Mapping[str, Sequence[float]],
@@ -189,6 +207,25 @@ def _merge(intervals: list[tuple[int | None, str]]) -> list[tuple[int | None, st
         else:
             out.append((upper, algo))
     return out
+
+
+def fit_pipeline(k: int, samples: Sequence[tuple[int, int, float]]) -> tuple[float, float] | None:
+    """(alpha, beta) of ``T = (K-2+S) (alpha + N/(S beta))`` from (N bytes, S, seconds) samples.
+
+    Least squares on the two terms, which are linear in alpha and 1/beta. None when
+    the fit is not physical (a negative term: too few or too noisy samples).
+    """
+    rows, ts = [], []
+    for n, s, t in samples:
+        if _finite(t) and n > 0 and s >= 1:
+            rows.append((k - 2 + s, (k - 2 + s) * n / s))
+            ts.append(t)
+    if len(rows) < 2:
+        return None
+    (alpha, inv_beta), *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ts), rcond=None)
+    if not (alpha > 0 and inv_beta > 0):
+        return None
+    return float(alpha), float(1.0 / inv_beta)
 
 
 def fit_table(key: str, sizes: Sequence[int], measured: Mapping[str, Mapping[str, Sequence[float]]],

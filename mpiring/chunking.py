@@ -64,15 +64,25 @@ def ring_position(rank: int, root: int, size: int) -> int:
     return (rank - root) % size
 
 
-def default_pipeline_chunks(nbytes: int, size: int, segment_bytes: int = 1 << 20) -> int:
-    """A sensible number of pipeline chunks S for a broadcast or reduce of ``nbytes``.
+#: Per-message latency (s) and bandwidth (B/s) of a pipelined ring step, fitted on
+#: a 2-core development machine with 3 and 4 ranks (``python -m mpiring tune``
+#: refits them per layout). The latency is large because ranks share cores: a
+#: chunk handed on waits until the next rank is scheduled.
+PIPELINE_ALPHA = 5e-4
+PIPELINE_BETA = 2e9
+
+
+def default_pipeline_chunks(nbytes: int, size: int, alpha: float = PIPELINE_ALPHA,
+                            beta: float = PIPELINE_BETA) -> int:
+    """The model's best number of pipeline chunks S for a broadcast or reduce of ``nbytes``.
 
     The cost model is ``(K-2+S)(alpha + N/(S beta))``; its optimum is
-    ``S* = sqrt((K-2) N / (alpha beta))``. Without a fitted model we aim for
-    segments of about ``segment_bytes`` (1 MiB: large enough that the per-message
-    latency is small next to the transfer, small enough that the pipeline fills
-    quickly), and never more segments than bytes.
+    ``S* = sqrt((K-2) N / (alpha beta))``, rounded to the better neighbouring
+    integer, never more chunks than bytes. With two ranks there is nothing to
+    overlap (S = 1).
     """
     if nbytes <= 0 or size <= 2:
         return 1
-    return max(1, min(nbytes, -(-nbytes // segment_bytes)))
+    from .costmodel import AlphaBeta, best_chunks
+
+    return best_chunks(nbytes, size, AlphaBeta(alpha, beta), max_chunks=nbytes)

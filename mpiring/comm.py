@@ -24,7 +24,7 @@ import numpy as np
 
 from . import collectives as coll
 from .buffers import DTYPES, Buffer, as_buffer
-from .chunking import chunk_bounds, default_pipeline_chunks
+from .chunking import chunk_bounds
 from .cuda import device_plan
 from .errors import MismatchError
 from .ops import OPS, check_op
@@ -282,7 +282,9 @@ class Communicator:
         Args:
             algo: "ring" (the whole message hop by hop, (K-1)N/B), "pipelined"
                 (S chunks, (K-2+S)N/(SB)) or "native".
-            chunks: S for "pipelined"; default about 1 MiB a chunk.
+            chunks: S for "pipelined"; default: the cost model's best S for this
+                size (``mpiring.chunking.default_pipeline_chunks``; ``python -m
+                mpiring tune`` refits its alpha and beta).
 
         Returns:
             ``x``.
@@ -327,11 +329,7 @@ class Communicator:
         (two small exchanges, see ``mpiring.autotune``); every rank then looks up
         the same (collective, bytes) in the same table, so all choose alike.
         """
-        if self._auto is None:
-            from .autotune import shared_table
-
-            self._auto = shared_table(self)
-        algo = self._auto.choose(collective, buf.nbytes)
+        algo = self._tuned().choose(collective, buf.nbytes)
         if algo == "native":
             try:  # e.g. MPI cannot reduce bfloat16: the best of mpiring's own instead
                 self._be.check_native(collective, buf.dtype,
@@ -341,12 +339,23 @@ class Communicator:
         self._act.algo = algo  # the stall report names the algorithm that runs
         return algo
 
+    def _tuned(self):
+        if self._auto is None:  # collective: every rank's first call that needs it
+            from .autotune import shared_table
+
+            self._auto = shared_table(self)
+        return self._auto
+
     def _pipeline_chunks(self, buf: Buffer, algo: str, chunks: int | None) -> int:
         if algo == "ring":
             return 1
         if chunks is not None:
             return int(chunks)
-        return default_pipeline_chunks(buf.nbytes, self.size)
+        if self.size <= 2 or buf.nbytes == 0:
+            return 1  # nothing to overlap
+        # The cost model's best S, with the alpha and beta that tune fitted for this
+        # layout (rank 0's table, so every rank cuts the same chunks).
+        return self._tuned().pipeline_chunks(buf.nbytes, self.size)
 
     # --- communicators and utilities -------------------------------------------
     def split(self, color: int | None, key: int = 0) -> Communicator | None:

@@ -81,5 +81,7 @@ def test_neighbours_and_positions():
 def test_default_pipeline_chunks():
     assert default_pipeline_chunks(0, 4) == 1
     assert default_pipeline_chunks(10 << 20, 2) == 1  # two ranks: nothing to pipeline
-    assert default_pipeline_chunks(10 << 20, 4) == 10
+    # the model's S* = sqrt((K-2) N / (alpha beta)): 10 MiB, 4 ranks, alpha*beta = 1 MB
+    assert default_pipeline_chunks(10 << 20, 4, alpha=1e-3, beta=1e9) == 5
+    assert default_pipeline_chunks(10 << 20, 4) >= default_pipeline_chunks(10 << 20, 3)
     assert default_pipeline_chunks(3, 4) == 1

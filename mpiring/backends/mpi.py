@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import numpy as np
@@ -30,6 +31,31 @@ def _bytes(a):
     return a.view(np.uint8)
 
 
+def _idle_wait(req) -> None:
+    # MPICH spins inside MPI_Wait (yielding only every 1000 polls). With more
+    # ranks than cores the spinning rank holds a core that the rank it waits for
+    # needs; polling and giving the core away at once lets that rank run.
+    while not req.Test():
+        os.sched_yield()
+
+
+def _idle_wait_all(reqs) -> None:
+    while not MPI.Request.Testall(reqs):
+        os.sched_yield()
+
+
+def _oversubscribed(local_size: int) -> bool:
+    """More ranks on this host than cores this process may run on (``MPIRING_YIELD`` overrides)."""
+    flag = os.environ.get("MPIRING_YIELD", "").strip().lower()
+    if flag in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        return flag in ("1", "true", "yes", "on")
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return local_size > cores
+
+
 def _abort_world(code: int) -> None:
     # The whole job, not just this communicator: a stalled sub-communicator
     # must not leave the other ranks of the job waiting.
@@ -45,6 +71,9 @@ class MPIBackend:
     """
 
     name = "mpi"
+    #: Wait by polling and yielding the core instead of spinning inside MPI; set
+    #: when this host has more ranks than cores (see ``local_rank``).
+    yield_when_idle = False
 
     def __init__(self, comm: MPI.Comm):
         self.comm = comm
@@ -65,7 +94,10 @@ class MPIBackend:
         act = self.activity
         act.blocked("Send", dst)
         try:
-            self.comm.Send(_bytes(buf), dest=dst, tag=TAG)
+            if self.yield_when_idle:
+                _idle_wait(self.comm.Isend(_bytes(buf), dest=dst, tag=TAG))
+            else:
+                self.comm.Send(_bytes(buf), dest=dst, tag=TAG)
         finally:
             act.since = 0.0
 
@@ -73,7 +105,7 @@ class MPIBackend:
         act = self.activity
         act.blocked("Wait", act.recv_peer)
         try:
-            req.Wait()
+            _idle_wait(req) if self.yield_when_idle else req.Wait()
         finally:
             act.since = 0.0
 
@@ -85,7 +117,7 @@ class MPIBackend:
         act = self.activity
         act.blocked("Wait(Isend)", dst)
         try:
-            req.Wait()
+            _idle_wait(req) if self.yield_when_idle else req.Wait()
         finally:
             act.since = 0.0
 
@@ -93,7 +125,7 @@ class MPIBackend:
         act = self.activity
         act.blocked("Waitall(Isend)", dst)
         try:
-            MPI.Request.Waitall(reqs)
+            _idle_wait_all(reqs) if self.yield_when_idle else MPI.Request.Waitall(reqs)
         finally:
             act.since = 0.0
 
@@ -101,7 +133,11 @@ class MPIBackend:
         act = self.activity
         act.blocked("Sendrecv", src)
         try:
-            self.comm.Sendrecv(_bytes(sendbuf), dst, TAG, _bytes(recvbuf), src, TAG)
+            if self.yield_when_idle:
+                _idle_wait_all([self.comm.Irecv(_bytes(recvbuf), source=src, tag=TAG),
+                                self.comm.Isend(_bytes(sendbuf), dest=dst, tag=TAG)])
+            else:
+                self.comm.Sendrecv(_bytes(sendbuf), dst, TAG, _bytes(recvbuf), src, TAG)
         finally:
             act.since = 0.0
 
@@ -206,9 +242,11 @@ class MPIBackend:
         node = self._collective("Comm_split_type", self.comm.Split_type,
                                 MPI.COMM_TYPE_SHARED, self.rank)
         try:
-            return node.Get_rank(), node.Get_size()
+            local = node.Get_rank(), node.Get_size()
         finally:
             node.Free()
+        self.yield_when_idle = _oversubscribed(local[1])
+        return local
 
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)

@@ -27,8 +27,10 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--collective", "-c", default="all_reduce,reduce_scatter,all_gather",
-                   help="comma list of all_reduce, reduce_scatter, all_gather (default: all three)")
+    p.add_argument("--collective", "-c", default="all_reduce,reduce_scatter,all_gather,broadcast",
+                   help="comma list of all_reduce, reduce_scatter, all_gather (auto's tables) and "
+                        "broadcast (the pipeline model's alpha and beta; 3 ranks or more); "
+                        "default: all four")
     p.add_argument("--min-size", default="8", help="smallest message in bytes, default 8")
     p.add_argument("--max-size", default="256M", help="largest message in bytes, default 256M")
     p.add_argument("--factor", type=int, default=4, help="size step factor, default 4")
@@ -68,8 +70,8 @@ def _run(args) -> int:
 
     collectives = [c.strip() for c in args.collective.split(",") if c.strip()]
     for c in collectives:
-        if c not in autotune.CANDIDATES:
-            raise ValueError(f"tune knows {', '.join(autotune.CANDIDATES)}, not {c!r}")
+        if c not in autotune.CANDIDATES and c != "broadcast":
+            raise ValueError(f"tune knows {', '.join(autotune.CANDIDATES)}, broadcast; not {c!r}")
     if args.reps < 1 or args.factor < 2:
         raise ValueError("--reps must be >= 1 and --factor >= 2")
     sizes = _sizes(parse_size(args.min_size), parse_size(args.max_size), args.factor)
@@ -83,6 +85,10 @@ def _run(args) -> int:
         sub = comm if k == comm.size else comm.split(0 if comm.rank < k else None, comm.rank)
         if sub is not None:
             table = tune_communicator(sub, collectives, sizes, args.reps, margin)
+            if "broadcast" in collectives and sub.size >= 3:
+                table.pipeline, text = tune_pipeline(sub, sizes[-1], args.reps)
+                if sub.rank == 0:
+                    print(text, flush=True)
             if sub.rank == 0:
                 print(format_table(table), flush=True)
                 if not args.dry_run:
@@ -117,6 +123,8 @@ def tune_communicator(comm, collectives, sizes, reps: int, margin: float):
     key = autotune.layout_key(comm.backend, comm.size, hosts)
     measured = {}
     for coll in collectives:
+        if coll not in autotune.CANDIDATES:
+            continue
         algos = autotune.CANDIDATES[coll]
         measured[coll] = {a: [] for a in algos}
         for nbytes in sizes:
@@ -153,6 +161,65 @@ def time_algos(comm, collective: str, algos, nbytes: int, reps: int) -> dict[str
             mpi.Allreduce(local, slowest, op=MPI.MAX)
             times[a].append(float(slowest[0]))
     return {a: float(np.median(t)) for a, t in times.items()}
+
+
+PIPELINE_SIZES = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+PIPELINE_CHUNKS = (1, 2, 4, 8, 16)
+
+
+def tune_pipeline(comm, max_bytes: int, reps: int):
+    """Fit the pipelined Broadcast's (alpha, beta) on ``comm``; returns (fit or None, report).
+
+    Times the Broadcast from rank 0 for N in 1..64 MiB (up to ``max_bytes``) and
+    S in 1..16, interleaved with MPI_Bcast, and fits (K-2+S)(alpha + N/(S beta)).
+    """
+    from mpiring import autotune
+    from mpiring.chunking import default_pipeline_chunks
+    from mpiring.trace import fmt_bytes
+
+    sizes = [n for n in PIPELINE_SIZES if n <= max_bytes] or [min(PIPELINE_SIZES)]
+    samples, lines = [], []
+    native = {}
+    for n in sizes:
+        plan = [("native", None)] + [("pipelined", s) for s in PIPELINE_CHUNKS]
+        med = _time_broadcast(comm, n, plan, reps)
+        native[n] = med[("native", None)]
+        samples += [(n, s, med[("pipelined", s)]) for s in PIPELINE_CHUNKS]
+        lines.append(f"{fmt_bytes(n):>10} {native[n] * 1e3:>9.2f} " + " ".join(
+            f"{med[('pipelined', s)] * 1e3:>8.2f}" for s in PIPELINE_CHUNKS))
+    fit = autotune.fit_pipeline(comm.size, samples)
+    head = [f"\nbroadcast, pipelined ring vs MPI_Bcast: median ms per call, K={comm.size}",
+            f"{'size':>10} {'native':>9} " + " ".join(f"{'S=' + str(s):>8}" for s in PIPELINE_CHUNKS)]
+    if fit is None:
+        tail = ["pipeline model: fit failed (noisy timings); the built-in alpha and beta stay"]
+    else:
+        alpha, beta = fit
+        best = ", ".join(f"{fmt_bytes(n)}: S={default_pipeline_chunks(n, comm.size, alpha, beta)}"
+                         for n in sizes)
+        tail = [f"pipeline model: alpha = {alpha * 1e6:.0f} us, beta = {beta / 1e9:.2f} GB/s; "
+                f"model's best S: {best}"]
+    return fit, "\n".join(head + lines + tail)
+
+
+def _time_broadcast(comm, nbytes: int, plan, reps: int) -> dict:
+    from mpi4py import MPI
+
+    x = np.empty(max(1, nbytes // 4), dtype=np.float32)
+    x.fill(1.0)
+    mpi = comm.mpi_comm
+    for algo, s in plan:
+        comm.broadcast(x, algo=algo, chunks=s, check=False)
+    times = {p: [] for p in plan}
+    local, slowest = np.zeros(1), np.zeros(1)
+    for _ in range(reps):
+        for algo, s in plan:
+            mpi.Barrier()
+            t0 = time.perf_counter()
+            comm.broadcast(x, algo=algo, chunks=s, check=False)
+            local[0] = time.perf_counter() - t0
+            mpi.Allreduce(local, slowest, op=MPI.MAX)
+            times[(algo, s)].append(float(slowest[0]))
+    return {p: float(np.median(t)) for p, t in times.items()}
 
 
 def format_table(table) -> str:
