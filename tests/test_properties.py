@@ -124,20 +124,6 @@ def digest(case: Case) -> int:
 
 
 @pytest.mark.deadline(90)
-def test_hypothesis_draws_the_same_examples_on_every_rank(world):
-    drawn = []
-
-    @SETTINGS
-    @given(case=cases())
-    def collect(case):
-        drawn.append(digest(case))
-
-    collect()
-    assert len(drawn) == EXAMPLES
-    agree(world, digest(tuple(drawn)), "the sequence of examples")
-
-
-@pytest.mark.deadline(90)
 @SETTINGS
 @given(case=cases())
 def test_collectives_match_numpy(world, subcomms, case):
