@@ -94,8 +94,8 @@ class Activity:
 
     Attributes written by the communicator's thread:
         collective, call, algo: the collective in progress (``name#call``).
-        phase, step, steps: the last ring step that finished (``None`` before the
-            first one of this call).
+        phase, step_done, steps: the last ring step that finished (phase ``None``
+            before the first one of this call).
         what, peer: the blocking call in progress and the rank it waits for
             (``None``: every rank, as in an Allgather).
         since: ``time.monotonic()`` when that call began; 0.0 when not blocked.
@@ -118,7 +118,6 @@ class Activity:
         self.collective: str | None = None
         self.call = 0
         self.algo: str | None = None
-        self.chunks: int | None = None
         self.phase: str | None = None
         self.step_done = -1
         self.steps = 0
