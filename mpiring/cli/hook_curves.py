@@ -39,6 +39,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-data-mb", type=float, default=4.0, help="corpus to read (default 4)")
     p.add_argument("--out", default="docs/compression_curves",
                    help="write OUT.json and OUT.png on rank 0 (default docs/compression_curves)")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw OUT.png from OUT.json (no training, no MPI)")
     add_backend_arguments(p)
 
 
@@ -113,6 +115,7 @@ def plot(results: list[dict], path: str, title: str) -> None:
                     else "none (plain DDP)", (x, y), textcoords="offset points", xytext=(5, 4),
                     fontsize=8)
     bx.set_xscale("log")
+    bx.margins(x=0.35, y=0.2)
     bx.set_xlabel("MiB sent per step by one rank (log)")
     bx.set_ylabel("median step time (ms)")
     bx.set_title("wire bytes vs step time", fontsize=10)
@@ -120,6 +123,11 @@ def plot(results: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _title(preset: str, ranks: int, batch: int, ratio: float, rank: int) -> str:
+    return (f"GPT '{preset}' on {ranks} ranks, batch {ranks}x{batch}, top-k {ratio:g}, "
+            f"PowerSGD rank {rank}")
 
 
 _COLORS = {"none": "black", "allreduce": "gray", "fp16": "tab:blue", "bf16": "tab:orange",
@@ -136,6 +144,14 @@ def run(args) -> int:
     from ..ddp.comm_hooks import HOOKS
     from ..train.data import shared_corpus
 
+    if args.replot:
+        with open(args.out + ".json") as f:
+            saved = json.load(f)
+        s = saved["settings"]
+        plot(saved["results"], args.out + ".png", _title(s["preset"], s["ranks"], s["batch_size"],
+                                                        s["topk_ratio"], s["powersgd_rank"]))
+        print(f"hook-curves: redrew {args.out}.png from {args.out}.json")
+        return 0
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
     bad = [h for h in hooks if h not in HOOKS]
     if bad or not hooks:
@@ -170,8 +186,7 @@ def run(args) -> int:
                 "hook_start": args.hook_start, "eval_every": args.eval_every}
         with open(args.out + ".json", "w") as f:
             json.dump({"settings": meta, "results": results}, f, indent=1)
-        title = (f"GPT '{args.preset}' on {comm.size} ranks, batch {comm.size}x{args.batch_size}, "
-                 f"top-k {args.topk_ratio:g}, PowerSGD rank {args.powersgd_rank}")
-        plot(results, args.out + ".png", title)
+        plot(results, args.out + ".png", _title(args.preset, comm.size, args.batch_size,
+                                                args.topk_ratio, args.powersgd_rank))
         print(f"hook-curves: wrote {args.out}.json and {args.out}.png")
     return 0
