@@ -52,7 +52,7 @@ import numpy as np
 VERSION = 1
 #: Candidates per collective, in the order the tuner times them.
 CANDIDATES: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("recursive-doubling", "ring-seg", "ring", "native"),
+    "all_reduce": ("recursive-doubling", "halving-doubling", "ring-seg", "ring", "native"),
     "reduce_scatter": ("ring-seg", "ring", "native"),
     "all_gather": ("ring-seg", "ring", "native"),
 }

@@ -32,7 +32,8 @@ from .trace import Tracer
 from .watchdog import Activity, parse_timeout
 
 ALGOS = {
-    "all_reduce": ("auto", "ring", "ring-seg", "recursive-doubling", "native"),
+    "all_reduce": ("auto", "ring", "ring-seg", "recursive-doubling", "halving-doubling",
+                   "native"),
     "reduce_scatter": ("auto", "ring", "ring-seg", "native"),
     "all_gather": ("auto", "ring", "ring-seg", "native"),
     "broadcast": ("ring", "pipelined", "native"),
@@ -207,7 +208,8 @@ class Communicator:
             algo: "auto" (the fastest for this size, see ``mpiring.autotune``),
                 "ring" (the lecture's ReduceScatter + AllGather), "ring-seg" (the
                 same ring cut into pipelined segments), "recursive-doubling"
-                (log2 K steps, for small messages) or "native" (the library's own).
+                (log2 K steps, for small messages), "halving-doubling" (the ring's
+                bytes in 2 log2 K steps) or "native" (the library's own).
             check: compare the call's arguments across ranks first (default on;
                 ``MPIRING_CHECK=0`` turns it off).
 
@@ -225,6 +227,9 @@ class Communicator:
         elif algo == "recursive-doubling":
             coll.recursive_doubling_all_reduce(self._be, buf.array, op,
                                                self._steps("all_reduce", call, algo))
+        elif algo == "halving-doubling":
+            coll.halving_doubling_all_reduce(self._be, buf.array, op,
+                                             self._steps("all_reduce", call, algo))
         else:
             coll.ring_all_reduce(self._be, buf.array, op, self._steps("all_reduce", call, algo))
         self._finish()

@@ -9,12 +9,14 @@ over MPI and NCCL.
 from .all_gather import ring_all_gather
 from .all_reduce import ring_all_reduce
 from .broadcast import pipelined_broadcast
+from .halving_doubling import halving_doubling_all_reduce
 from .recursive_doubling import recursive_doubling_all_reduce
 from .reduce import pipelined_reduce
 from .reduce_scatter import ring_reduce_scatter
 from .ring_segmented import segmented_all_gather, segmented_all_reduce, segmented_reduce_scatter
 
 __all__ = [
+    "halving_doubling_all_reduce",
     "ring_all_gather",
     "ring_all_reduce",
     "pipelined_broadcast",

@@ -51,7 +51,7 @@ from .reduce_scatter import ring_reduce_scatter
 #: Default segment size. Measured on a 2-core machine (L2 2 MiB a core): 256 KiB
 #: keeps a slot in cache with room for the chunk being added to, while the
 #: per-message cost (~10 us of Python and MPI) stays small next to the copy.
-SEGMENT_BYTES = 256 << 10
+SEGMENT_BYTES = 4 << 20
 #: Receives posted ahead of the one being reduced (2 = double buffering).
 WINDOW = 2
 
