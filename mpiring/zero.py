@@ -70,7 +70,7 @@ class _Piece:
     start: int
     stop: int
     view: torch.Tensor  # flat_param[...] : what the inner optimizer updates
-    grad: torch.Tensor  # flat_grad[...]  : its gradient
+    grad: torch.Tensor  # flat_grad[...] (or, DDP-reduced, a slice of p.grad): its gradient
 
 
 @dataclass
@@ -325,17 +325,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 # The parameter now lives in the flat buffer: the AllGather updates the model.
                 p.data = view
             lo, hi = chunk_bounds(total, self.comm.size)[self.comm.rank]
-            # Gradients DDP reduced arrive in p.grad: only our shard needs a buffer.
-            # Ours to reduce need the whole flat buffer for the collective.
-            base = lo if external else 0
-            flat_grad = torch.zeros(hi - lo if external else total, dtype=dtype, device=device)
+            # Gradients DDP reduced arrive in p.grad and the inner optimizer reads
+            # slices of it: no buffer. Ours to reduce need the whole flat buffer.
+            flat_grad = torch.zeros(0 if external else total, dtype=dtype, device=device)
             seg = _Segment(indices, offsets, total, flat_param, flat_grad, lo, hi,
                            external=external)
             for i, off in zip(indices, offsets):
                 a, b = max(lo, off), min(hi, off + self._all_params[i].numel())
                 if a < b:
                     seg.pieces.append(_Piece(i, self._group_of[i], off, a - off, b - off,
-                                             seg.flat_param[a:b], flat_grad[a - base:b - base]))
+                                             seg.flat_param[a:b],
+                                             flat_grad[0:0] if external else flat_grad[a:b]))
             segments.append(seg)
         return segments
 
@@ -395,13 +395,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             flat = seg.flat_grad
             if seg.external:
                 # DDP reduced these (the whole mean, or our chunk of each bucket):
-                # take this rank's pieces only.
+                # the inner optimizer reads this rank's slices of p.grad in place.
                 for pc in seg.pieces:
                     g = self._all_params[pc.index].grad
-                    if g is None:
-                        pc.grad.zero_()
+                    if g is None:  # no gradient here but on another rank: a zero one
+                        pc.grad = torch.zeros_like(pc.view)
                     else:
-                        pc.grad.copy_(g.reshape(-1)[pc.start:pc.stop])
+                        pc.grad = g.detach().reshape(-1)[pc.start:pc.stop]
                 continue
             for i, off in zip(seg.indices, seg.offsets):
                 p = self._all_params[i]
@@ -453,6 +453,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._sync_groups(self.param_groups, self.optim.param_groups)
         self.optim.step(**kwargs)
         for seg in self._segments:
+            if seg.external:  # let zero_grad() free p.grad: drop our slices of it
+                for pc in seg.pieces:
+                    pc.view.grad = pc.grad = None
             self.comm.all_gather(seg.flat_param)
         self._steps += 1
         return loss
