@@ -9,12 +9,15 @@ sizes the time is interpolated linearly in log(size)-log(time). The fitted
 model is reduced to a *decision table*: size intervals and the algorithm that is
 fastest on each, found where the interpolated curves cross::
 
-    all_reduce, K=4:   <= 24 KiB  recursive-doubling
-                       <= 1.5 MiB native
+    all_reduce, K=4:   <= 6 KiB   recursive-doubling
+                       <= 5.9 MiB native
                        larger     ring-seg
 
 ``native`` (the MPI library's own) is kept unless another algorithm beats it by
-``margin`` (3%): a choice inside the noise would buy nothing and risks losing.
+``margin`` (5%): a choice inside the noise would buy nothing and risks losing;
+and a winner at a single size between two sizes won by another algorithm gives
+way to it unless it wins by more than 15% (a burst of load on a shared machine
+hits one size, not its neighbours).
 A second table, ``own``, ranks only mpiring's algorithms: it answers where the
 library's collective cannot run (bfloat16 reductions on MPI).
 
@@ -57,7 +60,10 @@ CANDIDATES: dict[str, tuple[str, ...]] = {
     "all_gather": ("ring-seg", "ring", "native"),
 }
 #: ``native`` stays unless another algorithm is this much faster.
-MARGIN = 0.03
+MARGIN = 0.05
+#: A winner at one size only, between two sizes won by the same other algorithm,
+#: gives way to it when that one is at most this much slower there (noise).
+ISOLATED = 0.15
 INF = None  # the last interval of a table has no upper bound (JSON null)
 
 
@@ -171,6 +177,11 @@ def fit_decision(sizes: Sequence[int], times: Mapping[str, Sequence[float]],
         return best
 
     winners = [winner(i) for i in range(len(sizes))]
+    for i in range(1, len(sizes) - 1):
+        around = winners[i - 1]
+        if around == winners[i + 1] != winners[i] and \
+                times[around][i] <= times[winners[i]][i] * (1 + ISOLATED):
+            winners[i] = around
     intervals: list[tuple[int | None, str]] = []
     for i in range(len(sizes) - 1):
         a, b = winners[i], winners[i + 1]
@@ -249,11 +260,15 @@ def _d(*intervals) -> Decision:
 def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
     """The table ``auto`` uses when the cache has no entry for this layout.
 
-    MPI on one host: fitted on a 2-core development machine with 2, 3 and 4
-    ranks (``tune`` output, rounded). Elsewhere a rule from the cost model:
-    recursive doubling while latency dominates, the library's own in between,
-    the segmented ring for large messages. NCCL: its own collectives (the ring
-    there exists to be read, and NCCL's kernels reduce on the GPU).
+    MPI on one host: from ``tune`` runs on a 2-core development machine with 2,
+    3 and 4 ranks, kept conservative because that machine was shared (timings
+    of small messages swung by 3x with the load): the library's own collective
+    up to the size where the segmented ring won in every run, the segmented ring
+    above (there MPICH's Allreduce allocates and faults in a temporary buffer
+    per call and loses 2-6x). Recursive doubling and halving-doubling won the
+    small and middle sizes only while the machine was loaded, so only a
+    ``tune`` on your machine puts them in. Other layouts: the same rule with
+    16 MiB. NCCL: its own collectives (the ring there exists to be read).
     """
     key = f"builtin {layout_key(backend, size, hosts)}"
     if backend != "mpi":
@@ -263,28 +278,23 @@ def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
     if size <= 1:
         ring = {c: _d((INF, "ring")) for c in CANDIDATES}
         return AutoTable(key, ring, dict(ring))
-    small, large = _BUILTIN.get(size if len(hosts) == 1 else 0, _BUILTIN[0])
+    upto = _BUILTIN.get(size if len(hosts) == 1 else 0, _BUILTIN[0])
     best = {
-        "all_reduce": _d((small, "recursive-doubling"), (large, "native"), (INF, "ring-seg")),
-        "reduce_scatter": _d((large, "native"), (INF, "ring-seg")),
-        "all_gather": _d((large, "native"), (INF, "ring-seg")),
+        "all_reduce": _d((upto, "native"), (INF, "ring-seg")),
+        "reduce_scatter": _d((min(upto, 512 << 10), "native"), (INF, "ring-seg")),
+        "all_gather": _d((min(upto, 512 << 10), "native"), (INF, "ring-seg")),
     }
     own = {
-        "all_reduce": _d((max(small, 64 << 10), "recursive-doubling"), (INF, "ring-seg")),
+        "all_reduce": _d((64 << 10, "recursive-doubling"), (INF, "ring-seg")),
         "reduce_scatter": _d((INF, "ring-seg")),
         "all_gather": _d((INF, "ring-seg")),
     }
     return AutoTable(key, best, own)
 
 
-# (recursive doubling up to, native up to) in bytes, per world size on one host;
+# Largest all_reduce (bytes) left to the library per world size on one host;
 # 0: any other layout.
-_BUILTIN: dict[int, tuple[int, int]] = {
-    2: (0, 1 << 20),
-    3: (0, 1 << 20),
-    4: (0, 1 << 20),
-    0: (0, 1 << 20),
-}
+_BUILTIN: dict[int, int] = {2: 16 << 20, 3: 4 << 20, 4: 4 << 20, 0: 16 << 20}
 
 
 # --- layout, cache file -----------------------------------------------------------

@@ -68,8 +68,8 @@ def ring_position(rank: int, root: int, size: int) -> int:
 #: a 2-core development machine with 3 and 4 ranks (``python -m mpiring tune``
 #: refits them per layout). The latency is large because ranks share cores: a
 #: chunk handed on waits until the next rank is scheduled.
-PIPELINE_ALPHA = 5e-4
-PIPELINE_BETA = 2e9
+PIPELINE_ALPHA = 1.7e-3
+PIPELINE_BETA = 3.2e9
 
 
 def default_pipeline_chunks(nbytes: int, size: int, alpha: float = PIPELINE_ALPHA,

@@ -1,4 +1,5 @@
-"""The fast algorithms beside the lecture's ring: segmented ring, recursive doubling, auto.
+"""The fast algorithms beside the lecture's ring: segmented ring, recursive doubling,
+halving-doubling, auto.
 
 Differential tests against the MPI library's own collectives (K = 1..4 through
 the ``comm`` fixture, 5 in the odd-size job of test_collectives), the segment
@@ -40,7 +41,8 @@ def reference(k, n, dtype, op):
     return out.astype(np_dtype(dtype))
 
 
-ALL_REDUCE_CASES = [(a, d) for a in ("ring-seg", "recursive-doubling") for d in DTYPES] + [
+FAST = ("ring-seg", "recursive-doubling", "halving-doubling")
+ALL_REDUCE_CASES = [(a, d) for a in FAST for d in DTYPES] + [
     ("auto", "float32"), ("auto", "bfloat16"), ("auto", "int32")]  # auto runs the others
 
 
@@ -93,14 +95,14 @@ def test_segments_and_windows(comm, segment_bytes, counts):
 def test_torch_tensor(comm):
     torch = pytest.importorskip("torch")
     base = torch.from_numpy(data(comm.rank, 1003, np.float64)).to(torch.bfloat16)
-    for algo in ("ring-seg", "recursive-doubling", "auto"):
+    for algo in (*FAST, "auto"):
         t = base.clone()
         assert comm.all_reduce(t, algo=algo) is t
         expected = torch.from_numpy(reference(comm.size, 1003, "float64", "sum")).to(torch.bfloat16)
         assert torch.equal(t, expected), algo
 
 
-@pytest.mark.parametrize("algo", ("ring-seg", "recursive-doubling"))
+@pytest.mark.parametrize("algo", FAST)
 def test_fast_algorithms_record_their_steps(comm, tmp_path, algo):
     from mpiring import Communicator
 
@@ -119,10 +121,21 @@ def test_fast_algorithms_record_their_steps(comm, tmp_path, algo):
             (4 * (2 * n - sizes_[r] - sizes_[(r + 1) % k]) if k > 1 else 0)
     else:
         p = 1 << (k.bit_length() - 1)
-        exchanges = [s for s in steps if s["phase"] == "doubling"]
+        log_p = p.bit_length() - 1
         folded = r < 2 * (k - p) and r % 2 == 0
-        assert len(exchanges) == (0 if folded else p.bit_length() - 1)
-        assert all(s["bytes_sent"] == 4 * n for s in exchanges)
+        assert [s["phase"] for s in steps if s["phase"] in ("fold", "unfold")] == \
+            (["fold", "unfold"] if r < 2 * (k - p) else [])
+        if algo == "recursive-doubling":
+            exchanges = [s for s in steps if s["phase"] == "doubling"]
+            assert len(exchanges) == (0 if folded else log_p)
+            assert all(s["bytes_sent"] == 4 * n for s in exchanges)
+        else:  # halving: about M/2, M/4, ... out; doubling: the same back
+            rs = [s for s in steps if s["phase"] == "reduce-scatter"]
+            ag = [s for s in steps if s["phase"] == "all-gather"]
+            assert len(rs) == len(ag) == (0 if folded else log_p)
+            for i, s in enumerate(rs):
+                assert abs(s["bytes_sent"] - 4 * n / 2 ** (i + 1)) <= 4 * (i + 1)
+            assert sum(s["bytes_recv"] for s in ag) == sum(s["bytes_sent"] for s in rs)
     assert all(s["t_end"] >= s["t_start"] and s["wait_s"] >= 0 for s in steps)
 
 

@@ -4,10 +4,9 @@ Same ring, same chunks, same 2(K-1) steps as ``all_reduce.py`` (the literal
 version, kept as the reference). What changes is *how* a step moves its chunk:
 
 1. **Segments.** Each chunk is cut into S segments of about ``segment_bytes``.
-   A segment is the unit of sending, receiving and reducing, so the receive
-   buffer of one segment stays in the CPU cache between the copy that MPI makes
-   into it and the add that reads it (the literal ring streams a whole M/K
-   scratch buffer through memory twice).
+   A segment is the unit of sending, receiving and reducing: the scratch
+   buffer is ``window`` segments, not a whole chunk, and a segment travels on
+   as soon as it is reduced (see ``SEGMENT_BYTES`` for why they are large).
 2. **Double-buffered receives.** Receives are posted ``window`` segments ahead
    (two by default) into a ring of small scratch slots, so while segment j is
    being added, segment j+1 is already on its way.
@@ -48,9 +47,13 @@ from ..trace import clock
 from .all_gather import ring_all_gather
 from .reduce_scatter import ring_reduce_scatter
 
-#: Default segment size. Measured on a 2-core machine (L2 2 MiB a core): 256 KiB
-#: keeps a slot in cache with room for the chunk being added to, while the
-#: per-message cost (~10 us of Python and MPI) stays small next to the copy.
+#: Default segment size. Measured on a 2-core machine with 2-4 ranks: every
+#: segment is one rendezvous (MPICH's single-copy path: ready-to-send, the
+#: receiver copies, acknowledgement), and each needs the peer to be scheduled,
+#: which costs far more than the cache misses that small, cache-sized segments
+#: would save (256 KiB segments ran 1.5-2x slower than 4 MiB ones). So segments
+#: are large: messages up to 8 MiB travel in one piece per step; larger ones
+#: still stream, step t+1 starting while step t is being received.
 SEGMENT_BYTES = 4 << 20
 #: Receives posted ahead of the one being reduced (2 = double buffering).
 WINDOW = 2
