@@ -18,6 +18,7 @@ from . import add_backend_arguments
 
 
 def add_arguments(p) -> None:
+    from ..comm import ALGOS
     from ..train.loop import MODES
 
     p.add_argument("--mode", choices=MODES, default="ddp",
@@ -35,8 +36,9 @@ def add_arguments(p) -> None:
     p.add_argument("--heads", type=int, default=None, help="override the preset's heads")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket in MiB (default 1)")
-    p.add_argument("--algo", choices=("ring", "native"), default="ring",
-                   help="bucket AllReduce: the project's ring (default) or the library's own")
+    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
+                   help="bucket AllReduce: the lecture's ring (default), another of mpiring's "
+                        "algorithms, or native (the MPI library's own)")
     p.add_argument("--max-data-mb", type=float, default=4.0,
                    help="read at most this much standard-library source (default 4)")
     p.add_argument("--val-batches", type=int, default=4, help="validation batches per rank (default 4)")

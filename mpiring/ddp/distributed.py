@@ -46,8 +46,9 @@ class DistributedDataParallel(nn.Module):
         overlap: True launches each bucket's AllReduce as soon as its gradients
             are ready, overlapping the rest of backward; False waits for the whole
             backward first (the naive design).
-        algo: AllReduce algorithm for the buckets: "ring" (the project's) or
-            "native" (the library's own).
+        algo: AllReduce algorithm for the buckets: "ring" (the lecture's, the
+            default), any other of ``Communicator.all_reduce``'s ("auto",
+            "ring-seg", ...), or "native" (the library's own).
         quiet_wait: wait for all ranks before each bucket's AllReduce without
             spinning a core (see ``reducer.quiet_barrier``); default on for CPU
             buckets on the MPI backend.
@@ -69,8 +70,10 @@ class DistributedDataParallel(nn.Module):
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} and first_bucket_mb={first_bucket_mb}: "
                              "bucket sizes must be positive numbers of MiB")
-        if algo not in ("ring", "native"):
-            raise ValueError(f"algo={algo!r}: use 'ring' or 'native'")
+        from ..comm import ALGOS
+
+        if algo not in ALGOS["all_reduce"]:
+            raise ValueError(f"algo={algo!r}: use one of {', '.join(ALGOS['all_reduce'])}")
         self.module = module
         self.comm = comm
         self.broadcast_buffers = broadcast_buffers
