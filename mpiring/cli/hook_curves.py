@@ -3,7 +3,7 @@
     mpiexec -n 4 python -m mpiring hook-curves --steps 150 --out docs/compression_curves
 
 Trains the GPT model once per hook (same seed, same data, same everything
-else), evaluates the validation loss every ``--eval-every`` steps, and counts
+else; the jobs' steps alternate, so a busy machine slows every hook alike), evaluates the validation loss every ``--eval-every`` steps, and counts
 the bytes each hook puts on the wire. Rank 0 prints a table (bytes per step
 after the hook's start, the ratio to plain DDP, median step time and its ratio,
 final validation loss) and writes ``OUT.json`` and ``OUT.png`` (validation loss
@@ -53,38 +53,57 @@ def _dense_bytes(job) -> int:
                                ("rs", "ag")) for b in reducer.buckets)
 
 
-def run_hook(comm, args, hook: str, data) -> dict:
-    """Train with one hook; return its curve and costs (collective)."""
+def run_hooks(comm, args, hooks: list[str], data) -> list[dict]:
+    """Train one job per hook, their steps alternated; return curves and costs (collective).
+
+    Alternating the steps (hook A's step 1, hook B's step 1, ...) exposes every
+    hook to the same machine load, so the step-time ratios are fair even on a
+    busy machine.
+    """
     from ..train.loop import TrainConfig, TrainJob
     from ..wire import allgather_json
 
-    cfg = TrainConfig(mode="ddp", steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                      seed=args.seed, preset=args.preset, max_data_mb=args.max_data_mb,
-                      val_batches=args.val_batches, comm_hook=hook, topk_ratio=args.topk_ratio,
-                      powersgd_rank=args.powersgd_rank, hook_start=args.hook_start)
-    job = TrainJob(comm, cfg, train_data=data[0], val_data=data[1])
-    curve = [(0, job.evaluate())]
-    sent_per_step = []
+    jobs = []
+    for hook in hooks:
+        cfg = TrainConfig(mode="ddp", steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                          seed=args.seed, preset=args.preset, max_data_mb=args.max_data_mb,
+                          val_batches=args.val_batches, comm_hook=hook,
+                          topk_ratio=args.topk_ratio, powersgd_rank=args.powersgd_rank,
+                          hook_start=args.hook_start)
+        jobs.append(TrainJob(comm, cfg, train_data=data[0], val_data=data[1]))
+    curves = [[(0, job.evaluate())] for job in jobs]
+    sent = [[] for _ in jobs]
     try:
         for _ in range(args.steps):
-            before = job.comm_hook_state.bytes_sent if job.comm_hook_state else 0
-            job.train_step()
-            if job.comm_hook_state is not None:
-                sent_per_step.append(job.comm_hook_state.bytes_sent - before)
-            else:
-                sent_per_step.append(_dense_bytes(job))
-            if job.step % args.eval_every == 0 or job.step == args.steps:
-                curve.append((job.step, job.evaluate()))
+            for job, per_step in zip(jobs, sent):
+                before = job.comm_hook_state.bytes_sent if job.comm_hook_state else 0
+                job.train_step()
+                if job.comm_hook_state is not None:
+                    per_step.append(job.comm_hook_state.bytes_sent - before)
+                else:
+                    per_step.append(_dense_bytes(job))
+            step = jobs[0].step
+            if step % args.eval_every == 0 or step == args.steps:
+                for job, curve in zip(jobs, curves):
+                    curve.append((step, job.evaluate()))
+            if comm.rank == 0 and step % args.eval_every == 0:
+                print(f"hook-curves: step {step}/{args.steps}: val loss "
+                      + ", ".join(f"{h} {c[-1][1]:.3f}" for h, c in zip(hooks, curves)),
+                      file=sys.stderr, flush=True)
     finally:
-        job.close()
-    # Steady state: the steps after the hook's plain-AllReduce warm-up.
-    steady = sent_per_step[args.hook_start + 1:] or sent_per_step
-    times = job.step_times[1:] or job.step_times
-    mine = {"step_s": statistics.median(times), "sent": statistics.median(steady)}
-    table = allgather_json(comm, mine) if comm.size > 1 else [mine]
-    return {"hook": hook, "curve": curve, "losses": job.global_mean(job.losses),
-            "step_s": max(t["step_s"] for t in table),
-            "sent_bytes_per_step": max(t["sent"] for t in table)}
+        for job in jobs:
+            job.close()
+    results = []
+    for hook, job, curve, per_step in zip(hooks, jobs, curves, sent):
+        # Steady state: the steps after the hook's plain-AllReduce warm-up.
+        steady = per_step[args.hook_start + 1:] or per_step
+        times = job.step_times[1:] or job.step_times
+        mine = {"step_s": statistics.median(times), "sent": statistics.median(steady)}
+        table = allgather_json(comm, mine) if comm.size > 1 else [mine]
+        results.append({"hook": hook, "curve": curve, "losses": job.global_mean(job.losses),
+                        "step_s": max(t["step_s"] for t in table),
+                        "sent_bytes_per_step": max(t["sent"] for t in table)})
+    return results
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
@@ -160,14 +179,7 @@ def run(args) -> int:
         return 2
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     data = shared_corpus(comm, int(args.max_data_mb * (1 << 20)))
-    results = []
-    for hook in hooks:
-        results.append(run_hook(comm, args, hook, data))
-        if comm.rank == 0:
-            r = results[-1]
-            print(f"hook-curves: {hook}: val loss {r['curve'][-1][1]:.3f}, "
-                  f"{r['sent_bytes_per_step'] / 2**20:.2f} MiB/step, {r['step_s'] * 1e3:.0f} ms/step",
-                  file=sys.stderr, flush=True)
+    results = run_hooks(comm, args, hooks, data)
     if comm.rank == 0:
         base = next((r for r in results if r["hook"] == "none"), results[0])
         print(f"hook-curves: {comm.size} ranks, {args.preset} GPT, {args.steps} steps, batch "

@@ -4,7 +4,9 @@
 
 One setup per launch, because peak RSS is a per-process high-water mark:
 ``scripts/zero_memory.sh`` runs adamw, zero1 and zero2 on 1-4 ranks and
-collects the lines. Reported (rank 0 prints one line; ``--json FILE`` appends
+collects the lines. ``--optimizer adamw,zero1,zero2`` instead builds all three
+in one process and alternates their steps, so that a busy machine slows them
+alike: the step-time ratios of that run are the fair ones (no RSS then). Reported (rank 0 prints one line; ``--json FILE`` appends
 it as JSON):
 
 * optimizer state bytes per rank (the AdamW moments this rank holds: all of
@@ -27,8 +29,9 @@ from . import add_backend_arguments
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--optimizer", choices=("adamw", "zero1", "zero2"), default="zero2",
-                   help="adamw (DDP + AdamW), zero1 or zero2 (DDP + sharded AdamW)")
+    p.add_argument("--optimizer", default="zero2",
+                   help="adamw (DDP + AdamW), zero1 or zero2 (DDP + sharded AdamW); a comma list "
+                        "alternates their steps in one process and compares step times")
     p.add_argument("--preset", default="comm", help="GPT preset (default comm, 12.8M params)")
     p.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per rank (default 4)")
@@ -59,7 +62,14 @@ def run(args) -> int:
     from mpiring.train.loop import TrainConfig, TrainJob
     from mpiring.wire import allgather_json
 
+    names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
+    if not names or any(n not in ("adamw", "zero1", "zero2") for n in names):
+        print(f"zero-bench: --optimizer {args.optimizer!r}: use adamw, zero1, zero2 or a comma "
+              "list of them", file=sys.stderr)
+        return 2
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
+    if len(names) > 1:
+        return _interleaved(comm, args, names)
     cfg = TrainConfig(mode="ddp", steps=args.steps, batch_size=args.batch_size,
                       preset=args.preset, optimizer=args.optimizer, max_data_mb=args.max_data_mb)
     job = TrainJob(comm, cfg)
@@ -100,4 +110,31 @@ def run(args) -> int:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
     sys.stdout.flush()
+    return 0
+
+
+def _interleaved(comm, args, names: list[str]) -> int:
+    """Alternate the steps of one job per optimizer; print median step times and ratios."""
+    import statistics
+
+    from mpiring.train.data import shared_corpus
+    from mpiring.train.loop import TrainConfig, TrainJob
+    from mpiring.wire import allgather_json
+
+    data = shared_corpus(comm, int(args.max_data_mb * (1 << 20)))
+    jobs = [TrainJob(comm, TrainConfig(mode="ddp", steps=args.steps, batch_size=args.batch_size,
+                                       preset=args.preset, optimizer=name),
+                     train_data=data[0], val_data=data[1]) for name in names]
+    for _ in range(args.steps):
+        for job in jobs:
+            job.train_step()
+    mine = [statistics.median(job.step_times[1:] or job.step_times) for job in jobs]
+    table = allgather_json(comm, mine) if comm.size > 1 else [mine]
+    for job in jobs:
+        job.close()
+    if comm.rank == 0:
+        steps = [max(t[j] for t in table) for j in range(len(names))]
+        parts = ", ".join(f"{n} {s * 1e3:.0f} ms ({s / steps[0]:.2f}x)" for n, s in zip(names, steps))
+        print(f"zero-bench: ranks={comm.size} model={args.preset}, steps alternated, median step "
+              f"time: {parts}", flush=True)
     return 0
