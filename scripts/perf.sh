@@ -31,7 +31,8 @@ if run ps; then
 fi
 if run ddp; then
     echo "== DDP step: compute vs ddp vs naive vs ps vs torch-ddp, bucket sweep ==" >&2
-    mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring bench-ddp --preset comm -n 8 -w 2 --bucket-sweep 1,4 \
+    mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring bench-ddp --preset comm --batch-size 2 -n 5 -w 1 \
+        --bucket-sweep 1,4 \
         --json "$OUT/ddp.json" --plot docs/ddp.png | tee "$OUT/ddp.txt"
 fi
 if run trace; then

@@ -58,6 +58,31 @@ def time_iterations(mpi_comm: MPI.Comm, call: Callable[[], object], *, iters: in
     return slowest
 
 
+def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],
+                     resets: Sequence[Callable[[], object]], *, iters: int,
+                     warmup: int) -> np.ndarray:
+    """Like ``time_iterations`` for several calls at once, taking turns.
+
+    Iteration i times ``calls[0]``, ``calls[1]``, ... one after the other, so
+    that a burst of load from outside hits every call alike and their ratios
+    stay meaningful on a shared machine. Returns an array (calls, iters) of the
+    slowest rank's times.
+    """
+    local = np.zeros((len(calls), max(iters, 0)), dtype=np.float64)
+    for i in range(warmup + iters):
+        for j, (call, reset) in enumerate(zip(calls, resets)):
+            reset()
+            mpi_comm.Barrier()
+            t0 = clock()
+            call()
+            dt = clock() - t0
+            if i >= warmup:
+                local[j, i - warmup] = dt
+    slowest = np.empty_like(local)
+    mpi_comm.Allreduce(local, slowest, op=MPI.MAX)
+    return slowest
+
+
 def pingpong_sizes(max_bytes: int = 16 << 20, min_bytes: int = 8, factor: int = 4) -> list[int]:
     """8 B, 32 B, ... up to ``max_bytes``: the sizes the model is fitted on."""
     sizes, n = [], min_bytes

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..costmodel import AlphaBeta, best_chunks, pipelined_broadcast, prediction_error
 from ..wire import allreduce_scalar
-from .measure import time_iterations
+from .measure import time_interleaved
 from .report import make_row
 from .sweep import count_wrong, rank_data, reference
 
@@ -50,18 +50,23 @@ def chunks_study(comm, nbytes: int, *, dtype: np.dtype | None = None, root: int 
     x = src.copy()
     rows = []
     plan = [("native", None)] + [("pipelined", s) for s in chunk_counts(count, s_star, max_chunks)]
-    for algo, s in plan:
-        if progress:
-            progress.show(f"broadcast S={s or algo}")
+    checked = []
+    for algo, s in plan:  # 1. check each S once
         kwargs = {"root": root, "algo": algo}
         if s is not None:
             kwargs["chunks"] = s
         np.copyto(x, src)
         comm.broadcast(x, **kwargs)
-        wrong = allreduce_scalar(comm, count_wrong(x, ref, "sum"))
-        times = time_iterations(comm.mpi_comm, lambda kw=kwargs: comm.broadcast(x, check=False, **kw),
-                                iters=iters, warmup=warmup, reset=lambda: np.copyto(x, src))
-        seconds = float(np.median(times))
+        checked.append((algo, s, kwargs, allreduce_scalar(comm, count_wrong(x, ref, "sum"))))
+    # 2. timed in turns (iteration i runs every S once), so that load from elsewhere
+    # on a shared machine cannot favour one S over another
+    if progress:
+        progress.show(f"broadcast of {nbytes} B: timing {len(checked)} settings")
+    times = time_interleaved(
+        comm.mpi_comm, [lambda kw=kw: comm.broadcast(x, check=False, **kw) for _, _, kw, _ in checked],
+        [lambda: np.copyto(x, src)] * len(checked), iters=iters, warmup=warmup)
+    for (algo, s, _, wrong), t in zip(checked, times):
+        seconds = float(np.median(t))
         row = make_row("broadcast", algo, comm.backend, k, nbytes, dtype.name, seconds, wrong,
                        count=count, root=root, chunks=s, iters=iters, warmup=warmup,
                        model_best=s_star)

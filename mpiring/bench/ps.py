@@ -45,7 +45,7 @@ from ..costmodel import (
 from ..ops import finish, reducer
 from ..trace import Tracer, clock
 from ..wire import allgather_array, allreduce_scalar, bcast_json
-from .measure import quiet_barrier, time_iterations
+from .measure import quiet_barrier, time_interleaved
 from .report import make_row
 from .sweep import count_wrong, rank_data, reference
 
@@ -195,9 +195,10 @@ def _study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup, model, wo
     server = StarParameterServer(sub, root=0)
     quiet = sub.tracer
     rows = []
-    for method in METHODS:
+    counted = []
+    for method in METHODS:  # 1. one traced run each: bytes per rank, and the check
         if progress:
-            progress.show(f"ps K={k} {method}")
+            progress.show(f"ps K={k} {method}: traced run")
         name = f"K{k}-{method}-rank{world_rank}"
         sub.tracer = Tracer(world_rank, tmp, name=name)
         sync = _sync_fn(method, sub, server, op)
@@ -211,10 +212,14 @@ def _study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup, model, wo
         sent, recv = _count_bytes(path)
         os.unlink(path)
         wrong = allreduce_scalar(sub, count_wrong(x, ref, op))
-        table = allgather_array(sub, [sent, recv])
-        times = time_iterations(sub.mpi_comm, lambda f=sync: f(x, check=False), iters=iters,
-                                warmup=warmup, reset=lambda: np.copyto(x, src))
-        seconds = float(np.median(times))
+        counted.append((method, sync, wrong, allgather_array(sub, [sent, recv])))
+    # 2. timed in turns (iteration i runs each method once): fair ratios on a busy machine
+    if progress:
+        progress.show(f"ps K={k}: timing")
+    times = time_interleaved(sub.mpi_comm, [lambda f=f: f(x, check=False) for _, f, _, _ in counted],
+                             [lambda: np.copyto(x, src)] * len(counted), iters=iters, warmup=warmup)
+    for (method, _, wrong, table), t in zip(counted, times):
+        seconds = float(np.median(t))
         expect = expected_traffic(method, nbytes, k)
         workers = table[1:] if k > 1 else table
         row = make_row("all_reduce", method, "mpi", k, nbytes, dtype.name, seconds, wrong,

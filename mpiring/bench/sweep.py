@@ -6,8 +6,10 @@ For each collective and each size, every algorithm runs on the same buffer:
    compared element by element with the native result (native itself is
    compared with a NumPy reference computed locally); the wrong elements of all
    ranks are summed into ``#wrong``;
-2. ``warmup`` untimed and ``iters`` timed calls with ``check=False``; the time
-   of an iteration is the slowest rank's, the reported time the median.
+2. ``warmup`` untimed and ``iters`` timed calls with ``check=False``, the
+   algorithms taking turns (iteration i runs each once), so that load from
+   elsewhere on a shared machine hits them alike; the time of an iteration is
+   the slowest rank's, the reported time the median.
 
 Algorithms come from ``mpiring.comm.ALGOS`` (so new ones show up here without a
 change) plus ``gloo``.
@@ -27,7 +29,7 @@ from ..chunking import chunk_bounds, default_pipeline_chunks
 from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, predict, prediction_error
 from ..ops import finish, reducer
 from ..wire import allreduce_scalar
-from .measure import time_iterations
+from .measure import time_interleaved
 from .report import make_row
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -271,9 +273,10 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
             buf = src.copy()
             ref = reference(coll, count, k, rank, cfg.root, cfg.op, dtype)
             expected = ref
-            for algo in order:
+            checked: list[tuple[str, Case, int]] = []
+            for algo in order:  # 1. check every algorithm once, native first
                 if progress:
-                    progress.show(f"{coll} {algo} {count * dtype.itemsize} B")
+                    progress.show(f"{coll} {algo} {count * dtype.itemsize} B: check")
                 if (coll, algo) in skipped:
                     if progress:
                         progress.update(f"{coll} {algo}")
@@ -293,23 +296,28 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                 if algo == "native":
                     wrong = count_wrong(got, ref, cfg.op)
                     expected = got.copy()
-                wrong = allreduce_scalar(mpi, int(wrong))  # no pickle: see mpiring.wire
-                times = time_iterations(mpi, case.call, iters=cfg.iters, warmup=cfg.warmup,
-                                        reset=case.reset)
-                seconds = float(np.median(times)) if times.size else 0.0
-                nbytes = count * dtype.itemsize
+                checked.append((algo, case, allreduce_scalar(mpi, int(wrong))))  # no pickle
+            if not checked:
+                continue
+            # 2. time them interleaved: iteration i runs every algorithm once, so a
+            # burst of load from elsewhere hits all of them alike and ratios hold.
+            if progress:
+                progress.show(f"{coll} {count * dtype.itemsize} B: timing "
+                              f"{', '.join(a for a, _, _ in checked)}")
+            times = time_interleaved(mpi, [c.call for _, c, _ in checked],
+                                     [c.reset for _, c, _ in checked],
+                                     iters=cfg.iters, warmup=cfg.warmup)
+            nbytes = count * dtype.itemsize
+            for (algo, case, wrong), t in zip(checked, times):
+                seconds = float(np.median(t)) if t.size else 0.0
                 extras: dict[str, Any] = {
                     "count": count, "op": cfg.op if coll in REDUCING else None,
                     "root": cfg.root if coll in ROOTED else None, "iters": cfg.iters,
                     "warmup": cfg.warmup, "chunks": case.chunks,
-                    "time_min_us": float(times.min()) * 1e6 if times.size else 0.0,
+                    "time_min_us": float(t.min()) * 1e6 if t.size else 0.0,
                 }
                 row = make_row(coll, algo, comm.backend if algo != "gloo" else "gloo", k,
                                nbytes, cfg.dtype, seconds, wrong, **extras)
-                if cfg.bound is not None:
-                    b = membw_busbw_bound(coll, k, cfg.bound)
-                    row["bound_busbw"] = b / 1e9 if b else None
-                    row["bound_frac"] = row["busbw"] * 1e9 / b if b else None
                 if cfg.model is not None:
                     pred = predict(coll, algo, nbytes, k, cfg.model, chunks=case.chunks)
                     row["model_us"] = pred * 1e6 if pred is not None else None
@@ -317,4 +325,14 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                 rows.append(row)
                 if progress:
                     progress.update(f"{coll} {algo} {nbytes} B")
+    if cfg.bound is not None:
+        add_bound(rows, cfg.bound)
     return rows
+
+
+def add_bound(rows: list[dict[str, Any]], bound: MemoryBound) -> None:
+    """Fill ``bound_busbw`` (GB/s) and ``bound_frac`` (busbw / bound) of every row."""
+    for row in rows:
+        b = membw_busbw_bound(row["collective"], row["ranks"], bound)
+        row["bound_busbw"] = b / 1e9 if b else None
+        row["bound_frac"] = row["busbw"] * 1e9 / b if b else None
