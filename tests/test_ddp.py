@@ -347,9 +347,7 @@ def test_overlap_visible_in_trace(comm):
 
 
 def test_matches_torch_ddp_over_gloo(world):
-    import torch.distributed as dist
-
-    from mpiring.train.torch_pg import init_torch_process_group
+    from mpiring.train.torch_pg import destroy_torch_process_group, init_torch_process_group
 
     pg = init_torch_process_group(world, torch.device("cpu"))
     try:
@@ -366,7 +364,7 @@ def test_matches_torch_ddp_over_gloo(world):
                 m.zero_grad()
         ddp.close()
     finally:
-        dist.destroy_process_group()
+        destroy_torch_process_group(world)
 
 
 def test_model_difference_raises_on_every_rank_naming_it(comm):

@@ -50,3 +50,22 @@ def init_torch_process_group(comm, device: torch.device, timeout_s: float = 120.
                             rank=comm.rank, world_size=comm.size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return dist.group.WORLD
+
+
+def destroy_torch_process_group(comm) -> None:
+    """Tear down torch.distributed on every rank of ``comm``, rank 0 last (collective).
+
+    Rank 0 hosts the TCP store the others talk to: if it went first, a rank still
+    tearing down could wait on the store for ever while rank 0 went on into its
+    next MPI collective.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    comm.barrier()            # every rank has finished with the group
+    if comm.rank != 0:
+        dist.destroy_process_group()
+    comm.barrier()            # the store's clients are gone
+    if comm.rank == 0:
+        dist.destroy_process_group()
