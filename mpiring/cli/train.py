@@ -19,6 +19,7 @@ from . import add_backend_arguments
 
 def add_arguments(p) -> None:
     from ..comm import ALGOS
+    from ..train.checkpointing import add_arguments as add_checkpoint_arguments
     from ..train.loop import MODES
 
     p.add_argument("--mode", choices=MODES, default="ddp",
@@ -34,6 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--d-model", type=int, default=None, help="override the preset's width")
     p.add_argument("--layers", type=int, default=None, help="override the preset's depth")
     p.add_argument("--heads", type=int, default=None, help="override the preset's heads")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket in MiB (default 1)")
     p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
@@ -56,6 +58,7 @@ def add_arguments(p) -> None:
     p.add_argument("--powersgd-rank", type=int, default=1, help="powersgd: approximation rank (default 1)")
     p.add_argument("--hook-start", type=int, default=10,
                    help="topk/powersgd: plain AllReduce for the first N steps (default 10)")
+    add_checkpoint_arguments(p)  # --checkpoint-dir/-every/-keep, --resume, --check-replicas
     add_backend_arguments(p)
 
 
@@ -66,7 +69,7 @@ def config_from_args(args):
     return TrainConfig(
         mode=args.mode, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         lr=args.lr, seed=args.seed, preset=args.preset, d_model=args.d_model,
-        n_layers=args.layers, n_heads=args.heads, bucket_mb=args.bucket_mb,
+        n_layers=args.layers, n_heads=args.heads, dropout=args.dropout, bucket_mb=args.bucket_mb,
         first_bucket_mb=args.first_bucket_mb, algo=args.algo, max_data_mb=args.max_data_mb,
         val_batches=args.val_batches, log_every=args.log_every,
         optimizer=args.optimizer, comm_hook=args.comm_hook, topk_ratio=args.topk_ratio,
@@ -112,11 +115,14 @@ def run(args) -> int:
 
     import mpiring
 
+    from ..checkpoint import ReplicaDivergenceError
+    from ..train.checkpointing import CheckpointWriteError, ResumeError, callbacks_from_args
     from ..train.loop import TrainJob, train
 
     cfg = config_from_args(args)
     try:
         cfg.validate()
+        callbacks = callbacks_from_args(args)
     except ValueError as exc:
         print(f"mpiring train: {exc}", file=sys.stderr)
         return 2
@@ -139,7 +145,12 @@ def run(args) -> int:
               file=sys.stderr, flush=True)
     bar = ProgressBar(cfg.steps, tokens, enabled=comm.rank == 0 and not args.no_progress)
     try:
-        result = train(job, progress=bar)
+        result = train(job, callbacks=callbacks, progress=bar)
+    except (ReplicaDivergenceError, ResumeError, CheckpointWriteError) as exc:
+        # Raised on every rank with the same text: one message, no tracebacks.
+        if comm.rank == 0:
+            print(f"mpiring train: {exc}", file=sys.stderr, flush=True)
+        return 3
     finally:
         job.close()
         comm.tracer.close()

@@ -246,6 +246,29 @@ class Reducer:
         self._build(order=order_list)
         return self.bucket_params != old
 
+    def layout_state(self) -> dict[str, Any]:
+        """The bucket layout and iteration count, for a checkpoint (plain data).
+
+        A resumed run must reduce with the same buckets as an uninterrupted one:
+        the ring sums each element in an order that depends on where it sits in
+        its bucket, so another layout changes the last bits of the mean.
+        """
+        due = self.rebuilt or self._rebuild_due
+        return {"iteration": self.iteration,
+                "order": order_from_observed(self._observed, len(self.params)) if due else None}
+
+    def load_layout_state(self, state: dict[str, Any]) -> None:
+        """Continue with the layout ``layout_state()`` saved (before the next forward).
+
+        The buckets are rebuilt from the saved order at the next synced forward,
+        by ``rebuild_if_due`` (rank 0's order, as in the run that saved it).
+        """
+        self.iteration = int(state["iteration"])
+        order = state.get("order")
+        if order is not None and not self.rebuilt:
+            self._observed = [int(i) for i in order]
+            self._rebuild_due = True
+
     # --- per-iteration state ------------------------------------------------------
     def _reset_iteration(self) -> None:
         n = len(self.params)

@@ -51,6 +51,7 @@ class TrainConfig:
     d_model: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
+    dropout: float = 0.0          # attention dropout (draws from torch's RNG)
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     algo: str = "ring"            # bucket AllReduce: ring or native
@@ -69,7 +70,8 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown model preset {self.preset!r}: use one of {', '.join(PRESETS)}")
         return PRESETS[self.preset].with_(seq_len=self.seq_len, d_model=self.d_model,
-                                          n_layers=self.n_layers, n_heads=self.n_heads)
+                                          n_layers=self.n_layers, n_heads=self.n_heads,
+                                          dropout=self.dropout)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -79,6 +81,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}: must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout}: use a probability in [0, 1)")
         self.model_config()
         self._validate_zero_and_hook()
 

@@ -1,0 +1,358 @@
+"""Checkpoints, resume and replica checks for ``train``: callbacks for ``loop.train``.
+
+``Checkpointer`` writes the job's whole state every ``every`` steps and at the
+last step, and ``resume=True`` continues from the newest complete checkpoint,
+so that a run killed at any point and resumed ends with the same parameters,
+bit for bit, as one that was never interrupted (same flags, same world size,
+CPU). ``ReplicaCheck`` hashes the parameters every N steps and raises on every
+rank, naming the ranks, if the replicas have diverged.
+
+What a checkpoint holds (``mpiring.checkpoint``'s format, so
+``restore_training_state`` reads it too): the step, the model's and the
+optimizer's state (a sharded ZeRO optimizer consolidated first), the sampler's
+position (epoch and offset into this epoch's shard) and rank 0's RNG states;
+under ``extra``: every rank's RNG states (Python, NumPy, torch, CUDA), every
+rank's loss history, the DDP bucket layout and the rest of the job's state.
+
+Writing: every rank takes part in collecting the state (small Allgathers, and
+the consolidation of a sharded optimizer); rank 0 writes the file atomically
+(temporary file, fsync, rename, fsync of the directory); the other ranks wait
+for it without spinning a core (a polled ``Ibarrier``); then every rank learns
+whether the write worked, and a failed write raises on every rank.
+
+Resuming: rank 0 picks the newest complete checkpoint and broadcasts its step
+(an integer); every rank loads that same file (the directory must be visible to
+every rank, as on a shared file system) and restores its own RNG states and
+loss history; a failure on any rank raises on every rank.
+
+Test hook: ``MPIRING_TEST_CRASH=after-step:S`` makes rank 0 SIGKILL itself at
+the end of step S (after any checkpoint of that step), and
+``MPIRING_TEST_CRASH=in-write:S`` between writing the temporary file of step
+S's checkpoint and renaming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+from .. import checkpoint as ck
+from .. import wire
+
+CRASH_ENV = "MPIRING_TEST_CRASH"
+# Flags that may change between a run and its resumption without changing the
+# training itself.
+_HARMLESS = ("steps", "log_every", "val_batches")
+
+
+class ResumeError(RuntimeError):
+    """Resuming failed on at least one rank (raised on every rank)."""
+
+
+class CheckpointWriteError(OSError):
+    """Rank 0 could not write a checkpoint (raised on every rank)."""
+
+
+# --- per-rank state as plain data (JSON between ranks, never pickle) ----------------------
+
+def rng_state_json() -> str:
+    """This process's RNG states (Python, NumPy, torch CPU and CUDA) as JSON text."""
+    s = ck.rng_state()
+    version, internal, gauss = s["python"]
+    n = s["numpy"]
+    return json.dumps({
+        "python": [version, list(internal), gauss],
+        "numpy": {"bit_generator": n["bit_generator"], "key": n["key"].tolist(),
+                  "pos": n["pos"], "has_gauss": n["has_gauss"], "gauss": n["gauss"]},
+        "torch": s["torch"].numpy().tobytes().hex(),
+        "cuda": [t.cpu().numpy().tobytes().hex() for t in s.get("cuda", [])],
+    })
+
+
+def set_rng_state_json(text: str) -> None:
+    """Restore what ``rng_state_json`` returned."""
+    import torch
+
+    d = json.loads(text)
+
+    def tensor(hexed: str):
+        return torch.frombuffer(bytearray.fromhex(hexed), dtype=torch.uint8).clone()
+
+    n = d["numpy"]
+    state = {
+        "python": tuple(d["python"]),
+        "numpy": {**n, "key": torch.tensor(n["key"], dtype=torch.int64)},
+        "torch": tensor(d["torch"]),
+    }
+    if d["cuda"]:
+        state["cuda"] = [tensor(h) for h in d["cuda"]]
+    ck.set_rng_state(state)
+
+
+def _crash_plan() -> tuple[str, int] | None:
+    text = os.environ.get(CRASH_ENV, "")
+    if not text:
+        return None
+    kind, _, step = text.partition(":")
+    if kind not in ("after-step", "in-write") or not step.isdigit():
+        raise ValueError(f"{CRASH_ENV}={text!r}: use after-step:S or in-write:S")
+    return kind, int(step)
+
+
+def _die(*_args, **_kwargs) -> None:
+    sys.stderr.write(f"[r0] {CRASH_ENV}: killing myself\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _quiet_wait(comm) -> None:
+    # Rank 0 may take a while to write; the others must not spin a core meanwhile
+    # (MPICH busy-polls in blocking calls, and ranks share cores).
+    from ..ddp.reducer import quiet_barrier
+
+    quiet_barrier(getattr(comm, "mpi_comm", comm), poll_s=0.005)
+
+
+def _reducer(job):
+    return job._our_reducer() if hasattr(job, "_our_reducer") else None
+
+
+# --- the callbacks --------------------------------------------------------------------------
+
+class Checkpointer:
+    """Save the job every ``every`` steps and at its last step; optionally resume first.
+
+    Args:
+        directory: where checkpoints go (created with mode 0o700 if missing).
+        every: steps between checkpoints; None: only at the last step.
+        resume: on start, continue from the newest complete checkpoint in
+            ``directory`` (start from step 0 if there is none).
+        keep: keep only the newest ``keep`` checkpoints (None: all).
+        verbose: rank 0 prints a line per checkpoint written or resumed from.
+
+    Raises:
+        ValueError: ``every`` or ``keep`` below 1.
+    """
+
+    def __init__(self, directory: str, every: int | None = None, *, resume: bool = False,
+                 keep: int | None = None, verbose: bool = True):
+        if every is not None and every < 1:
+            raise ValueError(f"checkpoint every {every} steps: give at least 1")
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep={keep}: keep at least 1 checkpoint")
+        self.directory = directory
+        self.every = every
+        self.resume = resume
+        self.keep = keep
+        self.verbose = verbose
+        self.crash = _crash_plan()
+        self.resumed_from: int | None = None   # the step resumed from, if any
+        self.saved: list[tuple[int, float]] = []  # (step, seconds) of every write
+
+    # --- train() callbacks ----------------------------------------------------------
+    def on_start(self, job) -> None:
+        if self.resume:
+            self.load(job)
+
+    def on_step_end(self, job) -> None:
+        if (self.every is not None and job.step % self.every == 0) or job.step == job.cfg.steps:
+            self.save(job)
+        if self.crash == ("after-step", job.step) and job.comm.rank == 0:
+            _die()
+
+    # --- saving -----------------------------------------------------------------------
+    def save(self, job) -> str:
+        """Write the job's state as a checkpoint of its current step (collective)."""
+        comm = job.comm
+        t0 = time.perf_counter()
+        js = job.state_dict()  # collective with a sharded optimizer
+        rngs = wire.allgather_json(comm, rng_state_json())
+        losses = wire.allgather_array(comm, np.asarray(job.losses, dtype=np.float64))
+        path = os.path.join(self.directory, ck.checkpoint_name(job.step))
+        error = None
+        if comm.rank == 0:
+            import torch
+
+            reducer = _reducer(job)
+            state = {
+                "format": ck.FORMAT,
+                "step": int(js["step"]),
+                "model": js["model"],
+                "optimizer": js["optimizer"],
+                "sampler": js["sampler"],
+                "rng": ck.rng_state(),
+                "extra": {
+                    "world_size": comm.size,
+                    "rng_ranks": rngs,
+                    "losses_ranks": torch.from_numpy(losses),
+                    "ddp_layout": reducer.layout_state() if reducer is not None else None,
+                    "job": {k: v for k, v in js.items()
+                            if k not in ("model", "optimizer", "step", "sampler", "losses")},
+                },
+            }
+            try:
+                if self.crash == ("in-write", job.step):
+                    # Dies after the temporary file is written and fsynced, before
+                    # the rename: exactly the crash the atomic write must survive.
+                    with mock.patch.object(ck.os, "replace", _die):
+                        ck.save_checkpoint(self.directory, state, keep=self.keep)
+                else:
+                    ck.save_checkpoint(self.directory, state, keep=self.keep)
+            except Exception as exc:  # every rank must hear of it, or they would go on
+                error = f"{type(exc).__name__}: {exc}"
+        _quiet_wait(comm)
+        error = wire.bcast_json(comm, error, root=0)
+        if error is not None:
+            raise CheckpointWriteError(f"checkpoint of step {job.step} could not be written to "
+                                       f"{self.directory} on rank 0: {error}")
+        seconds = time.perf_counter() - t0
+        self.saved.append((job.step, seconds))
+        if self.verbose and comm.rank == 0:
+            size = os.path.getsize(path) / 2**20
+            sys.stderr.write(f"checkpoint: step {job.step} -> {path} ({size:.2f} MiB, "
+                             f"{seconds * 1e3:.0f} ms)\n")
+            sys.stderr.flush()
+        return path
+
+    # --- resuming ---------------------------------------------------------------------
+    def load(self, job) -> int | None:
+        """Restore the newest complete checkpoint into ``job`` (collective).
+
+        Returns the step resumed from, or None if the directory has no checkpoint.
+
+        Raises:
+            ResumeError: on every rank, if any rank could not load or restore it.
+        """
+        comm = job.comm
+        step = np.array([-1], dtype=np.int64)
+        if comm.rank == 0:
+            path = ck.latest_checkpoint(self.directory)
+            if path is not None:
+                step[0] = int(os.path.basename(path).removeprefix("ckpt-").removesuffix(".pt"))
+        # Rank 0 decides which file: ranks listing the directory at different
+        # moments (a write in flight) could otherwise pick different ones.
+        getattr(comm, "mpi_comm", comm).Bcast(step, root=0)
+        if step[0] < 0:
+            if self.verbose and comm.rank == 0:
+                sys.stderr.write(f"resume: no checkpoint in {self.directory}, starting at step 0\n")
+            return None
+        path = os.path.join(self.directory, ck.checkpoint_name(int(step[0])))
+        error, notes = None, []
+        try:
+            notes = self._restore(job, ck.load_checkpoint(path))
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+        errors = wire.allgather_json(comm, error)
+        if any(e is not None for e in errors):
+            lines = [f"r{r}: {e}" for r, e in enumerate(errors) if e is not None]
+            raise ResumeError(f"resume from {path} failed:\n" + "\n".join(lines))
+        self.resumed_from = int(step[0])
+        if self.verbose and comm.rank == 0:
+            sys.stderr.write(f"resume: step {self.resumed_from} from {path}\n")
+            for note in notes:
+                sys.stderr.write(f"resume: {note}\n")
+            sys.stderr.flush()
+        return self.resumed_from
+
+    def _restore(self, job, state: dict[str, Any]) -> list[str]:
+        extra = state.get("extra") or {}
+        size = extra.get("world_size")
+        if size != job.comm.size:
+            raise ValueError(f"the checkpoint was written by {size} ranks, this run has "
+                             f"{job.comm.size}: resume with the same number of ranks")
+        notes = []
+        saved_cfg = (extra.get("job") or {}).get("config") or {}
+        from dataclasses import asdict
+
+        now = asdict(job.cfg)
+        changed = [f"{k} {saved_cfg[k]!r} -> {now[k]!r}" for k in sorted(now)
+                   if k in saved_cfg and k not in _HARMLESS and saved_cfg[k] != now[k]]
+        if changed:
+            notes.append("flags differ from the checkpoint's run (" + ", ".join(changed)
+                         + "): the result will differ from an uninterrupted run")
+        rank = job.comm.rank
+        js = dict(extra.get("job") or {})
+        js.update(model=state["model"], optimizer=state["optimizer"], step=state["step"],
+                  sampler=state["sampler"])
+        losses = extra.get("losses_ranks")
+        js["losses"] = losses[rank].tolist() if losses is not None and losses.numel() else []
+        job.load_state_dict(js)
+        set_rng_state_json(extra["rng_ranks"][rank])
+        reducer = _reducer(job)
+        layout = extra.get("ddp_layout")
+        if reducer is not None and layout is not None:
+            reducer.load_layout_state(layout)
+        return notes
+
+
+class ReplicaCheck:
+    """Every ``every`` steps, check that every rank holds the same parameters (collective).
+
+    Raises:
+        mpiring.checkpoint.ReplicaDivergenceError: on every rank, naming the
+            ranks whose parameters or buffers differ.
+    """
+
+    def __init__(self, every: int):
+        if every < 1:
+            raise ValueError(f"check replicas every {every} steps: give at least 1")
+        self.every = every
+        self.checks = 0
+
+    def on_start(self, job) -> None:
+        pass
+
+    def on_step_end(self, job) -> None:
+        if job.step % self.every == 0:
+            ck.check_replicas(job.model, job.comm, step=job.step)
+            self.checks += 1
+
+
+# --- flags ------------------------------------------------------------------------------------
+
+def add_arguments(p) -> None:
+    """The checkpoint and replica-check flags of ``train``."""
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="write checkpoints (model, optimizer, data position, RNG states, step) "
+                        "into DIR, atomically; always one at the last step")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", default=None,
+                   help="also checkpoint every N steps")
+    p.add_argument("--checkpoint-keep", type=int, metavar="K", default=None,
+                   help="keep only the newest K checkpoints (default: all)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir "
+                        "(from step 0 if there is none)")
+    p.add_argument("--check-replicas", type=int, metavar="N", default=None,
+                   help="every N steps, hash the parameters on every rank and stop, naming "
+                        "the ranks, if the replicas diverged")
+
+
+def callbacks_from_args(args) -> list:
+    """The callbacks the flags ask for (replica check first: never save a diverged model).
+
+    Raises:
+        ValueError: a flag that needs ``--checkpoint-dir`` without it, or N/K below 1.
+    """
+    directory = getattr(args, "checkpoint_dir", None)
+    every = getattr(args, "checkpoint_every", None)
+    keep = getattr(args, "checkpoint_keep", None)
+    resume = getattr(args, "resume", False)
+    check = getattr(args, "check_replicas", None)
+    if directory is None:
+        given = [flag for flag, v in (("--checkpoint-every", every), ("--checkpoint-keep", keep),
+                                      ("--resume", resume or None)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need(s) --checkpoint-dir DIR")
+    callbacks: list = []
+    if check is not None:
+        callbacks.append(ReplicaCheck(check))
+    if directory is not None:
+        callbacks.append(Checkpointer(directory, every, resume=resume, keep=keep))
+    return callbacks
