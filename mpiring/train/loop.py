@@ -325,9 +325,9 @@ class TrainJob:
         if reducer is not None:
             reducer.close()
         if self._pg is not None:
-            import torch.distributed as dist
+            from .torch_pg import destroy_torch_process_group
 
-            dist.destroy_process_group()
+            destroy_torch_process_group(self.comm)
             self._pg = None
 
 
