@@ -367,20 +367,27 @@ def lookup(backend: str, size: int, hosts: Sequence[int], path: str | None = Non
 
 
 # --- agreeing on one table (collective) ------------------------------------------------
-def host_layout(be, local_rank: int, local_size: int) -> list[int]:
+def host_layout(mpi_comm, local_rank: int, local_size: int) -> list[int]:
     """Ranks per host, from every rank's (local_rank, local_size). Collective."""
-    info = be.exchange(np.array([local_rank, local_size], dtype=np.int64))
+    from .wire import allgather_array
+
+    info = allgather_array(mpi_comm, [local_rank, local_size])
     return [int(n) for lr, n in info if lr == 0]
 
 
 def shared_table(comm) -> AutoTable:
-    """Rank 0's table for ``comm``'s layout, on every rank. Collective: two small exchanges."""
-    be = comm._be
+    """Rank 0's table for ``comm``'s layout, on every rank.
+
+    Collective over ``comm``'s MPI communicator (the control plane of both
+    backends): one small allgather and one broadcast, without pickle.
+    """
+    from .wire import bcast_bytes
+
     if comm.size == 1:
         return lookup(comm.backend, 1, [1])
-    hosts = host_layout(be, comm.local_rank, comm.local_size)
-    data = b""
+    hosts = host_layout(comm.mpi_comm, comm.local_rank, comm.local_size)
+    data = None
     if comm.rank == 0:
         data = json.dumps(lookup(comm.backend, comm.size, hosts).to_json()).encode()
-    raw = be.exchange_bytes(data)[0]
+    raw = bcast_bytes(comm.mpi_comm, data, root=0)
     return AutoTable.from_json(json.loads(raw.decode()))
