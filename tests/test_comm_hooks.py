@@ -192,3 +192,18 @@ def test_ddp_with_hooks_equals_torch_ddp_with_torch_hooks(world, subcomms):
                                    msg=our_hook.__name__)
         ours.close()
     dist.barrier()
+
+
+def test_ring_bytes_and_make_hook_without_mpi():
+    # 10 float32 elements on 4 ranks: chunks 3, 3, 2, 2. ReduceScatter: all but
+    # your own chunk; AllGather: all but your right neighbour's.
+    assert [ch.ring_bytes_sent(10, 4, 4, r, ("rs",)) for r in range(4)] == [28, 28, 32, 32]
+    assert [ch.ring_bytes_sent(10, 4, 4, r, ("ag",)) for r in range(4)] == [28, 32, 32, 28]
+    assert ch.ring_bytes_sent(10, 4, 1, 0, ("rs", "ag")) == 0
+    state, hook = ch.make_hook("powersgd", rank=2, start_iter=5)
+    assert hook is ch.powerSGD_hook and state.matrix_approximation_rank == 2
+    assert ch.make_hook("none") == (None, None)
+    with pytest.raises(ValueError, match="unknown comm hook"):
+        ch.make_hook("int8")
+    with pytest.raises(ValueError, match="start_powerSGD_iter"):
+        ch.PowerSGDState(start_powerSGD_iter=1)
