@@ -33,6 +33,7 @@ S's checkpoint and renaming it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -106,8 +107,8 @@ def _crash_plan() -> tuple[str, int] | None:
     return kind, int(step)
 
 
-def _die(*_args, **_kwargs) -> None:
-    sys.stderr.write(f"[r0] {CRASH_ENV}: killing myself\n")
+def _die(step: int, *_args: Any) -> None:
+    sys.stderr.write(f"[r0] {CRASH_ENV}: killing myself at step {step} (t={time.time():.3f})\n")
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -165,7 +166,7 @@ class Checkpointer:
         if (self.every is not None and job.step % self.every == 0) or job.step == job.cfg.steps:
             self.save(job)
         if self.crash == ("after-step", job.step) and job.comm.rank == 0:
-            _die()
+            _die(job.step)
 
     # --- saving -----------------------------------------------------------------------
     def save(self, job) -> str:
@@ -201,7 +202,7 @@ class Checkpointer:
                 if self.crash == ("in-write", job.step):
                     # Dies after the temporary file is written and fsynced, before
                     # the rename: exactly the crash the atomic write must survive.
-                    with mock.patch.object(ck.os, "replace", _die):
+                    with mock.patch.object(ck.os, "replace", functools.partial(_die, job.step)):
                         ck.save_checkpoint(self.directory, state, keep=self.keep)
                 else:
                     ck.save_checkpoint(self.directory, state, keep=self.keep)
