@@ -11,6 +11,10 @@ Modes, each on the same model, data and ranks:
 * ``ps``: the parameter-server baseline (Reduce to rank 0, update, Broadcast);
 * ``torch-ddp``: PyTorch's DDP over gloo.
 
+All jobs are built first and then take turns, one step each, so that load
+from elsewhere on a shared machine hits every mode alike (the price: every
+job's model and optimizer state are in memory at once).
+
 A step is split into forward, backward compute, exposed communication (time
 the step waits for communication that did not hide behind compute), optimizer
 and the rest (batch, zero_grad)::
@@ -136,23 +140,17 @@ def _step_parts(job, sink: EventSink | None, compute_only: bool) -> dict[str, fl
     return parts
 
 
-def _measure(comm, job, cfg: DDPBenchConfig, compute_only: bool) -> dict[str, float]:
-    """Warm up, time ``cfg.steps`` steps; per part the median over steps of the mean over ranks
-    (the step time: median of the slowest rank)."""
+KEYS = ("step", "forward", "backward_call", "update", "other", "comm_total", "wait")
+
+
+def _summarise(comm, local: np.ndarray) -> dict[str, float]:
+    """Per part: the median over steps of the mean over ranks (the step: of the slowest rank)."""
     from ..wire import allgather_array
 
-    sink = None
-    if not compute_only and job.ps is None and hasattr(job.wrapped, "reducer"):
-        sink = EventSink(comm.rank)
-        comm.tracer = sink
-    for _ in range(cfg.warmup):
-        _step_parts(job, sink, compute_only)
-    keys = ("step", "forward", "backward_call", "update", "other", "comm_total", "wait")
-    local = np.array([[_step_parts(job, sink, compute_only)[k] for k in keys]
-                      for _ in range(cfg.steps)], dtype=np.float64)
-    table = allgather_array(comm, local.reshape(-1)).reshape(comm.size, cfg.steps, len(keys))
+    steps = local.shape[0]
+    table = allgather_array(comm, local.reshape(-1)).reshape(comm.size, steps, len(KEYS))
     out = {}
-    for j, k in enumerate(keys):
+    for j, k in enumerate(KEYS):
         col = table[:, :, j]
         per_step = col.max(axis=0) if k == "step" else col.mean(axis=0)
         out[k] = float(np.median(per_step)) if np.isfinite(per_step).all() else float("nan")
@@ -196,23 +194,40 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
     if "compute" in [m for m, _ in plan]:  # the lower bound first: torch-ddp's split needs it
         plan.sort(key=lambda p: p[0] != "compute")
     plan += [("ddp", b) for b in cfg.bucket_sweep if b != cfg.bucket_mb or "ddp" not in cfg.modes]
-    rows: list[dict[str, Any]] = []
-    compute: dict[str, float] | None = None
+    # Every job is built first and the jobs then take turns, one step each, so
+    # that load from elsewhere on a shared machine hits every mode alike.
     quiet = comm.tracer
-    for mode, bucket in plan:
-        if progress:
-            progress.show(f"{mode} bucket {bucket:g} MiB")
-        job = TrainJob(comm, _train_config(cfg, "naive" if mode == "compute" else mode, bucket),
-                       train_data=train, val_data=val)
-        if mode == "compute":
-            job.wrapped.close()  # no hooks, no thread: the bare model and its optimizer
-        try:
-            raw = _measure(comm, job, cfg, compute_only=(mode == "compute"))
-        finally:
-            comm.tracer = quiet
+    sink = EventSink(comm.rank)
+    jobs = []
+    try:
+        for mode, bucket in plan:
+            if progress:
+                progress.show(f"building {mode} bucket {bucket:g} MiB")
+            job = TrainJob(comm, _train_config(cfg, "naive" if mode == "compute" else mode, bucket),
+                           train_data=train, val_data=val)
+            if mode == "compute":
+                job.wrapped.close()  # no hooks, no thread: the bare model and its optimizer
+            jobs.append(job)
+        comm.tracer = sink  # the reducers write their bucket events here
+        local = np.zeros((len(jobs), cfg.steps, len(KEYS)))
+        for i in range(cfg.warmup + cfg.steps):
+            if progress:
+                progress.show(f"step {i + 1}/{cfg.warmup + cfg.steps} of every mode")
+            for j, ((mode, _), job) in enumerate(zip(plan, jobs)):
+                ours = mode in ("ddp", "naive")
+                parts = _step_parts(job, sink if ours else None, compute_only=(mode == "compute"))
+                if i >= cfg.warmup:
+                    local[j, i - cfg.warmup] = [parts[k] for k in KEYS]
+            if progress:
+                progress.update(f"step {i + 1}/{cfg.warmup + cfg.steps} of every mode")
+    finally:
+        comm.tracer = quiet
+        for job in jobs:
             job.close()
-        if mode == "compute":
-            compute = raw
+    raws = [_summarise(comm, local[j]) for j in range(len(jobs))]
+    compute = next((raw for (mode, _), raw in zip(plan, raws) if mode == "compute"), None)
+    rows: list[dict[str, Any]] = []
+    for (mode, bucket), job, raw in zip(plan, jobs, raws):
         parts = _split(mode, raw, compute)
         comm_total = raw["comm_total"] if np.isfinite(raw["comm_total"]) else None
         overlap = None
@@ -230,8 +245,6 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
             "comm_total_ms": comm_total * 1e3 if comm_total else None,
             "overlap": overlap,
         })
-        if progress:
-            progress.update(f"{mode} bucket {bucket:g} MiB")
     base = next((r["step_ms"] for r in rows if r["mode"] == "compute"), None)
     for r in rows:
         r["vs_compute"] = r["step_ms"] / base if base else None

@@ -84,7 +84,7 @@ def _run(args) -> int:
         print(f"# mpiring bench-ddp, {now}: {comm.size} rank(s); command: mpiexec -n "
               f"{comm.size} python -m mpiring bench-ddp {' '.join(sys.argv[2:])}".rstrip())
     on = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    bar = Progress(len(cfg.modes) + len(cfg.bucket_sweep), enabled=on and comm.rank == 0)
+    bar = Progress(cfg.warmup + cfg.steps, enabled=on and comm.rank == 0)
     try:
         rows = run_ddp_bench(comm, cfg, progress=bar)
     finally:
