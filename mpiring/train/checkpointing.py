@@ -278,6 +278,10 @@ class Checkpointer:
         if changed:
             notes.append("flags differ from the checkpoint's run (" + ", ".join(changed)
                          + "): the result will differ from an uninterrupted run")
+        if job.cfg.comm_hook in ("topk", "powersgd"):
+            notes.append(f"the {job.cfg.comm_hook} hook's error feedback and step count are not "
+                         "in checkpoints: they start afresh, so the result will differ from an "
+                         "uninterrupted run")
         rank = job.comm.rank
         js = dict(extra.get("job") or {})
         js.update(model=state["model"], optimizer=state["optimizer"], step=state["step"],
