@@ -34,6 +34,17 @@ Gradient averaging. Each rank divides its gradient by K *before* the sum
 of K gradients can overflow where the sum of K values divided by K cannot. For
 K a power of two the division is exact, so this is bit-for-bit the mean.
 
+With DDP (``ddp=``). Stage 2 registers a comm hook on the DDP model: each
+bucket is reduce-scattered on the reducer's communication thread as soon as
+backward fills it, overlapped with the rest of backward, and the segments are
+the DDP buckets, so chunk r of each bucket is rank r's shard; ``step()`` then
+reads its slices of ``p.grad`` in place and only updates and all-gathers. DDP
+rebuilds its buckets after its first synced backward, so that one backward is
+all-reduced and the first step lays the shards out like the rebuilt buckets.
+Stage 1 leaves DDP's AllReduce alone and takes the means from ``p.grad``.
+``no_sync()`` accumulates locally as with DDP; a step with no synced backward
+since the last one raises instead of updating with unreduced gradients.
+
 State dicts. ``consolidate_state_dict(to=0)`` (on every rank) assembles the
 sharded state on rank ``to``, with the ring AllGather of every state tensor;
 ``state_dict()`` there returns it in the format of an unsharded optimizer
