@@ -265,10 +265,11 @@ def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
     of small messages swung by 3x with the load): the library's own collective
     up to the size where the segmented ring won in every run, the segmented ring
     above (there MPICH's Allreduce allocates and faults in a temporary buffer
-    per call and loses 2-6x). Recursive doubling and halving-doubling won the
-    small and middle sizes only while the machine was loaded, so only a
-    ``tune`` on your machine puts them in. Other layouts: the same rule with
-    16 MiB. NCCL: its own collectives (the ring there exists to be read).
+    per call and loses 2-6x); with 2 ranks halving-doubling in between.
+    Recursive doubling won small sizes only while the machine was loaded, so
+    only a ``tune`` on your machine puts it in. Other layouts: the library's
+    own up to 16 MiB. NCCL: its own collectives (the ring there exists to be
+    read).
     """
     key = f"builtin {layout_key(backend, size, hosts)}"
     if backend != "mpi":
@@ -278,9 +279,10 @@ def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
     if size <= 1:
         ring = {c: _d((INF, "ring")) for c in CANDIDATES}
         return AutoTable(key, ring, dict(ring))
-    upto = _BUILTIN.get(size if len(hosts) == 1 else 0, _BUILTIN[0])
+    all_reduce = _BUILTIN.get(size if len(hosts) == 1 else 0, _BUILTIN[0])
+    upto = all_reduce[0][0]
     best = {
-        "all_reduce": _d((upto, "native"), (INF, "ring-seg")),
+        "all_reduce": Decision(list(all_reduce)),
         "reduce_scatter": _d((min(upto, 512 << 10), "native"), (INF, "ring-seg")),
         "all_gather": _d((min(upto, 512 << 10), "native"), (INF, "ring-seg")),
     }
@@ -292,9 +294,15 @@ def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
     return AutoTable(key, best, own)
 
 
-# Largest all_reduce (bytes) left to the library per world size on one host;
-# 0: any other layout.
-_BUILTIN: dict[int, int] = {2: 16 << 20, 3: 4 << 20, 4: 4 << 20, 0: 16 << 20}
+# all_reduce per world size on one host (0: any other layout). With 2 ranks
+# halving-doubling (there: one exchange of halves, one add, one exchange back,
+# each a single Sendrecv) beat both MPICH and the rings from 1 to 16 MiB.
+_BUILTIN: dict[int, tuple[tuple[int | None, str], ...]] = {
+    2: ((512 << 10, "native"), (16 << 20, "halving-doubling"), (INF, "ring-seg")),
+    3: ((512 << 10, "native"), (INF, "ring-seg")),
+    4: ((4 << 20, "native"), (INF, "ring-seg")),
+    0: ((16 << 20, "native"), (INF, "ring-seg")),
+}
 
 
 # --- layout, cache file -----------------------------------------------------------

@@ -121,31 +121,42 @@ def _ring_stream(be, x, op, trace, first: int, stop: int, segment_bytes: int,
     tracing = trace.enabled
     t_step = t_wait = 0.0
 
-    def post_recv(m: int) -> None:
+    posted = 0  # receives are posted strictly in message order (one tag, no overtaking)
+
+    def post_until(stop: int, now: bool = False) -> None:
+        nonlocal posted
+        while posted < stop and post_recv(posted, now):
+            posted += 1
+
+    def post_recv(m: int, now: bool) -> bool:
         t, j = divmod(m, nseg)
         t += first
         a, b = seg[(rank - t - 2) % size][j]
         if t < rs_steps:  # ReduceScatter: into a scratch slot, added afterwards
             recvs[m] = be.irecv(slots[m % window][:b - a], left)
-            return
+            return True
         prev = m - rs_steps * nseg  # our Isend that read this region one lap earlier
-        if prev >= 0:
+        if prev >= 0 and sends[prev] is not None:
+            if not now and not sends[prev].Test():
+                return False  # post it when it is waited for, not stall on it ahead of time
             be.wait_send(sends[prev], right)
             sends[prev] = None
         recvs[m] = be.irecv(x[a:b], left)  # AllGather: straight into place
+        return True
 
     c = (rank - first - 1) % size  # the first step sends our own chunk
     for j in range(nseg):
         a, b = seg[c][j]
         sends[j] = be.isend(x[a:b], right)
-    for m in range(min(window, total)):
-        post_recv(m)
+    post_until(min(window, total))
     for m in range(total):
         t, j = divmod(m, nseg)
         t += first
         if tracing and j == 0:
             t_step, t_wait = clock(), 0.0
         t0 = clock() if tracing else 0.0
+        if posted <= m:  # an AllGather receive that post_recv deferred
+            post_until(m + 1, now=True)
         be.wait(recvs[m])
         recvs[m] = None
         if tracing:
@@ -157,8 +168,7 @@ def _ring_stream(be, x, op, trace, first: int, stop: int, segment_bytes: int,
                 finish(op, x[a:b], size)
         if t + 1 < stop:  # what we just received is what we send at the next step
             sends[m + nseg] = be.isend(x[a:b], right)
-        if m + window < total:
-            post_recv(m + window)
+        post_until(min(m + window + 1, total))
         if j == nseg - 1:
             _record(trace, tracing, rank, size, left, right, t, seg, x.itemsize,
                     t_step, t_wait)
