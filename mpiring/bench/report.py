@@ -204,7 +204,7 @@ def plot_busbw(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> No
         ax.set_xscale("log", base=2)
         ticks = sorted({r["bytes"] for r in sub if r["bytes"] > 0})
         if ticks:
-            step = max(1, len(ticks) // 8)
+            step = -(-len(ticks) // 8)  # at most 8 labels
             ax.set_xticks(ticks[::step], [_size_label(t) for t in ticks[::step]])
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
