@@ -12,6 +12,8 @@ ranks and M (or N) bytes per rank the lecture's formulas are:
     naive ring Broadcast     (K-1) (alpha + N/beta)
     pipelined Broadcast    (K-2+S) (alpha + N/(S beta))       S chunks
     parameter server        2(K-1) (alpha + M/beta)           push + pull at the server
+    recursive doubling      log2 K (alpha + M/beta)           (K a power of two)
+    halving-doubling        2 log2 K alpha + 2(K-1)/K M/beta   (K a power of two)
 
 The ring Reduce is the Broadcast run backwards and costs the same. The parameter
 server's cost is set by its own link: in the push it receives a full M from each
@@ -156,6 +158,35 @@ def parameter_server(m: float, k: int, ab: AlphaBeta) -> float:
     return 0.0 if k <= 1 else 2 * (k - 1) * ab.time(m)
 
 
+def _pow2_below(k: int) -> int:
+    return 1 << (k.bit_length() - 1)
+
+
+def recursive_doubling_all_reduce(m: float, k: int, ab: AlphaBeta) -> float:
+    """(log2 p + 2[K != p])(alpha + M/beta), p the largest power of two <= K.
+
+    Whole buffers swapped at distance 1, 2, 4...; a fold into and an unfold out
+    of the power-of-two group when K is not one (``collectives/recursive_doubling.py``).
+    """
+    if k <= 1:
+        return 0.0
+    p = _pow2_below(k)
+    return (p.bit_length() - 1 + (2 if k != p else 0)) * ab.time(m)
+
+
+def halving_doubling_all_reduce(m: float, k: int, ab: AlphaBeta) -> float:
+    """2 log2(p) alpha + 2(p-1)/p M/beta (+ 2(alpha + M/beta) when K is not a power of two).
+
+    Rabenseifner: ReduceScatter by recursive halving, AllGather by recursive
+    doubling: the ring's bytes in 2 log2 K steps (``collectives/halving_doubling.py``).
+    """
+    if k <= 1:
+        return 0.0
+    p = _pow2_below(k)
+    t = 2 * (p.bit_length() - 1) * ab.alpha + 2 * (p - 1) / p * m / ab.beta
+    return t + (2 * ab.time(m) if k != p else 0.0)
+
+
 def best_chunks(n: float, k: int, ab: AlphaBeta, max_chunks: int | None = None) -> int:
     """The S that minimises the pipelined Broadcast time: S* = sqrt((K-2)N/(alpha beta)).
 
@@ -181,15 +212,20 @@ def predict(collective: str, algo: str, nbytes: float, k: int, ab: AlphaBeta,
 
     Args:
         collective: all_reduce, reduce_scatter, all_gather, broadcast, reduce.
-        algo: "ring", "pipelined" (needs ``chunks``), or "ps" (all_reduce through
-            a parameter server). Other algorithms (native, gloo...) have no
-            formula here: their schedule is the library's own.
+        algo: "ring", "pipelined" (needs ``chunks``), "recursive-doubling",
+            "halving-doubling", or "ps" (all_reduce through a parameter server).
+            Other algorithms (native, gloo, auto, ring-seg...) have no formula
+            here: their schedule is the library's own or picked at run time.
         nbytes: the buffer size (M or N).
         k: ranks.
         chunks: S for "pipelined".
     """
     if algo == "ps" and collective == "all_reduce":
         return parameter_server(nbytes, k, ab)
+    if algo == "recursive-doubling" and collective == "all_reduce":
+        return recursive_doubling_all_reduce(nbytes, k, ab)
+    if algo == "halving-doubling" and collective == "all_reduce":
+        return halving_doubling_all_reduce(nbytes, k, ab)
     if algo == "ring":
         if collective == "all_reduce":
             return ring_all_reduce(nbytes, k, ab)

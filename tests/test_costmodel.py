@@ -83,6 +83,23 @@ def test_best_chunks_is_the_brute_force_optimum(k, n):
     assert cm.best_chunks(n, k, AB, max_chunks=2) <= 2
 
 
+def test_doubling_algorithms():
+    m = 1 << 20
+    assert cm.recursive_doubling_all_reduce(m, 4, AB) == pytest.approx(2 * (AB.alpha + m / AB.beta))
+    assert cm.recursive_doubling_all_reduce(m, 5, AB) == pytest.approx(4 * (AB.alpha + m / AB.beta))
+    assert cm.halving_doubling_all_reduce(m, 8, AB) == pytest.approx(
+        6 * AB.alpha + 2 * 7 / 8 * m / AB.beta)
+    assert cm.halving_doubling_all_reduce(m, 3, AB) == pytest.approx(
+        2 * AB.alpha + m / AB.beta + 2 * (AB.alpha + m / AB.beta))
+    assert cm.recursive_doubling_all_reduce(m, 1, AB) == cm.halving_doubling_all_reduce(m, 1, AB) == 0
+    # Few KiB: fewer latencies win; many MiB: the ring's bytes win.
+    small, big = 1024, 64 << 20
+    assert cm.recursive_doubling_all_reduce(small, 8, AB) < cm.ring_all_reduce(small, 8, AB)
+    assert cm.recursive_doubling_all_reduce(big, 8, AB) > cm.ring_all_reduce(big, 8, AB)
+    assert cm.predict("all_reduce", "halving-doubling", m, 4, AB) == \
+        cm.halving_doubling_all_reduce(m, 4, AB)
+
+
 def test_predict_dispatches_by_collective_and_algo():
     m, k = 1 << 20, 4
     assert cm.predict("all_reduce", "ring", m, k, AB) == cm.ring_all_reduce(m, k, AB)
