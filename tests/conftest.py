@@ -104,3 +104,19 @@ def data(rank: int, n: int, dtype, op: str = "sum", salt: int = 0) -> np.ndarray
     else:
         vals = (idx * 5 + rank * 3 + salt) % 7
     return vals.astype(np.float64).astype(dtype)
+
+
+OPS = ("sum", "avg", "max", "min", "prod")
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def np_dtype(name: str):
+    """The NumPy dtype for a canonical dtype name (ml_dtypes' for bfloat16)."""
+    from mpiring.buffers import BFLOAT16
+
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def sizes(k: int) -> list[int]:
+    """Element counts for K ranks: empty, fewer than K, one per rank, uneven, larger and uneven."""
+    return sorted({0, 1, max(k - 1, 0), k, 3 * k + 1, 1000 + k})

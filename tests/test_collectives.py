@@ -8,21 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import data
+from conftest import FLOATS, OPS, data, np_dtype, sizes
 
-from mpiring.buffers import BFLOAT16, DTYPES
-
-OPS = ("sum", "avg", "max", "min", "prod")
-FLOATS = ("float16", "bfloat16", "float32", "float64")
-
-
-def np_dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
-
-
-def sizes(k):
-    # empty, fewer elements than ranks, one per rank, uneven, larger and uneven
-    return sorted({0, 1, max(k - 1, 0), k, 3 * k + 1, 1000 + k})
+from mpiring.buffers import DTYPES
 
 
 def reference(comm, n, dtype, op, salt=0):

@@ -14,24 +14,12 @@ import os
 
 import numpy as np
 import pytest
-from conftest import data
+from conftest import FLOATS, OPS, data, np_dtype, sizes
 
 from mpiring import autotune
 from mpiring.buffers import BFLOAT16, DTYPES
 from mpiring.collectives import segmented_all_reduce
 from mpiring.trace import Tracer, read_trace
-
-OPS = ("sum", "avg", "max", "min", "prod")
-FLOATS = ("float16", "bfloat16", "float32", "float64")
-
-
-def np_dtype(name):
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
-
-
-def sizes(k):
-    # empty, fewer elements than ranks, uneven, larger and uneven
-    return sorted({0, 1, max(k - 1, 0), k, 3 * k + 1, 1000 + k})
 
 
 def reference(k, n, dtype, op):

@@ -69,6 +69,22 @@ def main(argv: list[str] | None = None) -> int:
         if MPI.COMM_WORLD.Get_rank() == 0:
             sys.stderr.write(f"python -m mpiring {args.command}: {exc}\n")
         return 2
+    except Exception:
+        # Any other failure must end every rank, not leave the others waiting in
+        # their next collective: print it with the rank, then abort the job.
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        if world.Get_size() == 1:
+            raise
+        import traceback
+
+        sys.stdout.flush()
+        sys.stderr.write(f"[r{world.Get_rank()}] python -m mpiring {args.command} failed:\n"
+                         f"{traceback.format_exc()}")
+        sys.stderr.flush()
+        world.Abort(1)
+        return 1
 
 
 if __name__ == "__main__":

@@ -60,24 +60,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    try:
-        return _run(args)
-    except Exception:  # noqa: BLE001 - any failure must end every rank, not leave them waiting
-        if world.Get_size() == 1:
-            raise
-        import traceback
-
-        sys.stdout.flush()
-        sys.stderr.write(f"[r{world.Get_rank()}] bench failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        world.Abort(1)
-        return 1
-
-
-def _run(args) -> int:
+    # A failure on one rank aborts the whole job: see mpiring.cli.main.
     import datetime
 
     import mpiring
