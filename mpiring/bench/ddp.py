@@ -163,8 +163,11 @@ def _split(mode: str, m: dict[str, float], compute: dict[str, float] | None) -> 
     parts = {"forward": fwd, "optimizer": upd, "exposed": 0.0, "backward": bcall,
              "estimated": False}
     if mode in ("ddp", "naive") and np.isfinite(m["wait"]):
-        parts["exposed"] = m["wait"]
-        parts["backward"] = max(0.0, bcall - m["wait"])
+        # The wait happens inside loss.backward(), so it can be at most that call
+        # (both are means over ranks; clamping keeps forward + backward + exposed
+        # + optimizer + other equal to the step).
+        parts["exposed"] = min(m["wait"], bcall)
+        parts["backward"] = bcall - parts["exposed"]
     elif mode == "ps":
         parts["exposed"], parts["optimizer"] = upd, 0.0
     elif mode == "torch-ddp" and compute is not None:
