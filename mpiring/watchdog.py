@@ -308,6 +308,9 @@ def fire(act: Activity, text: str) -> None:
     except Exception:  # noqa: BLE001 - the report matters more than stdout
         pass
     os.write(2, text.encode(errors="replace"))
+    # Give the launcher a moment to forward the report: MPI_Abort makes it kill
+    # every process at once, and output still in its pipes can be lost.
+    time.sleep(0.5)
     backstop = threading.Timer(ABORT_GRACE, os._exit, args=(STALL_EXIT_CODE,))
     backstop.daemon = True
     backstop.start()
