@@ -50,3 +50,20 @@ def test_config_errors_name_the_fix():
         DDPBenchConfig(modes=("fast",)).validate()
     with pytest.raises(ValueError, match="positive"):
         DDPBenchConfig(bucket_sweep=(0,)).validate()
+
+
+@pytest.mark.deadline(120)
+def test_memory_setups_report_peak_rss_and_extra_copies(world):
+    from mpiring.bench.memory import SETUPS, format_memory_line, measure_setup, memory_table
+
+    rows = [measure_setup(world, s, preset="tiny", steps=2, max_data_mb=0.25)
+            for s in ("compute", "ddp", "ddp-view")]
+    for r, s in zip(rows, ("compute", "ddp", "ddp-view")):
+        assert r["setup"] == s and r["ranks"] == world.size
+        assert r["rss_peak"] >= r["rss_before"] > 0 and r["grad_bytes"] > 0
+        assert f"setup={s}" in format_memory_line(r)
+    table = memory_table(rows).splitlines()
+    assert len(table) == 2 + len(rows) and "| compute | " in table[2] and "+0.00 |" in table[2]
+    with pytest.raises(ValueError, match="use one of"):
+        measure_setup(world, "zero3")
+    assert "torch-ddp-view" in SETUPS

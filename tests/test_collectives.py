@@ -126,6 +126,27 @@ def test_avg_float_matches_native(comm):
     np.testing.assert_allclose(ring, native, rtol=1e-6)
 
 
+@pytest.mark.parametrize("idle", ("yield", "sleep"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "halving-doubling"))
+def test_polling_waits_give_the_same_result(comm, idle, algo):
+    """The MPI backend's polling waits (more ranks than cores; DDP's comm thread)."""
+    if comm.backend != "mpi":
+        pytest.skip("MPI backend only")
+    be = comm._be
+    saved, be.idle = be.idle, idle
+    try:
+        for n in (0, 3, 1000, 70001):
+            x = data(comm.rank, n, "float32", "sum", salt=n)
+            got = comm.all_reduce(x.copy(), op="sum", algo=algo)
+            want = comm.all_reduce(x.copy(), op="sum", algo="native")
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"n={n}")
+            y = np.full(n, comm.rank, dtype=np.int32)
+            comm.broadcast(y, root=comm.size - 1, algo="ring")
+            assert (y == comm.size - 1).all()
+    finally:
+        be.idle = saved
+
+
 @pytest.mark.deadline(120)
 @pytest.mark.slow
 def test_256_mib_all_reduce(world):

@@ -116,6 +116,32 @@ def test_gradients_equal_single_process_of_global_batch(comm, overlap, view):
     ddp.close()
 
 
+def test_comm_thread_sleeps_while_overlapping_and_drops_done_buckets(comm):
+    """The comm thread waits without taking the core from backward, and keeps no old bucket."""
+    import gc
+    import weakref
+
+    model = mlp(3)
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+    naive = DDP(mlp(3), comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, overlap=False)
+    try:
+        assert ddp.reducer._bucket_comm._be.idle == "sleep"
+        assert naive.reducer._bucket_comm._be.idle != "sleep"
+        X, Y = global_batch(comm.size, 0)
+        loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
+        old = [weakref.ref(b.flat) for b in ddp.reducer.buckets]
+        model.zero_grad(set_to_none=True)
+        out = ddp(shard(X, comm))  # the buckets are rebuilt before this forward
+        assert ddp.reducer.rebuilt
+        gc.collect()
+        alive = [r for r in old if r() is not None]
+        assert not alive, f"{len(alive)} bucket(s) of the first layout still alive"
+        loss_fn(out, shard(Y, comm)).backward()
+    finally:
+        ddp.close()
+        naive.close()
+
+
 def test_replicas_bit_identical_after_steps(comm):
     model = mlp(seed=comm.rank).float()  # different on every rank until wrapped
     ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)

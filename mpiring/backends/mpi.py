@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -31,17 +32,35 @@ def _bytes(a):
     return a.view(np.uint8)
 
 
-def _idle_wait(req) -> None:
+#: How a rank waits for a message (``MPIBackend.idle``):
+#: "spin": inside MPI's blocking calls (MPICH busy-polls: lowest latency);
+#: "yield": poll, and give the core away after each miss (more ranks than cores);
+#: "sleep": poll every ``SLEEP_S`` (a communication thread beside busy compute threads).
+IDLE_MODES = ("spin", "yield", "sleep")
+SLEEP_S = 5e-5
+
+
+def _idle_wait(req, idle: str) -> None:
     # MPICH spins inside MPI_Wait (yielding only every 1000 polls). With more
     # ranks than cores the spinning rank holds a core that the rank it waits for
-    # needs; polling and giving the core away at once lets that rank run.
-    while not req.Test():
-        os.sched_yield()
+    # needs; polling and giving the core away lets that rank run. A yield is not
+    # enough beside a compute thread of the same process: the scheduler hands the
+    # core straight back to the still-runnable poller, so that one sleeps.
+    if idle == "sleep":
+        while not req.Test():
+            time.sleep(SLEEP_S)
+    else:
+        while not req.Test():
+            os.sched_yield()
 
 
-def _idle_wait_all(reqs) -> None:
-    while not MPI.Request.Testall(reqs):
-        os.sched_yield()
+def _idle_wait_all(reqs, idle: str) -> None:
+    if idle == "sleep":
+        while not MPI.Request.Testall(reqs):
+            time.sleep(SLEEP_S)
+    else:
+        while not MPI.Request.Testall(reqs):
+            os.sched_yield()
 
 
 def _oversubscribed(local_size: int) -> bool:
@@ -71,9 +90,10 @@ class MPIBackend:
     """
 
     name = "mpi"
-    #: Wait by polling and yielding the core instead of spinning inside MPI; set
-    #: when this host has more ranks than cores (see ``local_rank``).
-    yield_when_idle = False
+    #: How to wait (see ``IDLE_MODES``): "yield" when this host has more ranks
+    #: than cores (set by ``local_rank``), else "spin"; the DDP reducer sets
+    #: "sleep" on its communication thread's communicator.
+    idle = "spin"
 
     def __init__(self, comm: MPI.Comm):
         self.comm = comm
@@ -94,8 +114,8 @@ class MPIBackend:
         act = self.activity
         act.blocked("Send", dst)
         try:
-            if self.yield_when_idle:
-                _idle_wait(self.comm.Isend(_bytes(buf), dest=dst, tag=TAG))
+            if self.idle != "spin":
+                _idle_wait(self.comm.Isend(_bytes(buf), dest=dst, tag=TAG), self.idle)
             else:
                 self.comm.Send(_bytes(buf), dest=dst, tag=TAG)
         finally:
@@ -105,7 +125,7 @@ class MPIBackend:
         act = self.activity
         act.blocked("Wait", act.recv_peer)
         try:
-            _idle_wait(req) if self.yield_when_idle else req.Wait()
+            _idle_wait(req, self.idle) if self.idle != "spin" else req.Wait()
         finally:
             act.since = 0.0
 
@@ -117,7 +137,7 @@ class MPIBackend:
         act = self.activity
         act.blocked("Wait(Isend)", dst)
         try:
-            _idle_wait(req) if self.yield_when_idle else req.Wait()
+            _idle_wait(req, self.idle) if self.idle != "spin" else req.Wait()
         finally:
             act.since = 0.0
 
@@ -125,7 +145,7 @@ class MPIBackend:
         act = self.activity
         act.blocked("Waitall(Isend)", dst)
         try:
-            _idle_wait_all(reqs) if self.yield_when_idle else MPI.Request.Waitall(reqs)
+            _idle_wait_all(reqs, self.idle) if self.idle != "spin" else MPI.Request.Waitall(reqs)
         finally:
             act.since = 0.0
 
@@ -133,9 +153,9 @@ class MPIBackend:
         act = self.activity
         act.blocked("Sendrecv", src)
         try:
-            if self.yield_when_idle:
+            if self.idle != "spin":
                 _idle_wait_all([self.comm.Irecv(_bytes(recvbuf), source=src, tag=TAG),
-                                self.comm.Isend(_bytes(sendbuf), dest=dst, tag=TAG)])
+                                self.comm.Isend(_bytes(sendbuf), dest=dst, tag=TAG)], self.idle)
             else:
                 self.comm.Sendrecv(_bytes(sendbuf), dst, TAG, _bytes(recvbuf), src, TAG)
         finally:
@@ -245,7 +265,7 @@ class MPIBackend:
             local = node.Get_rank(), node.Get_size()
         finally:
             node.Free()
-        self.yield_when_idle = _oversubscribed(local[1])
+        self.idle = "yield" if _oversubscribed(local[1]) else "spin"
         return local
 
     def abort(self, code: int = 1) -> None:

@@ -81,6 +81,7 @@ class DDPBenchConfig:
     bucket_mb: float = 25.0
     bucket_sweep: Sequence[float] = ()
     algo: str = "ring"
+    grad_as_bucket_view: bool = False
     max_data_mb: float = 2.0
     notes: list[str] = field(default_factory=list)
 
@@ -101,7 +102,7 @@ def _train_config(cfg: DDPBenchConfig, mode: str, bucket_mb: float):
     return TrainConfig(mode=mode, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        preset=cfg.preset, bucket_mb=bucket_mb,
                        first_bucket_mb=min(1.0, bucket_mb), algo=cfg.algo,
-                       max_data_mb=cfg.max_data_mb)
+                       grad_as_bucket_view=cfg.grad_as_bucket_view, max_data_mb=cfg.max_data_mb)
 
 
 def _step_parts(job, sink: EventSink | None, compute_only: bool) -> dict[str, float]:
@@ -242,6 +243,7 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
             "ranks": comm.size, "preset": cfg.preset, "params": n_params,
             "grad_bytes": n_params * 4, "batch": cfg.batch_size, "seq_len": job.model_cfg.seq_len,
             "steps": cfg.steps, "warmup": cfg.warmup, "algo": cfg.algo,
+            "grad_as_bucket_view": cfg.grad_as_bucket_view,
             "step_ms": raw["step"] * 1e3,
             **{f"{p}_ms": parts[p] * 1e3 for p in PARTS},
             "exposed_estimated": parts["estimated"],
@@ -273,7 +275,8 @@ def format_ddp_table(rows: list[dict[str, Any]]) -> str:
     r0 = rows[0]
     out = [f"# DDP step: GPT preset {r0['preset']} ({r0['params'] / 1e6:.1f}M parameters, "
            f"{r0['grad_bytes'] / 1e6:.1f} MB of float32 gradients), {r0['ranks']} ranks x "
-           f"{r0['batch']} windows x {r0['seq_len']} tokens, bucket AllReduce algo {r0['algo']}",
+           f"{r0['batch']} windows x {r0['seq_len']} tokens, bucket AllReduce algo {r0['algo']}"
+           + (", .grad views into the buckets" if r0.get("grad_as_bucket_view") else ""),
            f"# median over {r0['steps']} steps ({r0['warmup']} warm-up) of the mean over ranks "
            "(step: of the slowest rank); ~ = estimated (see mpiring/bench/ddp.py)",
            "# exposed = communication the step waits for; comm = sum of the bucket AllReduce "

@@ -22,6 +22,8 @@ def _floats(text: str) -> list[float]:
 
 
 def add_arguments(p) -> None:
+    from ..comm import ALGOS
+
     p.add_argument("--preset", default="comm",
                    help="GPT preset: comm (d=512, 4 layers, 64 tokens, 12.8M params; default), "
                         "small, tiny")
@@ -34,9 +36,17 @@ def add_arguments(p) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (default 25)")
     p.add_argument("--bucket-sweep", type=_floats, default=[],
                    help="also run ddp with these bucket caps in MiB, e.g. 1,4,16,64")
-    p.add_argument("--algo", choices=("ring", "native"), default="ring",
-                   help="bucket AllReduce: the project's ring (default) or the library's own")
+    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
+                   help="bucket AllReduce: the lecture's ring (default), another of mpiring's "
+                        "algorithms (auto, ring-seg, ...), or native (the MPI library's own)")
+    p.add_argument("--grad-as-bucket-view", action="store_true",
+                   help="each .grad a view into its bucket (ddp, naive and torch-ddp alike)")
     p.add_argument("--max-data-mb", type=float, default=2.0, help="corpus size (default 2)")
+    p.add_argument("--memory", metavar="SETUP", default=None,
+                   choices=("compute", "ddp", "ddp-view", "torch-ddp", "torch-ddp-view"),
+                   help="instead of timing: train --steps steps in this one setup and report "
+                        "peak RSS (one setup per launch; scripts/ddp_memory.sh runs them all; "
+                        "--json appends the line)")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PNG", help="step-time bars, one per mode and bucket size")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
@@ -59,9 +69,12 @@ def run(args) -> int:
                          steps=args.steps, warmup=args.warmup,
                          modes=[m.strip() for m in args.modes.split(",") if m.strip()],
                          bucket_mb=args.bucket_mb, bucket_sweep=args.bucket_sweep,
-                         algo=args.algo, max_data_mb=args.max_data_mb)
+                         algo=args.algo, max_data_mb=args.max_data_mb,
+                         grad_as_bucket_view=args.grad_as_bucket_view)
     cfg.validate()
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
+    if args.memory:
+        return _memory(comm, args)
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     if comm.rank == 0:
         print(f"# mpiring bench-ddp, {now}: {comm.size} rank(s); command: mpiexec -n "
@@ -83,4 +96,24 @@ def run(args) -> int:
         if args.plot:
             plot_ddp(rows, args.plot, title=f"mpiring bench-ddp, {now}, {comm.size} ranks, "
                                             f"preset {cfg.preset}")
+    return 0
+
+
+def _memory(comm, args) -> int:
+    import json
+
+    from mpiring.bench.memory import format_memory_line, measure_setup
+    from mpiring.wire import allgather_json
+
+    row = measure_setup(comm, args.memory, preset=args.preset, batch_size=args.batch_size,
+                        steps=args.steps, bucket_mb=args.bucket_mb, algo=args.algo,
+                        max_data_mb=args.max_data_mb)
+    rows = allgather_json(comm, row) if comm.size > 1 else [row]
+    if comm.rank == 0:
+        worst = max(rows, key=lambda r: r["growth"])
+        row = {**worst, "rss_peak": max(r["rss_peak"] for r in rows)}
+        print(format_memory_line(row), flush=True)
+        if args.json:
+            with open(args.json, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
     return 0

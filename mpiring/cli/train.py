@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
                    help="bucket AllReduce: the lecture's ring (default), another of mpiring's "
                         "algorithms, or native (the MPI library's own)")
+    p.add_argument("--grad-as-bucket-view", action="store_true",
+                   help="make each .grad a view into its DDP bucket: no copy back after the "
+                        "AllReduce, one gradient copy less memory (ddp, naive, torch-ddp)")
     p.add_argument("--max-data-mb", type=float, default=4.0,
                    help="read at most this much standard-library source (default 4)")
     p.add_argument("--val-batches", type=int, default=4, help="validation batches per rank (default 4)")
@@ -71,6 +74,7 @@ def config_from_args(args):
         lr=args.lr, seed=args.seed, preset=args.preset, d_model=args.d_model,
         n_layers=args.layers, n_heads=args.heads, dropout=args.dropout, bucket_mb=args.bucket_mb,
         first_bucket_mb=args.first_bucket_mb, algo=args.algo, max_data_mb=args.max_data_mb,
+        grad_as_bucket_view=args.grad_as_bucket_view,
         val_batches=args.val_batches, log_every=args.log_every,
         optimizer=args.optimizer, comm_hook=args.comm_hook, topk_ratio=args.topk_ratio,
         powersgd_rank=args.powersgd_rank, hook_start=args.hook_start)

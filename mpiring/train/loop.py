@@ -55,6 +55,7 @@ class TrainConfig:
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     algo: str = "ring"            # bucket AllReduce: ring or native
+    grad_as_bucket_view: bool = False  # .grad a view into the bucket (ddp, naive, torch-ddp)
     max_data_mb: float = 4.0
     val_batches: int = 4
     log_every: int = 10
@@ -182,7 +183,8 @@ class TrainJob:
 
             wrapped = DistributedDataParallel(
                 self.model, self.comm, bucket_cap_mb=cfg.bucket_mb,
-                first_bucket_mb=cfg.first_bucket_mb, overlap=(mode == "ddp"), algo=cfg.algo)
+                first_bucket_mb=cfg.first_bucket_mb, overlap=(mode == "ddp"), algo=cfg.algo,
+                gradient_as_bucket_view=cfg.grad_as_bucket_view)
             self._register_comm_hook(wrapped)
             self.optimizer = self._make_optimizer(self.model.parameters(), ddp=wrapped)
             return wrapped
@@ -200,6 +202,7 @@ class TrainJob:
         # torch DDP takes rank 0's parameters at construction, like ours.
         wrapped = torch.nn.parallel.DistributedDataParallel(
             self.model, bucket_cap_mb=self.cfg.bucket_mb, process_group=self._pg,
+            gradient_as_bucket_view=self.cfg.grad_as_bucket_view,
             device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = self._make_optimizer(self.model.parameters())
         return wrapped
