@@ -67,6 +67,8 @@ class Communicator:
 
     _plan = None  # what the current collective does with a GPU buffer (mpiring.cuda)
     _auto = None  # algo="auto"'s decision table, agreed at the first auto call (autotune)
+    _auto_seen_table = None  # the table _auto_seen belongs to
+    _auto_seen: dict  # (collective, bytes, dtype, op) -> the algo auto chose from it
 
     def __init__(self, be, tracer: Tracer | None = None, *, check: bool | None = None,
                  timeout: float | str | None = None):
@@ -334,13 +336,21 @@ class Communicator:
         (two small exchanges, see ``mpiring.autotune``); every rank then looks up
         the same (collective, bytes) in the same table, so all choose alike.
         """
-        algo = self._tuned().choose(collective, buf.nbytes)
-        if algo == "native":
-            try:  # e.g. MPI cannot reduce bfloat16: the best of mpiring's own instead
-                self._be.check_native(collective, buf.dtype,
-                                      op if collective in REDUCING else None)
-            except (TypeError, ValueError):
-                algo = self._auto.choose(collective, buf.nbytes, native_ok=False)
+        table = self._auto or self._tuned()
+        if self._auto_seen_table is not table:  # a new (or refitted) table: forget
+            self._auto_seen_table, self._auto_seen = table, {}
+        key = (collective, buf.array.nbytes, buf.dtype, op)
+        algo = self._auto_seen.get(key)
+        if algo is None:  # not seen before; a training loop repeats its sizes
+            algo = table.choose(collective, buf.nbytes)
+            if algo == "native":
+                try:  # e.g. MPI cannot reduce bfloat16: the best of mpiring's own instead
+                    self._be.check_native(collective, buf.dtype,
+                                          op if collective in REDUCING else None)
+                except (TypeError, ValueError):
+                    algo = table.choose(collective, buf.nbytes, native_ok=False)
+            if len(self._auto_seen) < 4096:
+                self._auto_seen[key] = algo
         self._act.algo = algo  # the stall report names the algorithm that runs
         return algo
 

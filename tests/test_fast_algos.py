@@ -165,6 +165,27 @@ def test_auto_bfloat16_never_picks_native(comm):
     np.testing.assert_array_equal(x, reference(comm.size, 50, "bfloat16", "sum"))
 
 
+def test_auto_remembers_each_choice_until_the_table_changes(comm):
+    from mpiring import Communicator
+
+    def table(algo):
+        d = {"all_reduce": autotune.Decision([(None, algo)])}
+        return autotune.AutoTable(algo, d, d)
+
+    fresh = Communicator(comm._be, comm.tracer)
+    fresh._auto = table("native")
+    for algo in ("native", "native", "ring-seg", "ring-seg"):
+        if fresh._auto.key != algo:
+            fresh._auto = table(algo)  # a refit: the remembered choices are forgotten
+        x = data(comm.rank, 50, "float32")
+        fresh.all_reduce(x)
+        assert fresh._act.algo == algo
+        np.testing.assert_array_equal(x, reference(comm.size, 50, "float32", "sum"))
+        assert fresh._auto_seen[("all_reduce", 200, "float32", "sum")] == algo
+    fresh.all_reduce(data(comm.rank, 50, BFLOAT16))  # another key: native cannot, so ring-seg
+    assert len(fresh._auto_seen) == 2
+
+
 def test_fit_decision_picks_crossovers_and_keeps_native_within_margin():
     sizes = [8, 64, 512, 4096, 32768]
     times = {
