@@ -65,11 +65,12 @@ def ring_position(rank: int, root: int, size: int) -> int:
 
 
 #: Per-message latency (s) and bandwidth (B/s) of a pipelined ring step, fitted on
-#: a 2-core development machine with 3 and 4 ranks (``python -m mpiring tune``
-#: refits them per layout). The latency is large because ranks share cores: a
-#: chunk handed on waits until the next rank is scheduled.
-PIPELINE_ALPHA = 1.7e-3
-PIPELINE_BETA = 3.2e9
+#: a 2-core development machine with 3 and 4 ranks to the streamed pipeline
+#: (``python -m mpiring tune -c broadcast`` refits them per layout: alpha 97 and
+#: 122 us, beta 6.8 and 7.1 GB/s). The latency is large because ranks share
+#: cores: a chunk handed on waits until the next rank is scheduled.
+PIPELINE_ALPHA = 1.1e-4
+PIPELINE_BETA = 7.0e9
 
 
 def default_pipeline_chunks(nbytes: int, size: int, alpha: float = PIPELINE_ALPHA,

@@ -126,6 +126,21 @@ def test_avg_float_matches_native(comm):
     np.testing.assert_allclose(ring, native, rtol=1e-6)
 
 
+@pytest.mark.parametrize("stream", (False, True), ids=["lecture-loop", "streamed"])
+def test_pipelined_broadcast_loop_and_streamed_agree(comm, stream):
+    """Both forms of the pipeline: every chunk count, every root, sizes around the chunk count."""
+    from mpiring.collectives import pipelined_broadcast
+
+    for root in range(comm.size):
+        for n in (0, 1, 5, 1000):
+            for chunks in (1, 2, 3, 7, 64):
+                src = data(root, n, "float32", "sum", salt=chunks)
+                x = src.copy() if comm.rank == root else np.full(n, -1, dtype=np.float32)
+                pipelined_broadcast(comm._be, x, root, chunks,
+                                    comm.tracer.call("broadcast", 0, "t"), stream=stream)
+                np.testing.assert_array_equal(x, src, err_msg=f"root={root} n={n} S={chunks}")
+
+
 @pytest.mark.parametrize("idle", ("yield", "sleep"))
 @pytest.mark.parametrize("algo", ("ring", "ring-seg", "halving-doubling"))
 def test_polling_waits_give_the_same_result(comm, idle, algo):

@@ -75,6 +75,16 @@ def _oversubscribed(local_size: int) -> bool:
     return local_size > cores
 
 
+def _idle_mode(local_size: int) -> str:
+    """How this rank waits: ``MPIRING_IDLE`` if set, else "yield" when oversubscribed."""
+    mode = os.environ.get("MPIRING_IDLE", "").strip().lower()
+    if mode:
+        if mode not in IDLE_MODES:
+            raise ValueError(f"MPIRING_IDLE={mode!r}: use one of {', '.join(IDLE_MODES)}")
+        return mode
+    return "yield" if _oversubscribed(local_size) else "spin"
+
+
 def _abort_world(code: int) -> None:
     # The whole job, not just this communicator: a stalled sub-communicator
     # must not leave the other ranks of the job waiting.
@@ -265,7 +275,7 @@ class MPIBackend:
             local = node.Get_rank(), node.Get_size()
         finally:
             node.Free()
-        self.idle = "yield" if _oversubscribed(local[1]) else "spin"
+        self.idle = _idle_mode(local[1])
         return local
 
     def abort(self, code: int = 1) -> None:

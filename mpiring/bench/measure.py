@@ -48,24 +48,37 @@ def time_iterations(mpi_comm: MPI.Comm, call: Callable[[], object], *, iters: in
                             iters=iters, warmup=warmup)[0]
 
 
+def batch_for(nbytes: int) -> int:
+    """Calls per timed sample: enough back-to-back calls of a small message (up to 64)
+    that the barrier's exit skew, a few microseconds, does not dominate the sample."""
+    return max(1, min(64, (256 << 10) // max(nbytes, 1)))
+
+
 def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],
                      resets: Sequence[Callable[[], object]], *, iters: int,
-                     warmup: int) -> np.ndarray:
+                     warmup: int, batch: int = 1) -> np.ndarray:
     """Like ``time_iterations`` for several calls at once, taking turns.
 
-    Iteration i times ``calls[0]``, ``calls[1]``, ... one after the other, so
-    that a burst of load from outside hits every call alike and their ratios
-    stay meaningful on a shared machine. Returns an array (calls, iters) of the
-    slowest rank's times.
+    Iteration i times every call once, one after the other, starting with
+    ``calls[i mod n]``, so that a burst of load from outside hits every call
+    alike and their ratios stay meaningful on a shared machine. Each sample is ``batch`` calls back to
+    back (as nccl-tests and the OSU benchmarks time small messages), divided by
+    ``batch``; the buffers are reset before each sample only. Returns an array
+    (calls, iters) of the slowest rank's times per call.
     """
     local = np.zeros((len(calls), max(iters, 0)), dtype=np.float64)
+    n = len(calls)
     for i in range(warmup + iters):
-        for j, (call, reset) in enumerate(zip(calls, resets)):
+        # Each iteration starts one call further on, so that no call always runs
+        # first (or always right after the same other one).
+        for j in [(i + m) % n for m in range(n)]:
+            call, reset = calls[j], resets[j]
             reset()
             mpi_comm.Barrier()
             t0 = clock()
-            call()
-            dt = clock() - t0
+            for _ in range(batch):
+                call()
+            dt = (clock() - t0) / batch
             if i >= warmup:
                 local[j, i - warmup] = dt
     slowest = np.empty_like(local)

@@ -29,7 +29,7 @@ from ..chunking import chunk_bounds, default_pipeline_chunks
 from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, predict, prediction_error
 from ..ops import finish, reducer
 from ..wire import allreduce_scalar
-from .measure import time_interleaved
+from .measure import batch_for, time_interleaved
 from .report import make_row
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -304,15 +304,16 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
             if progress:
                 progress.show(f"{coll} {count * dtype.itemsize} B: timing "
                               f"{', '.join(a for a, _, _ in checked)}")
+            nbytes = count * dtype.itemsize
             times = time_interleaved(mpi, [c.call for _, c, _ in checked],
                                      [c.reset for _, c, _ in checked],
-                                     iters=cfg.iters, warmup=cfg.warmup)
-            nbytes = count * dtype.itemsize
+                                     iters=cfg.iters, warmup=cfg.warmup, batch=batch_for(nbytes))
             for (algo, case, wrong), t in zip(checked, times):
                 seconds = float(np.median(t)) if t.size else 0.0
                 extras: dict[str, Any] = {
                     "count": count, "op": cfg.op if coll in REDUCING else None,
                     "root": cfg.root if coll in ROOTED else None, "iters": cfg.iters,
+                    "batch": batch_for(nbytes),
                     "warmup": cfg.warmup, "chunks": case.chunks,
                     "time_min_us": float(t.min()) * 1e6 if t.size else 0.0,
                 }

@@ -180,8 +180,9 @@ def _print_tables(rows, cfg, k, out, bound, ab) -> None:
         if not sub:
             continue
         b = membw_busbw_bound(coll, k, bound)
-        notes = [f"time: median over {cfg.iters} iterations of the slowest rank "
-                 f"({cfg.warmup} warm-up); busbw = algbw * {report.BUSBW_FORMULA[coll]}",
+        notes = [f"time: median over {cfg.iters} samples of the slowest rank "
+                 f"({cfg.warmup} warm-up); below 256 KiB a sample is min(64, 256 KiB / size) "
+                 f"calls back to back; busbw = algbw * {report.BUSBW_FORMULA[coll]}",
                  "x native: busbw / native's busbw at the same size; "
                  "#wrong: elements that differ from native's result, all ranks"]
         if b:
