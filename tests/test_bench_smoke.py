@@ -116,3 +116,19 @@ def test_wrong_counts_every_bad_element_on_every_rank(world):
                       iters=1, warmup=0)
     rows = run_sweep(_Corrupting(world), cfg)
     assert {r["algo"]: r["wrong"] for r in rows} == {"native": 0, "ring": 1}
+
+
+def test_time_interleaved_batches_and_rotates(world):
+    from mpiring.bench.measure import batch_for, time_interleaved
+
+    assert batch_for(8) == 64 and batch_for(64 << 10) == 4 and batch_for(256 << 10) == 1
+    assert batch_for(1 << 30) == 1 and batch_for(0) == 64
+    log: list[str] = []
+    calls = [lambda n=n: log.append(n) for n in "abc"]
+    resets = [lambda: log.append("|")] * 3
+    times = time_interleaved(world.mpi_comm, calls, resets, iters=4, warmup=1, batch=2)
+    assert times.shape == (3, 4) and (times >= 0).all()
+    samples = "".join(log).split("|")[1:]
+    assert all(len(s) == 2 and len(set(s)) == 1 for s in samples)  # one call, twice in a row
+    firsts = [samples[i * 3][0] for i in range(5)]
+    assert firsts == ["a", "b", "c", "a", "b"]  # each iteration starts one call further on

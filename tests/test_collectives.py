@@ -183,3 +183,18 @@ def test_receive_buffer_is_allocated_once_and_reused(comm):
     comm.all_reduce(x.copy())
     comm.all_reduce(x[: 1000].copy())
     assert {k: id(v) for k, v in comm._be._scratch.items()} == {k: id(v) for k, v in cached.items()}
+
+
+def test_idle_mode_from_the_environment(monkeypatch):
+    from mpiring.backends.mpi import _idle_mode
+
+    monkeypatch.setenv("MPIRING_IDLE", "sleep")
+    assert _idle_mode(1) == "sleep"
+    monkeypatch.setenv("MPIRING_IDLE", "nap")
+    with pytest.raises(ValueError, match="spin, yield, sleep"):
+        _idle_mode(1)
+    monkeypatch.delenv("MPIRING_IDLE")
+    monkeypatch.setenv("MPIRING_YIELD", "1")
+    assert _idle_mode(1) == "yield"
+    monkeypatch.setenv("MPIRING_YIELD", "0")
+    assert _idle_mode(10 ** 6) == "spin"
