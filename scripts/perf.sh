@@ -2,7 +2,7 @@
 # The README's Performance section, measured again on this machine (sets up .venv
 # on first use). Tables go to out/perf/*.txt (and JSON), pictures to docs/.
 #   scripts/perf.sh                 # everything (a few minutes on 2 cores)
-#   ONLY=allreduce scripts/perf.sh  # one part: allreduce, chunks, ps, ddp, trace
+#   ONLY=allreduce scripts/perf.sh  # one part: allreduce, speed, chunks, ps, ddp, trace
 #   HOSTFILE=hostfiles/mpich-localhost scripts/perf.sh
 # Measure on a quiet machine: other jobs on the same cores change every number.
 source "$(dirname "$0")/_hostfile.sh"  # first: a bad HOSTFILE stops before any set-up
@@ -18,6 +18,23 @@ if run allreduce; then
             --algo ring,native,gloo --model --json "$OUT/allreduce-$n.json" \
             --plot "docs/busbw-$n.png" | tee "$OUT/allreduce-$n.txt"
     done
+fi
+if run speed; then
+    for n in 2 3 4; do
+        echo "== $n ranks: ring, ring-seg and auto vs MPI_Allreduce, pipelined vs MPI_Bcast, 8 B to 256 MiB ==" >&2
+        mpiexec "${HOSTARGS[@]}" -n "$n" python -m mpiring bench -c all_reduce,broadcast \
+            --algo native,ring,ring-seg,auto,pipelined -b 8 -e 256M -f 2 -n 20 -w 3 \
+            --json "$OUT/speed-$n.json" | tee "$OUT/speed-$n.txt"
+    done
+    for n in 2 4; do
+        for view in "" --grad-as-bucket-view; do
+            echo "== DDP step on $n ranks, the issue's setting (comm GPT, 1 x 64 tokens) $view ==" >&2
+            mpiexec "${HOSTARGS[@]}" -n "$n" python -m mpiring bench-ddp --preset comm --batch-size 1 \
+                -n 10 -w 2 --modes compute,ddp,naive,torch-ddp --bucket-sweep 8 $view \
+                | tee "$OUT/ddp-speed-$n${view:+-view}.txt"
+        done
+    done
+    OUT="$OUT/ddp_memory.jsonl" RANKS=2 "$(dirname "$0")/ddp_memory.sh" | tee "$OUT/ddp_memory.txt"
 fi
 if run chunks; then
     echo "== pipelined Broadcast: S against the model's S* ==" >&2

@@ -121,8 +121,8 @@ def test_wrong_counts_every_bad_element_on_every_rank(world):
 def test_time_interleaved_batches_and_rotates(world):
     from mpiring.bench.measure import batch_for, time_interleaved
 
-    assert batch_for(8) == 64 and batch_for(64 << 10) == 4 and batch_for(256 << 10) == 1
-    assert batch_for(1 << 30) == 1 and batch_for(0) == 64
+    assert batch_for(8) == 64 and batch_for(64 << 10) == 64 and batch_for(1 << 20) == 4
+    assert batch_for(4 << 20) == 1 and batch_for(1 << 30) == 1 and batch_for(0) == 64
     log: list[str] = []
     calls = [lambda n=n: log.append(n) for n in "abc"]
     resets = [lambda: log.append("|")] * 3

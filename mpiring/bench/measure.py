@@ -48,10 +48,19 @@ def time_iterations(mpi_comm: MPI.Comm, call: Callable[[], object], *, iters: in
                             iters=iters, warmup=warmup)[0]
 
 
+BATCH_BYTES = 4 << 20
+
+
 def batch_for(nbytes: int) -> int:
-    """Calls per timed sample: enough back-to-back calls of a small message (up to 64)
-    that the barrier's exit skew, a few microseconds, does not dominate the sample."""
-    return max(1, min(64, (256 << 10) // max(nbytes, 1)))
+    """Calls per timed sample: min(64, 4 MiB / size), at least one.
+
+    Back-to-back calls (as nccl-tests and the OSU benchmarks time small
+    messages) keep the barrier's exit skew, a few microseconds, from dominating
+    a small message's sample, and average a mid-size sample over the scheduler's
+    time slices when ranks share cores (one preempted call is then a fraction of
+    the sample, not all of it).
+    """
+    return max(1, min(64, BATCH_BYTES // max(nbytes, 1)))
 
 
 def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],

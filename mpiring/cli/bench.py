@@ -181,7 +181,7 @@ def _print_tables(rows, cfg, k, out, bound, ab) -> None:
             continue
         b = membw_busbw_bound(coll, k, bound)
         notes = [f"time: median over {cfg.iters} samples of the slowest rank "
-                 f"({cfg.warmup} warm-up); below 256 KiB a sample is min(64, 256 KiB / size) "
+                 f"({cfg.warmup} warm-up); below 4 MiB a sample is min(64, 4 MiB / size) "
                  f"calls back to back; busbw = algbw * {report.BUSBW_FORMULA[coll]}",
                  "x native: busbw / native's busbw at the same size; "
                  "#wrong: elements that differ from native's result, all ranks"]
