@@ -132,3 +132,18 @@ def test_time_interleaved_batches_and_rotates(world):
     assert all(len(s) == 2 and len(set(s)) == 1 for s in samples)  # one call, twice in a row
     firsts = [samples[i * 3][0] for i in range(5)]
     assert firsts == ["a", "b", "c", "a", "b"]  # each iteration starts one call further on
+
+
+def test_sweep_reports_the_chunk_count_the_communicator_uses(world):
+    from mpiring import Communicator, autotune
+
+    fresh = Communicator(world._be, world.tracer)
+    d = {"all_reduce": autotune.Decision([(None, "native")])}
+    fresh._auto = autotune.AutoTable("t", d, d, pipeline=(1e-6, 1e9))  # a tuned table: many chunks
+    algos = {"broadcast": ["pipelined"]}
+    cfg = SweepConfig(["broadcast"], algos, sizes=[1 << 16], iters=1, warmup=0,
+                      dtype="float32", op="sum", root=0, chunks=None, model=None)
+    (row,) = run_sweep(fresh, cfg)
+    assert row["chunks"] == fresh._auto.pipeline_chunks(1 << 16, world.size)
+    if world.size > 2:
+        assert row["chunks"] > 1  # the built-in alpha/beta would give 1 here

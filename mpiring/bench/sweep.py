@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import comm as comm_module
 from ..buffers import BFLOAT16
-from ..chunking import chunk_bounds, default_pipeline_chunks
+from ..chunking import chunk_bounds
 from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, predict, prediction_error
 from ..ops import finish, reducer
 from ..wire import allreduce_scalar
@@ -181,7 +181,10 @@ def make_case(comm, gloo, collective: str, algo: str, buf: np.ndarray, src: np.n
 
     s = None
     if algo == "pipelined" and collective in ROOTED:
-        s = chunks if chunks is not None else default_pipeline_chunks(buf.nbytes, k)
+        # What the Communicator will use: the tuned alpha and beta if `tune` stored
+        # them for this layout, else the built-in ones (the first lookup is
+        # collective; every rank builds its cases in the same order).
+        s = chunks if chunks is not None else comm._tuned().pipeline_chunks(buf.nbytes, k)
     elif algo == "ring" and collective in ROOTED:
         s = 1
     return Case(call=lambda: method(buf, check=False, **kwargs),
