@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("-o", "--op", default="sum", help="sum, avg, max, min or prod (default sum)")
     p.add_argument("--root", type=int, default=0, help="root of broadcast and reduce, default 0")
     p.add_argument("--chunks", type=int, default=None,
-                   help="pipeline chunks S for broadcast/reduce (default: about 1 MiB each)")
+                   help="pipeline chunks S for broadcast/reduce (default: the cost model's S*, from "
+                        "the alpha and beta that tune stored, else the built-in ones)")
     p.add_argument("--json", metavar="FILE", help="write every row as JSON (one object per "
                    "collective, algo and size)")
     p.add_argument("--plot", metavar="PNG", help="busbw against size, one line per algo "
