@@ -195,8 +195,9 @@ class Reducer:
                 and os.environ.get("MPIRING_DDP_SLEEP", "1") != "0"):
             # The comm thread shares the cores with backward: waiting for a peer by
             # spinning (MPICH's way) or yielding would take CPU from the backward it
-            # overlaps, so it sleeps between polls (measured on 2 ranks x 1 core:
-            # step 146 -> 138 ms; see mpiring/backends/mpi.py IDLE_MODES).
+            # overlaps, so it sleeps between polls (2 ranks on 2 cores, GPT "comm":
+            # 145 -> 140 ms per step in side-by-side runs, near their noise; see
+            # mpiring/backends/mpi.py IDLE_MODES). MPIRING_DDP_SLEEP=0 turns it off.
             self._bucket_comm._be.idle = "sleep"
         self._expect = False
         self._reset_iteration()
