@@ -19,22 +19,24 @@ from mpiring.bench.ddp import (  # noqa: E402
 @pytest.mark.deadline(120)
 def test_every_mode_splits_its_step(world, tmp_path):
     cfg = DDPBenchConfig(preset="tiny", batch_size=2, steps=1, warmup=1,
-                         modes=("compute", "ddp", "naive", "ps"), bucket_sweep=(0.05,),
+                         modes=("compute", "ddp", "naive", "flat-mpi", "ps"), bucket_sweep=(0.05,),
                          max_data_mb=0.25)
     rows = run_ddp_bench(world, cfg)
     assert [(r["mode"], r["bucket_mb"]) for r in rows] == [
-        ("compute", None), ("ddp", 25.0), ("naive", 25.0), ("ps", 25.0), ("ddp", 0.05)]
+        ("compute", None), ("ddp", 25.0), ("naive", 25.0), ("flat-mpi", None), ("ps", 25.0),
+        ("ddp", 0.05)]
     for r in rows:
         assert r["step_ms"] > 0 and r["forward_ms"] > 0
         assert all(r[f"{p}_ms"] >= 0 for p in PARTS)
         # The parts add up to the mean step (the reported step is the slowest rank's).
         assert sum(r[f"{p}_ms"] for p in PARTS) <= r["step_ms"] * 1.5 + 1
-    compute, ddp, naive, ps, small = rows
+    compute, ddp, naive, flat, ps, small = rows
     assert compute["exposed_ms"] == 0 and compute["vs_compute"] == 1
     if world.size > 1:
         for r in (ddp, naive, small):  # bucket AllReduce times come from the reducer's events
             assert r["comm_total_ms"] > 0 and 0 <= r["overlap"] <= 1
         assert ps["exposed_ms"] > 0 and ps["optimizer_ms"] == 0
+        assert flat["exposed_ms"] > 0 and flat["comm_total_ms"] > 0 and flat["overlap"] == 0
     text = format_ddp_table(rows)
     assert "compute" in text and "ddp 0.05M" in text and "overlap" in text
     try:

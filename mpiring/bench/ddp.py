@@ -8,6 +8,9 @@ Modes, each on the same model, data and ranks:
 * ``ddp``: ``mpiring.DistributedDataParallel``, bucket AllReduces overlapping
   backward;
 * ``naive``: the same reducer with ``overlap=False``: backward, then every bucket;
+* ``flat-mpi``: no reducer: backward, then every gradient copied into one flat
+  buffer, one ``MPI_Allreduce`` of it (the library's own), and the means copied
+  back (the textbook baseline, as simple as data parallelism gets);
 * ``ps``: the parameter-server baseline (Reduce to rank 0, update, Broadcast);
 * ``torch-ddp``: PyTorch's DDP over gloo.
 
@@ -21,6 +24,7 @@ and the rest (batch, zero_grad)::
 
     ddp/naive   exposed = the reducer's wait after autograd ends (measured)
                 backward = loss.backward() - exposed
+    flat-mpi    exposed = flatten + MPI_Allreduce + copy back, after backward
     ps          exposed = ps.step(): push, server update, pull (nothing overlaps)
     torch-ddp   exposed ~ loss.backward() - compute's backward (estimated: torch
                 DDP waits inside backward and does not report the split)
@@ -41,7 +45,10 @@ import numpy as np
 
 from ..trace import NULL_CALL, Tracer, clock
 
-DDP_MODES = ("compute", "ddp", "naive", "ps", "torch-ddp")
+DDP_MODES = ("compute", "ddp", "naive", "flat-mpi", "ps", "torch-ddp")
+#: Modes that train the bare model (no wrapper): compute alone, and flat-mpi,
+#: which reduces the gradients itself after backward.
+BARE = ("compute", "flat-mpi")
 PARTS = ("forward", "backward", "exposed", "optimizer", "other")
 
 
@@ -105,7 +112,34 @@ def _train_config(cfg: DDPBenchConfig, mode: str, bucket_mb: float):
                        grad_as_bucket_view=cfg.grad_as_bucket_view, max_data_mb=cfg.max_data_mb)
 
 
-def _step_parts(job, sink: EventSink | None, compute_only: bool) -> dict[str, float]:
+def _flat_all_reduce(job) -> tuple[float, float]:
+    """flat-mpi's communication: one MPI_Allreduce of every gradient.
+
+    Returns the Allreduce's time and the whole exchange's (flatten, Allreduce,
+    mean copied back), in seconds. The flat buffer is allocated once and reused.
+    """
+    import torch
+
+    params = [p for p in job.model.parameters() if p.grad is not None]
+    t0 = clock()
+    n = sum(p.numel() for p in params)
+    flat = getattr(job, "_bench_flat", None)
+    if flat is None or flat.numel() != n:  # one buffer, reused: no fresh pages every step
+        flat = job._bench_flat = torch.empty(n, dtype=params[0].grad.dtype)
+    torch.cat([p.grad.reshape(-1) for p in params], out=flat)
+    t1 = clock()
+    job.comm.all_reduce(flat, op="sum", algo="native", check=False)
+    t2 = clock()
+    offset = 0
+    for p in params:  # the mean, copied back in the same pass
+        k = p.numel()
+        torch.div(flat[offset:offset + k].view_as(p.grad), job.comm.size, out=p.grad)
+        offset += k
+    return t2 - t1, clock() - t0
+
+
+def _step_parts(job, sink: EventSink | None, compute_only: bool,
+                flat_mpi: bool = False) -> dict[str, float]:
     """Run one training step; return its parts in seconds (this rank's)."""
     from ..models.gpt import lm_loss
 
@@ -122,6 +156,9 @@ def _step_parts(job, sink: EventSink | None, compute_only: bool) -> dict[str, fl
     loss = lm_loss(model(x), y)
     t2 = clock()
     loss.backward()
+    comm_s = wait_s = float("nan")
+    if flat_mpi:
+        comm_s, wait_s = _flat_all_reduce(job)
     t3 = clock()
     if job.ps is not None:
         job.ps.step()
@@ -129,8 +166,7 @@ def _step_parts(job, sink: EventSink | None, compute_only: bool) -> dict[str, fl
         job.optimizer.step()
     t4 = clock()
     parts = {"step": t4 - t0, "forward": t2 - t1, "backward_call": t3 - t2,
-             "update": t4 - t3, "other": t1 - t0, "comm_total": float("nan"),
-             "wait": float("nan")}
+             "update": t4 - t3, "other": t1 - t0, "comm_total": comm_s, "wait": wait_s}
     if sink is not None:
         buckets = [e for e in sink.events if e["name"] == "ddp.all_reduce"]
         waits = [e for e in sink.events if e["name"] == "ddp.wait"]
@@ -163,7 +199,7 @@ def _split(mode: str, m: dict[str, float], compute: dict[str, float] | None) -> 
     fwd, bcall, upd = m["forward"], m["backward_call"], m["update"]
     parts = {"forward": fwd, "optimizer": upd, "exposed": 0.0, "backward": bcall,
              "estimated": False}
-    if mode in ("ddp", "naive") and np.isfinite(m["wait"]):
+    if mode in ("ddp", "naive", "flat-mpi") and np.isfinite(m["wait"]):
         # The wait happens inside loss.backward(), so it can be at most that call
         # (both are means over ranks; clamping keeps forward + backward + exposed
         # + optimizer + other equal to the step).
@@ -207,9 +243,9 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
         for mode, bucket in plan:
             if progress:
                 progress.show(f"building {mode} bucket {bucket:g} MiB")
-            job = TrainJob(comm, _train_config(cfg, "naive" if mode == "compute" else mode, bucket),
+            job = TrainJob(comm, _train_config(cfg, "naive" if mode in BARE else mode, bucket),
                            train_data=train, val_data=val)
-            if mode == "compute":
+            if mode in BARE:
                 job.wrapped.close()  # no hooks, no thread: the bare model and its optimizer
             jobs.append(job)
         comm.tracer = sink  # the reducers write their bucket events here
@@ -219,7 +255,8 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
                 progress.show(f"step {i + 1}/{cfg.warmup + cfg.steps} of every mode")
             for j, ((mode, _), job) in enumerate(zip(plan, jobs)):
                 ours = mode in ("ddp", "naive")
-                parts = _step_parts(job, sink if ours else None, compute_only=(mode == "compute"))
+                parts = _step_parts(job, sink if ours else None, compute_only=(mode in BARE),
+                                    flat_mpi=(mode == "flat-mpi"))
                 if i >= cfg.warmup:
                     local[j, i - cfg.warmup] = [parts[k] for k in KEYS]
             if progress:
@@ -239,7 +276,7 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
             overlap = min(1.0, max(0.0, 1.0 - parts["exposed"] / comm_total))
         n_params = job.model.num_params()
         rows.append({
-            "mode": mode, "bucket_mb": None if mode == "compute" else bucket,
+            "mode": mode, "bucket_mb": None if mode in BARE else bucket,
             "ranks": comm.size, "preset": cfg.preset, "params": n_params,
             "grad_bytes": n_params * 4, "batch": cfg.batch_size, "seq_len": job.model_cfg.seq_len,
             "steps": cfg.steps, "warmup": cfg.warmup, "algo": cfg.algo,
@@ -263,8 +300,8 @@ def _gloo_ok() -> bool:
 
 
 def _label(r: dict[str, Any]) -> str:
-    if r["mode"] in ("compute",):
-        return "compute"
+    if r["mode"] in BARE:
+        return r["mode"]
     return f"{r['mode']} {r['bucket_mb']:g}M"
 
 

@@ -27,8 +27,9 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="comm",
                    help="GPT preset: comm (d=512, 4 layers, 64 tokens, 12.8M params; default), "
                         "small, tiny")
-    p.add_argument("--modes", default="compute,ddp,naive,ps,torch-ddp",
-                   help="comma list of compute, ddp, naive, ps, torch-ddp (default all)")
+    p.add_argument("--modes", default="compute,ddp,naive,flat-mpi,ps,torch-ddp",
+                   help="comma list of compute, ddp, naive, flat-mpi (backward, then one "
+                        "MPI_Allreduce of all gradients), ps, torch-ddp (default all)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per rank per step (default 8)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the preset's)")
     p.add_argument("-n", "--steps", type=int, default=8, help="timed steps per mode (default 8)")
