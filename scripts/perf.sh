@@ -30,7 +30,7 @@ if run speed; then
         for view in "" --grad-as-bucket-view; do
             echo "== DDP step on $n ranks, the issue's setting (comm GPT, 1 x 64 tokens) $view ==" >&2
             mpiexec "${HOSTARGS[@]}" -n "$n" python -m mpiring bench-ddp --preset comm --batch-size 1 \
-                -n 10 -w 2 --modes compute,ddp,naive,torch-ddp --bucket-sweep 8 $view \
+                -n 10 -w 2 --modes compute,ddp,naive,flat-mpi,torch-ddp --bucket-sweep 8 $view \
                 | tee "$OUT/ddp-speed-$n${view:+-view}.txt"
         done
     done
