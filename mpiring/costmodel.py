@@ -245,6 +245,12 @@ def prediction_error(measured: float, predicted: float | None) -> float | None:
     return (measured - predicted) / predicted
 
 
+def model_fields(measured: float, predicted: float | None) -> dict[str, float | None]:
+    """A bench row's ``model_us`` and ``model_err`` for a call that took ``measured`` s."""
+    return {"model_us": predicted * 1e6 if predicted is not None else None,
+            "model_err": prediction_error(measured, predicted)}
+
+
 # --- traffic: what the lecture says each rank sends ---------------------------------
 def expected_traffic(method: str, m: float, k: int) -> dict[str, float]:
     """Bytes the lecture predicts per worker and at the server for one gradient sync.

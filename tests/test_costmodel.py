@@ -111,6 +111,9 @@ def test_predict_dispatches_by_collective_and_algo():
     assert cm.predict("all_reduce", "gloo", m, k, AB) is None
     assert cm.prediction_error(1.5, 1.0) == pytest.approx(0.5)
     assert cm.prediction_error(1.0, None) is None
+    assert cm.model_fields(1.5e-6, 1e-6) == {"model_us": pytest.approx(1.0),
+                                             "model_err": pytest.approx(0.5)}
+    assert cm.model_fields(1.0, None) == {"model_us": None, "model_err": None}
 
 
 def test_busbw_factors_match_nccl_tests():

@@ -40,28 +40,25 @@ IDLE_MODES = ("spin", "yield", "sleep")
 SLEEP_S = 5e-5
 
 
-def _idle_wait(req, idle: str) -> None:
+def _poll(done, idle: str) -> None:
+    """Call ``done()`` until it is true, giving the core away in between (see ``IDLE_MODES``)."""
     # MPICH spins inside MPI_Wait (yielding only every 1000 polls). With more
     # ranks than cores the spinning rank holds a core that the rank it waits for
     # needs; polling and giving the core away lets that rank run. Beside busy
     # compute threads (DDP's communication thread during backward) a yield gave
     # nothing measurable, since the poller stays runnable; sleeping between polls
     # gave a few milliseconds per step.
-    if idle == "sleep":
-        while not req.Test():
-            time.sleep(SLEEP_S)
-    else:
-        while not req.Test():
-            os.sched_yield()
+    pause = (lambda: time.sleep(SLEEP_S)) if idle == "sleep" else os.sched_yield
+    while not done():
+        pause()
+
+
+def _idle_wait(req, idle: str) -> None:
+    _poll(req.Test, idle)
 
 
 def _idle_wait_all(reqs, idle: str) -> None:
-    if idle == "sleep":
-        while not MPI.Request.Testall(reqs):
-            time.sleep(SLEEP_S)
-    else:
-        while not MPI.Request.Testall(reqs):
-            os.sched_yield()
+    _poll(lambda: MPI.Request.Testall(reqs), idle)
 
 
 def _oversubscribed(local_size: int) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..costmodel import AlphaBeta, best_chunks, pipelined_broadcast, prediction_error
+from ..costmodel import AlphaBeta, best_chunks, model_fields, pipelined_broadcast
 from ..wire import allreduce_scalar
 from .measure import time_interleaved
 from .report import make_row
@@ -72,8 +72,7 @@ def chunks_study(comm, nbytes: int, *, dtype: np.dtype | None = None, root: int 
                        model_best=s_star)
         if model is not None and s is not None:
             pred = pipelined_broadcast(nbytes, k, s, model)
-            row["model_us"] = pred * 1e6
-            row["model_err"] = prediction_error(seconds, pred)
+            row.update(model_fields(seconds, pred))
         rows.append(row)
         if progress:
             progress.update(f"broadcast S={s or algo}")

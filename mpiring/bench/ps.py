@@ -37,9 +37,9 @@ from ..chunking import default_pipeline_chunks
 from ..costmodel import (
     AlphaBeta,
     expected_traffic,
+    model_fields,
     parameter_server,
     pipelined_broadcast,
-    prediction_error,
     ring_all_reduce,
 )
 from ..ops import finish, reducer
@@ -230,8 +230,7 @@ def _study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup, model, wo
                        **{f"expect_{key}": val for key, val in expect.items()})
         if model is not None:
             pred = _model(method, nbytes, k, model)
-            row["model_us"] = pred * 1e6
-            row["model_err"] = prediction_error(seconds, pred)
+            row.update(model_fields(seconds, pred))
         rows.append(row)
         if progress:
             progress.update(f"ps K={k} {method}")

@@ -26,7 +26,7 @@ import numpy as np
 from .. import comm as comm_module
 from ..buffers import BFLOAT16
 from ..chunking import chunk_bounds
-from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, predict, prediction_error
+from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, model_fields, predict
 from ..ops import finish, reducer
 from ..wire import allreduce_scalar
 from .measure import batch_for, time_interleaved
@@ -308,15 +308,16 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                 progress.show(f"{coll} {count * dtype.itemsize} B: timing "
                               f"{', '.join(a for a, _, _ in checked)}")
             nbytes = count * dtype.itemsize
+            batch = batch_for(nbytes)
             times = time_interleaved(mpi, [c.call for _, c, _ in checked],
                                      [c.reset for _, c, _ in checked],
-                                     iters=cfg.iters, warmup=cfg.warmup, batch=batch_for(nbytes))
+                                     iters=cfg.iters, warmup=cfg.warmup, batch=batch)
             for (algo, case, wrong), t in zip(checked, times):
                 seconds = float(np.median(t)) if t.size else 0.0
                 extras: dict[str, Any] = {
                     "count": count, "op": cfg.op if coll in REDUCING else None,
                     "root": cfg.root if coll in ROOTED else None, "iters": cfg.iters,
-                    "batch": batch_for(nbytes),
+                    "batch": batch,
                     "warmup": cfg.warmup, "chunks": case.chunks,
                     "time_min_us": float(t.min()) * 1e6 if t.size else 0.0,
                 }
@@ -324,8 +325,7 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                                nbytes, cfg.dtype, seconds, wrong, **extras)
                 if cfg.model is not None:
                     pred = predict(coll, algo, nbytes, k, cfg.model, chunks=case.chunks)
-                    row["model_us"] = pred * 1e6 if pred is not None else None
-                    row["model_err"] = prediction_error(seconds, pred)
+                    row.update(model_fields(seconds, pred))
                 rows.append(row)
                 if progress:
                     progress.update(f"{coll} {algo} {nbytes} B")

@@ -22,6 +22,7 @@ def _floats(text: str) -> list[float]:
 
 
 def add_arguments(p) -> None:
+    from ..bench.memory import SETUPS
     from ..comm import ALGOS
 
     p.add_argument("--preset", default="comm",
@@ -44,7 +45,7 @@ def add_arguments(p) -> None:
                    help="each .grad a view into its bucket (ddp, naive and torch-ddp alike)")
     p.add_argument("--max-data-mb", type=float, default=2.0, help="corpus size (default 2)")
     p.add_argument("--memory", metavar="SETUP", default=None,
-                   choices=("compute", "ddp", "ddp-view", "torch-ddp", "torch-ddp-view"),
+                   choices=SETUPS,
                    help="instead of timing: train --steps steps in this one setup and report "
                         "peak RSS (one setup per launch; scripts/ddp_memory.sh runs them all; "
                         "--json appends the line)")

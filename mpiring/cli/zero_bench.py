@@ -22,7 +22,6 @@ it as JSON):
 from __future__ import annotations
 
 import json
-import resource
 import sys
 
 from . import add_backend_arguments
@@ -40,24 +39,14 @@ def add_arguments(p) -> None:
     add_backend_arguments(p)
 
 
-def _rss_mib() -> float:
-    # Linux reports ru_maxrss in KiB.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _current_rss_mib() -> float:
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        return pages * resource.getpagesize() / 2**20
-    except OSError:  # not Linux: the high-water mark is the best we have
-        return _rss_mib()
+MIB = 2 ** 20
 
 
 def run(args) -> int:
     import torch
 
     import mpiring
+    from mpiring.bench.memory import current_rss_bytes, peak_rss_bytes
     from mpiring.ddp.comm_hooks import ring_bytes_sent
     from mpiring.train.loop import TrainConfig, TrainJob
     from mpiring.wire import allgather_json
@@ -73,7 +62,7 @@ def run(args) -> int:
     cfg = TrainConfig(mode="ddp", steps=args.steps, batch_size=args.batch_size,
                       preset=args.preset, optimizer=args.optimizer, max_data_mb=args.max_data_mb)
     job = TrainJob(comm, cfg)
-    rss_before = _current_rss_mib()
+    rss_before = current_rss_bytes() / MIB
     for _ in range(args.steps):
         job.train_step()
     opt = job.optimizer
@@ -87,8 +76,9 @@ def run(args) -> int:
     sent = sum(ring_bytes_sent(n_params, itemsize, comm.size, comm.rank, (ph,))
                for ph in phases[args.optimizer])
     times = sorted(job.step_times[1:] or job.step_times)
-    mine = {"state_bytes": state_bytes, "peak_rss_mib": _rss_mib(),
-            "rss_growth_mib": _rss_mib() - rss_before, "sent_bytes": sent,
+    peak = peak_rss_bytes() / MIB
+    mine = {"state_bytes": state_bytes, "peak_rss_mib": peak,
+            "rss_growth_mib": peak - rss_before, "sent_bytes": sent,
             "step_s": times[len(times) // 2]}
     table = allgather_json(comm, mine) if comm.size > 1 else [mine]
     job.close()
