@@ -200,9 +200,10 @@ def _split(mode: str, m: dict[str, float], compute: dict[str, float] | None) -> 
     parts = {"forward": fwd, "optimizer": upd, "exposed": 0.0, "backward": bcall,
              "estimated": False}
     if mode in ("ddp", "naive", "flat-mpi") and np.isfinite(m["wait"]):
-        # The wait happens inside loss.backward(), so it can be at most that call
-        # (both are means over ranks; clamping keeps forward + backward + exposed
-        # + optimizer + other equal to the step).
+        # The wait is timed inside the backward call (the reducer's, at the end of
+        # autograd; flat-mpi's exchange, right after it), so it can be at most that
+        # call (both are means over ranks; clamping keeps forward + backward +
+        # exposed + optimizer + other equal to the step).
         parts["exposed"] = min(m["wait"], bcall)
         parts["backward"] = bcall - parts["exposed"]
     elif mode == "ps":

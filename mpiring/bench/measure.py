@@ -70,10 +70,10 @@ def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],
 
     Iteration i times every call once, one after the other, starting with
     ``calls[i mod n]``, so that a burst of load from outside hits every call
-    alike and their ratios stay meaningful on a shared machine. Each sample is ``batch`` calls back to
-    back (as nccl-tests and the OSU benchmarks time small messages), divided by
-    ``batch``; the buffers are reset before each sample only. Returns an array
-    (calls, iters) of the slowest rank's times per call.
+    alike and their ratios stay meaningful on a shared machine. Each sample is
+    ``batch`` calls back to back (see ``batch_for``), divided by ``batch``; the
+    buffers are reset before each sample only. Returns an array (calls, iters)
+    of the slowest rank's times per call.
     """
     local = np.zeros((len(calls), max(iters, 0)), dtype=np.float64)
     n = len(calls)

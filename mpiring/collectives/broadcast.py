@@ -77,7 +77,6 @@ def pipelined_broadcast(be, x, root: int, chunks: int, trace, phase: str = "broa
     return x
 
 
-
 def _streamed(be, x, segments, pos: int, left: int, right: int, trace, phase: str):
     """The same pipeline with every chunk in flight at once (backends with ``isend``).
 
