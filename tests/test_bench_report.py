@@ -59,7 +59,7 @@ def test_table_has_nccl_tests_columns_and_one_block_per_algo():
     lines = text.splitlines()
     header = next(line for line in lines if "count" in line)
     for col in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
-                "x native", "%bound", "model", "error"):
+                "x native", "IQR", "%bound", "model", "error"):
         assert col in header
     assert [line for line in lines if line.startswith("# -- ")] == \
         ["# -- native", "# -- ring", "# -- gloo"]
@@ -67,9 +67,25 @@ def test_table_has_nccl_tests_columns_and_one_block_per_algo():
     assert len(data) == 6
     ring = data[2]
     assert ring[:5] == ["4096", "1024", "float32", "sum", "-1"]
-    assert ring[-4:] == ["2.00", "50%", "900.0", "+11%"]
+    assert ring[-5:] == ["2.00", "-", "50%", "900.0", "+11%"]  # no samples: no IQR
     assert data[0][-2:] == ["-", "-"]  # native has no model
     assert "model" not in report.format_table(_rows())
+    rows = _rows()
+    rows[2].update(vs_native_q1=1.5, vs_native_q3=2.25)
+    ring_4k = [line.split() for line in report.format_table(rows).splitlines()
+               if not line.startswith("#")][2]
+    assert ring_4k[-3:] == ["2.00", "1.50-2.25", "50%"]
+
+
+def test_paired_quartiles_are_per_iteration_ratios():
+    # Iterations 0-3 took turns: a slow spell (iteration 2) slows both alike.
+    native = np.array([2.0, 2.0, 20.0, 2.0])
+    ring = np.array([1.0, 1.0, 10.0, 4.0])
+    q1, q3 = report.paired_quartiles(native, ring)
+    assert (q1, q3) == pytest.approx((1.625, 2.0))  # ratios 2, 2, 2, 0.5
+    assert report.paired_quartiles(native, native) == (1.0, 1.0)
+    lo, hi = report.paired_quartiles(np.array([]), np.array([]))
+    assert np.isnan(lo) and np.isnan(hi)
 
 
 def test_json_rows(tmp_path):

@@ -91,6 +91,10 @@ def test_bench_command_with_gloo_json_plot_and_model(rank0_subprocess, tmp_path_
     assert [r["bytes"] for r in rows if r["algo"] == "gloo"] == [64, 512, 4096]
     for r in rows:
         assert set(report.ROW_KEYS) <= set(r) and r["wrong"] == 0 and r["ranks"] == 2
+        # the paired spread of x native: 1 for native itself, a real range otherwise
+        assert 0 < r["vs_native_q1"] <= r["vs_native_q3"], r
+        if r["algo"] == "native":
+            assert r["vs_native_q1"] == r["vs_native_q3"] == 1.0
     assert open(png, "rb").read(4) == b"\x89PNG"
     assert np.isfinite([r["busbw"] for r in rows]).all()
 

@@ -5,8 +5,8 @@ A result row is a plain dict. Every row has the keys of ``ROW_KEYS``:
     collective, algo, backend, ranks, bytes, dtype, time_us, algbw, busbw, wrong
 
 (bandwidths in GB/s = 1e9 bytes/s, as nccl-tests prints them), plus extras such
-as count, op, root, iters, vs_native, bound_busbw, bound_frac, model_us,
-model_err, chunks.
+as count, op, root, iters, vs_native, vs_native_q1, vs_native_q3,
+bound_busbw, bound_frac, model_us, model_err, chunks.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from ..costmodel import busbw_factor
 
@@ -68,6 +70,23 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_native"] = r["busbw"] / base if base else None
 
 
+def paired_quartiles(native: np.ndarray, times: np.ndarray) -> tuple[float, float]:
+    """Quartiles of native_i / times_i over iterations i that took turns.
+
+    ``x native`` is a ratio of medians; this is its spread. Iteration i times
+    every algorithm back to back, so the ratio within one iteration is free of
+    whatever the machine did a second earlier or later; the interquartile range
+    of these per-iteration ratios says how far one ratio can be trusted. When it
+    spans 1.0 the two are not told apart by this run.
+    """
+    ratios = np.asarray(native, dtype=np.float64) / np.asarray(times, dtype=np.float64)
+    ratios = ratios[np.isfinite(ratios)]
+    if ratios.size == 0:
+        return float("nan"), float("nan")
+    q1, q3 = np.percentile(ratios, [25, 75])
+    return float(q1), float(q3)
+
+
 def _fmt(value: Any, spec: str, none: str = "-") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return none
@@ -79,18 +98,19 @@ def format_table(rows: Sequence[dict[str, Any]], *, title: str = "",
     """One nccl-tests-style table: a block per algorithm, one line per size.
 
     Columns: size, count, type, redop, root, time (us), algbw, busbw (GB/s),
-    #wrong, busbw as a multiple of native's (``x native``), busbw as a share of
-    the memory-bandwidth bound (``%bound``), and with ``model`` the alpha-beta
-    prediction and its error.
+    #wrong, busbw as a multiple of native's (``x native``) and the interquartile
+    range of that ratio over iterations (``IQR``, see ``paired_quartiles``),
+    busbw as a share of the memory-bandwidth bound (``%bound``), and with
+    ``model`` the alpha-beta prediction and its error.
     """
     out = []
     if title:
         out.append(f"# {title}")
     out.extend(f"# {n}" for n in notes)
     head = (f"#{'size':>11} {'count':>11} {'type':>9} {'redop':>6} {'root':>5} {'time':>11} "
-            f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'x native':>9} {'%bound':>7}")
+            f"{'algbw':>7} {'busbw':>7} {'#wrong':>7} {'x native':>9} {'IQR':>10} {'%bound':>7}")
     units = (f"#{'(B)':>11} {'(elements)':>11} {'':>9} {'':>6} {'':>5} {'(us)':>11} "
-             f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>7} {'(busbw)':>9} {'':>7}")
+             f"{'(GB/s)':>7} {'(GB/s)':>7} {'':>7} {'(busbw)':>9} {'(paired)':>10} {'':>7}")
     if model:
         head += f" {'model':>11} {'error':>7}"
         units += f" {'(us)':>11} {'':>7}"
@@ -110,12 +130,19 @@ def format_table(rows: Sequence[dict[str, Any]], *, title: str = "",
                     f"{r.get('op') or 'none':>6} {_fmt(r.get('root'), 'd', '-1'):>5} "
                     f"{r['time_us']:>11.1f} {r['algbw']:>7.3f} {r['busbw']:>7.3f} "
                     f"{_fmt(r['wrong'], 'd', 'n/a'):>7} {_fmt(r.get('vs_native'), '.2f'):>9} "
+                    f"{_span(r.get('vs_native_q1'), r.get('vs_native_q3')):>10} "
                     f"{_pct(r.get('bound_frac')):>7}")
             if model:
                 err = r.get("model_err")
                 line += f" {_fmt(r.get('model_us'), '.1f'):>11} {_pct(err, '+.0f'):>7}"
             out.append(line)
     return "\n".join(out)
+
+
+def _span(lo: float | None, hi: float | None) -> str:
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return "-"
+    return f"{lo:.2f}-{hi:.2f}"
 
 
 def _pct(frac: float | None, spec: str = ".0f") -> str:

@@ -30,7 +30,7 @@ from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, model_fields,
 from ..ops import finish, reducer
 from ..wire import allreduce_scalar
 from .measure import batch_for, time_interleaved
-from .report import make_row
+from .report import make_row, paired_quartiles
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 ROOTED = ("broadcast", "reduce")
@@ -312,6 +312,7 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
             times = time_interleaved(mpi, [c.call for _, c, _ in checked],
                                      [c.reset for _, c, _ in checked],
                                      iters=cfg.iters, warmup=cfg.warmup, batch=batch)
+            native_t = next((t for (a, _, _), t in zip(checked, times) if a == "native"), None)
             for (algo, case, wrong), t in zip(checked, times):
                 seconds = float(np.median(t)) if t.size else 0.0
                 extras: dict[str, Any] = {
@@ -321,6 +322,8 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                     "warmup": cfg.warmup, "chunks": case.chunks,
                     "time_min_us": float(t.min()) * 1e6 if t.size else 0.0,
                 }
+                if native_t is not None and t.size:
+                    extras["vs_native_q1"], extras["vs_native_q3"] = paired_quartiles(native_t, t)
                 row = make_row(coll, algo, comm.backend if algo != "gloo" else "gloo", k,
                                nbytes, cfg.dtype, seconds, wrong, **extras)
                 if cfg.model is not None:
