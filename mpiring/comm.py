@@ -102,6 +102,25 @@ class Communicator:
     def timeout(self, seconds: float | str | None) -> None:
         self._act.timeout = parse_timeout(seconds)
 
+    @property
+    def idle(self) -> str | None:
+        """How this rank waits for a peer on MPI: "spin", "yield" or "sleep"
+        (``mpiring.backends.mpi.IDLE_MODES``); None on NCCL, where the GPU waits.
+        Default: ``MPIRING_IDLE``, else "yield" with more ranks than cores on the
+        host, else "spin". DDP's communication thread sets "sleep" on its own
+        communicator so that it does not take cores from backward."""
+        return getattr(self._be, "idle", None)
+
+    @idle.setter
+    def idle(self, mode: str) -> None:
+        from .backends.mpi import IDLE_MODES
+
+        if not hasattr(self._be, "idle"):
+            raise ValueError(f"idle: the {self.backend} backend has no waiting mode to set")
+        if mode not in IDLE_MODES:
+            raise ValueError(f"idle={mode!r}: use one of {', '.join(IDLE_MODES)}")
+        self._be.idle = mode
+
     def _steps(self, collective: str, call: int, algo: str):
         # The ring code reports each finished step to the watchdog's record,
         # which forwards it to the tracer when tracing is on.
@@ -373,11 +392,19 @@ class Communicator:
             return 1
         if chunks is not None:
             return int(chunks)
-        if self.size <= 2 or buf.nbytes == 0:
-            return 1  # nothing to overlap
-        # The cost model's best S, with the alpha and beta that tune fitted for this
-        # layout (rank 0's table, so every rank cuts the same chunks).
-        return self._tuned().pipeline_chunks(buf.nbytes, self.size)
+        return self.pipeline_chunks(buf.nbytes)
+
+    def pipeline_chunks(self, nbytes: int) -> int:
+        """The chunks S a pipelined broadcast or reduce of ``nbytes`` uses by default.
+
+        The cost model's best S (``mpiring.costmodel``), with the alpha and beta
+        that ``tune`` stored for this layout, else the built-in ones; 1 on two
+        ranks or for an empty message (nothing to overlap). The first call loads
+        rank 0's table, so it is collective: call it on every rank.
+        """
+        if self.size <= 2 or nbytes == 0:
+            return 1
+        return self._tuned().pipeline_chunks(int(nbytes), self.size)
 
     # --- communicators and utilities -------------------------------------------
     def split(self, color: int | None, key: int = 0) -> Communicator | None:

@@ -149,5 +149,7 @@ def test_sweep_reports_the_chunk_count_the_communicator_uses(world):
                       dtype="float32", op="sum", root=0, chunks=None, model=None)
     (row,) = run_sweep(fresh, cfg)
     assert row["chunks"] == fresh._auto.pipeline_chunks(1 << 16, world.size)
+    assert row["chunks"] == fresh.pipeline_chunks(1 << 16)
+    assert fresh.pipeline_chunks(0) == 1
     if world.size > 2:
         assert row["chunks"] > 1  # the built-in alpha/beta would give 1 here

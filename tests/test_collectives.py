@@ -147,8 +147,7 @@ def test_polling_waits_give_the_same_result(comm, idle, algo):
     """The MPI backend's polling waits (more ranks than cores; DDP's comm thread)."""
     if comm.backend != "mpi":
         pytest.skip("MPI backend only")
-    be = comm._be
-    saved, be.idle = be.idle, idle
+    saved, comm.idle = comm.idle, idle
     try:
         for n in (0, 3, 1000, 70001):
             x = data(comm.rank, n, "float32", "sum", salt=n)
@@ -159,7 +158,16 @@ def test_polling_waits_give_the_same_result(comm, idle, algo):
             comm.broadcast(y, root=comm.size - 1, algo="ring")
             assert (y == comm.size - 1).all()
     finally:
-        be.idle = saved
+        comm.idle = saved
+
+
+def test_idle_mode_is_checked(comm):
+    if comm.backend != "mpi":
+        pytest.skip("MPI backend only")
+    assert comm.idle in ("spin", "yield", "sleep")
+    with pytest.raises(ValueError, match="use one of spin, yield, sleep"):
+        comm.idle = "nap"
+    assert comm.idle in ("spin", "yield", "sleep")
 
 
 @pytest.mark.deadline(120)

@@ -125,8 +125,9 @@ def test_comm_thread_sleeps_while_overlapping_and_drops_done_buckets(comm):
     ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
     naive = DDP(mlp(3), comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, overlap=False)
     try:
-        assert ddp.reducer._bucket_comm._be.idle == "sleep"
-        assert naive.reducer._bucket_comm._be.idle != "sleep"
+        assert ddp.reducer._bucket_comm.idle == "sleep"
+        assert naive.reducer._bucket_comm.idle != "sleep"
+        assert comm.idle != "sleep"  # the user's communicator keeps its mode
         X, Y = global_batch(comm.size, 0)
         loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
         old = [weakref.ref(b.flat) for b in ddp.reducer.buckets]

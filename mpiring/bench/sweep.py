@@ -184,7 +184,7 @@ def make_case(comm, gloo, collective: str, algo: str, buf: np.ndarray, src: np.n
         # What the Communicator will use: the tuned alpha and beta if `tune` stored
         # them for this layout, else the built-in ones (the first lookup is
         # collective; every rank builds its cases in the same order).
-        s = chunks if chunks is not None else comm._tuned().pipeline_chunks(buf.nbytes, k)
+        s = chunks if chunks is not None else comm.pipeline_chunks(buf.nbytes)
     elif algo == "ring" and collective in ROOTED:
         s = 1
     return Case(call=lambda: method(buf, check=False, **kwargs),

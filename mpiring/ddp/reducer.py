@@ -198,7 +198,7 @@ class Reducer:
             # overlaps, so it sleeps between polls (2 ranks on 2 cores, GPT "comm":
             # 145 -> 140 ms per step in side-by-side runs, near their noise; see
             # mpiring/backends/mpi.py IDLE_MODES). MPIRING_DDP_SLEEP=0 turns it off.
-            self._bucket_comm._be.idle = "sleep"
+            self._bucket_comm.idle = "sleep"
         self._expect = False
         self._reset_iteration()
 
