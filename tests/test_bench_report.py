@@ -213,3 +213,18 @@ def test_ps_table_shows_the_lecture_numbers():
     assert ps4.split()[2:6] == ["1.00", "1.00", "3.00", "3.00"]
     ring4 = next(line for line in text.splitlines() if line.split()[:2] == ["4", "ring"])
     assert ring4.split()[2:6] == ["1.50", "1.50", "1.50", "1.50"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_orders_put_every_call_after_every_other_equally_often(n):
+    from collections import Counter
+
+    from mpiring.bench.measure import balanced_orders
+
+    rows = balanced_orders(n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    assert len(rows) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    for pos in range(n):  # every call in every position equally often
+        assert len(set(Counter(row[pos] for row in rows).values())) == 1
+    pairs = Counter((row[k], row[k + 1]) for row in rows for k in range(n - 1))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1

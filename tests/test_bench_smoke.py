@@ -134,8 +134,8 @@ def test_time_interleaved_batches_and_rotates(world):
     assert times.shape == (3, 4) and (times >= 0).all()
     samples = "".join(log).split("|")[1:]
     assert all(len(s) == 2 and len(set(s)) == 1 for s in samples)  # one call, twice in a row
-    firsts = [samples[i * 3][0] for i in range(5)]
-    assert firsts == ["a", "b", "c", "a", "b"]  # each iteration starts one call further on
+    orders = ["".join(s[0] for s in samples[i * 3:i * 3 + 3]) for i in range(5)]
+    assert orders == ["abc", "bca", "cab", "cba", "acb"]  # balanced_orders(3), from row 0
 
 
 def test_sweep_reports_the_chunk_count_the_communicator_uses(world):

@@ -16,7 +16,8 @@ Modes, each on the same model, data and ranks:
 
 All jobs are built first and then take turns, one step each, so that load
 from elsewhere on a shared machine hits every mode alike (the price: every
-job's model and optimizer state are in memory at once).
+job's model and optimizer state are in memory at once); the order of the
+turns changes from step to step (``measure.balanced_orders``).
 
 A step is split into forward, backward compute, exposed communication (time
 the step waits for communication that did not hide behind compute), optimizer
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..trace import NULL_CALL, Tracer, clock
+from .measure import balanced_orders
 
 DDP_MODES = ("compute", "ddp", "naive", "flat-mpi", "ps", "torch-ddp")
 #: Modes that train the bare model (no wrapper): compute alone, and flat-mpi,
@@ -251,10 +253,12 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
             jobs.append(job)
         comm.tracer = sink  # the reducers write their bucket events here
         local = np.zeros((len(jobs), cfg.steps, len(KEYS)))
+        orders = balanced_orders(len(jobs))  # the order changes step by step (see there)
         for i in range(cfg.warmup + cfg.steps):
             if progress:
                 progress.show(f"step {i + 1}/{cfg.warmup + cfg.steps} of every mode")
-            for j, ((mode, _), job) in enumerate(zip(plan, jobs)):
+            for j in orders[i % len(orders)]:
+                (mode, _), job = plan[j], jobs[j]
                 ours = mode in ("ddp", "naive")
                 parts = _step_parts(job, sink if ours else None, compute_only=(mode in BARE),
                                     flat_mpi=(mode == "flat-mpi"))

@@ -63,24 +63,49 @@ def batch_for(nbytes: int) -> int:
     return max(1, min(64, BATCH_BYTES // max(nbytes, 1)))
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders for n calls taking turns: each first, and after every other, equally often.
+
+    A call can leave something behind for the next one (cache contents, which
+    rank is late, how the scheduler treats a rank that has just polled), so
+    which call runs just before another one matters on a busy machine. Plain
+    rotation (a b c, b c a, c a b) always puts the same call before each one.
+    These are a Williams design: row 0 is 0, 1, n-1, 2, n-2, ...; row r adds r
+    (mod n); for odd n the rows are also taken backwards. Over all rows every
+    call runs in every position equally often and right after every other call
+    equally often (once for even n, twice for odd n).
+    """
+    if n <= 1:
+        return [list(range(n))]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(c + r) % n for c in first] for r in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],
                      resets: Sequence[Callable[[], object]], *, iters: int,
                      warmup: int, batch: int = 1) -> np.ndarray:
     """Like ``time_iterations`` for several calls at once, taking turns.
 
-    Iteration i times every call once, one after the other, starting with
-    ``calls[i mod n]``, so that a burst of load from outside hits every call
-    alike and their ratios stay meaningful on a shared machine. Each sample is
+    Iteration i times every call once, one after the other, so that a burst of
+    load from outside hits every call alike and their ratios stay meaningful on
+    a shared machine; the order changes from one iteration to the next (see
+    ``balanced_orders``), so that no call always runs first or always right
+    after the same other one. Each sample is
     ``batch`` calls back to back (see ``batch_for``), divided by ``batch``; the
     buffers are reset before each sample only. Returns an array (calls, iters)
     of the slowest rank's times per call.
     """
     local = np.zeros((len(calls), max(iters, 0)), dtype=np.float64)
-    n = len(calls)
+    orders = balanced_orders(len(calls))
     for i in range(warmup + iters):
-        # Each iteration starts one call further on, so that no call always runs
-        # first (or always right after the same other one).
-        for j in [(i + m) % n for m in range(n)]:
+        for j in orders[i % len(orders)]:
             call, reset = calls[j], resets[j]
             reset()
             mpi_comm.Barrier()
