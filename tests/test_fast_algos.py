@@ -186,6 +186,24 @@ def test_auto_remembers_each_choice_until_the_table_changes(comm):
     assert len(fresh._auto_seen) == 2
 
 
+def test_pipeline_chunks_are_remembered_until_the_table_changes(comm):
+    from mpiring import Communicator
+
+    d = {"all_reduce": autotune.Decision([(None, "native")])}
+    fresh = Communicator(comm._be, comm.tracer)
+    fresh._auto = autotune.AutoTable("slow", d, d, pipeline=(1.0, 1e9))  # alpha 1 s: one chunk
+    n = 1 << 20
+    assert fresh.pipeline_chunks(n) == 1
+    fresh._auto = autotune.AutoTable("fast", d, d, pipeline=(1e-7, 1e9))  # a refit
+    many = fresh.pipeline_chunks(n)
+    assert many == (fresh._auto.pipeline_chunks(n, comm.size) if comm.size > 2 else 1)
+    if comm.size > 2:
+        assert many > 1 and fresh._chunks_seen == {n: many}
+    x = np.full(n // 4, comm.rank, np.float32)
+    fresh.broadcast(x, root=0)  # runs with the remembered S
+    assert (x == 0).all()
+
+
 def test_fit_decision_picks_crossovers_and_keeps_native_within_margin():
     sizes = [8, 64, 512, 4096, 32768]
     times = {
