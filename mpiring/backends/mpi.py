@@ -23,8 +23,20 @@ MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod
 
 
 def _bytes(a):
-    # Point-to-point moves raw bytes: every dtype (bfloat16 included, which has no
-    # MPI datatype) travels the same way and mpi4py needs no type lookup.
+    """``a`` as a message of raw bytes.
+
+    Point-to-point moves raw bytes: every dtype (bfloat16 included, which has no
+    MPI datatype) travels the same way and mpi4py needs no type lookup. A host
+    array goes as the buffer spec ``[a, MPI.BYTE]``, not as a uint8 view of it:
+    making the view cost 0.2 us per message, which the ring pays twice a step.
+    """
+    if isinstance(a, np.ndarray):
+        return [a, MPI.BYTE]
+    return _byte_view(a)
+
+
+def _byte_view(a):
+    """``a`` as an array of bytes (for the vector collectives' specs, and GPU arrays)."""
     if not isinstance(a, np.ndarray):
         # A device array on a CUDA-aware MPI: a reduction into it may still be
         # queued on the GPU, and MPI reads device memory without a stream.
@@ -242,7 +254,7 @@ class MPIBackend:
         counts = [(b - a) * x.itemsize for a, b in bounds]
         displs = [a * x.itemsize for a, _ in bounds]
         self._collective("MPI_Allgatherv", self.comm.Allgatherv, MPI.IN_PLACE,
-                         [_bytes(x), counts, displs, MPI.BYTE])
+                         [_byte_view(x), counts, displs, MPI.BYTE])
         return x
 
     def native_broadcast(self, x, root: int):
