@@ -76,8 +76,9 @@ def paired_quartiles(native: np.ndarray, times: np.ndarray) -> tuple[float, floa
     ``x native`` is a ratio of medians; this is its spread. Iteration i times
     every algorithm back to back, so the ratio within one iteration is free of
     whatever the machine did a second earlier or later; the interquartile range
-    of these per-iteration ratios says how far one ratio can be trusted. When it
-    spans 1.0 the two are not told apart by this run.
+    of these per-iteration ratios is how far they scatter. When it spans 1.0
+    the two are not told apart by this run; when it does not, that is a hint,
+    not proof (two identical calls can miss 1.0 on a shared machine).
     """
     ratios = np.asarray(native, dtype=np.float64) / np.asarray(times, dtype=np.float64)
     ratios = ratios[np.isfinite(ratios)]
