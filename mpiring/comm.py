@@ -115,13 +115,11 @@ class Communicator:
 
     @idle.setter
     def idle(self, mode: str) -> None:
-        from .backends.mpi import IDLE_MODES
+        from .backends.mpi import check_idle_mode
 
         if not hasattr(self._be, "idle"):
             raise ValueError(f"idle: the {self.backend} backend has no waiting mode to set")
-        if mode not in IDLE_MODES:
-            raise ValueError(f"idle={mode!r}: use one of {', '.join(IDLE_MODES)}")
-        self._be.idle = mode
+        self._be.idle = check_idle_mode(mode)
 
     def _steps(self, collective: str, call: int, algo: str):
         # The ring code reports each finished step to the watchdog's record,
@@ -378,9 +376,12 @@ class Communicator:
         and ranks share cores: there 0.1 us more per call measured as 0.3-1 us
         more per collective, the ranks' delays adding up.
         """
-        algo = self._auto_seen.get((collective, buf.array.nbytes, buf.dtype, op))
+        key = (collective, buf.array.nbytes, buf.dtype, op)
+        algo = self._auto_seen.get(key)
         if algo is None:
             algo = self._auto_choose(collective, buf, op)
+            if len(self._auto_seen) < _REMEMBER:
+                self._auto_seen[key] = algo
         self._act.algo = algo  # the stall report names the algorithm that runs
         return algo
 
@@ -393,8 +394,6 @@ class Communicator:
                                       op if collective in REDUCING else None)
             except (TypeError, ValueError):
                 algo = table.choose(collective, buf.nbytes, native_ok=False)
-        if len(self._auto_seen) < 4096:
-            self._auto_seen[(collective, buf.array.nbytes, buf.dtype, op)] = algo
         return algo
 
     def _tuned(self):
@@ -426,7 +425,7 @@ class Communicator:
         s = self._chunks_seen.get(nbytes)
         if s is None:
             s = self._tuned().pipeline_chunks(int(nbytes), self.size)
-            if len(self._chunks_seen) < 4096:
+            if len(self._chunks_seen) < _REMEMBER:
                 self._chunks_seen[nbytes] = s
         return s
 
@@ -465,6 +464,11 @@ class Communicator:
     def mpi_comm(self):
         """The underlying ``mpi4py.MPI.Comm``."""
         return self._be.comm
+
+
+#: Most sizes a Communicator remembers auto's choice and the pipeline's S for
+#: (a training loop repeats a handful; a sweep over many sizes just stops adding).
+_REMEMBER = 4096
 
 
 @functools.lru_cache(maxsize=256)

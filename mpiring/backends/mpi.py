@@ -85,13 +85,18 @@ def _oversubscribed(local_size: int) -> bool:
     return local_size > cores
 
 
+def check_idle_mode(mode: str, name: str = "idle") -> str:
+    """``mode`` if it is one of ``IDLE_MODES``, else ValueError naming ``name`` and the modes."""
+    if mode not in IDLE_MODES:
+        raise ValueError(f"{name}={mode!r}: use one of {', '.join(IDLE_MODES)}")
+    return mode
+
+
 def _idle_mode(local_size: int) -> str:
     """How this rank waits: ``MPIRING_IDLE`` if set, else "yield" when oversubscribed."""
     mode = os.environ.get("MPIRING_IDLE", "").strip().lower()
     if mode:
-        if mode not in IDLE_MODES:
-            raise ValueError(f"MPIRING_IDLE={mode!r}: use one of {', '.join(IDLE_MODES)}")
-        return mode
+        return check_idle_mode(mode, "MPIRING_IDLE")
     return "yield" if _oversubscribed(local_size) else "spin"
 
 

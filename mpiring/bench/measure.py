@@ -97,10 +97,10 @@ def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],
     load from outside hits every call alike and their ratios stay meaningful on
     a shared machine; the order changes from one iteration to the next (see
     ``balanced_orders``), so that no call always runs first or always right
-    after the same other one. Each sample is
-    ``batch`` calls back to back (see ``batch_for``), divided by ``batch``; the
-    buffers are reset before each sample only. Returns an array (calls, iters)
-    of the slowest rank's times per call.
+    after the same other one. Each sample is ``batch`` calls back to back (see
+    ``batch_for``), divided by ``batch``; the buffers are reset before each
+    sample only. Returns an array (calls, iters) of the slowest rank's times
+    per call.
     """
     local = np.zeros((len(calls), max(iters, 0)), dtype=np.float64)
     orders = balanced_orders(len(calls))
