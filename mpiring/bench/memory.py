@@ -94,7 +94,10 @@ def measure_setup(comm, setup: str, *, preset: str = "comm", batch_size: int = 1
             from ..train.torch_pg import destroy_torch_process_group
 
             destroy_torch_process_group(comm)
-    peak = max(peak_rss_bytes(), current_rss_bytes())  # the two count pages slightly apart
+    # getrusage and /proc count pages slightly apart, so the kernel's high-water
+    # mark can read a little below a resident size measured earlier; the peak is
+    # at least every reading taken, "before" included.
+    peak = max(peak_rss_bytes(), current_rss_bytes(), before)
     return {"setup": setup, "ranks": comm.size, "preset": preset, "grad_bytes": grad_bytes,
             "bucket_mb": bucket_mb, "algo": algo, "steps": steps,
             "rss_before": before, "rss_peak": peak, "growth": peak - before}
