@@ -45,6 +45,9 @@ DEFAULT_TIMEOUT = 300.0
 STALL_EXIT_CODE = 124
 #: Seconds to wait for MPI_Abort to end the process before exiting directly.
 ABORT_GRACE = 10.0
+#: Seconds between writing a report and MPI_Abort: the abort makes the launcher
+#: kill every process at once, and output still in its pipes can be lost.
+REPORT_GRACE = 0.5
 
 now = time.monotonic
 
@@ -308,9 +311,7 @@ def fire(act: Activity, text: str) -> None:
     except Exception:  # noqa: BLE001 - the report matters more than stdout
         pass
     os.write(2, text.encode(errors="replace"))
-    # Give the launcher a moment to forward the report: MPI_Abort makes it kill
-    # every process at once, and output still in its pipes can be lost.
-    time.sleep(0.5)
+    time.sleep(REPORT_GRACE)
     backstop = threading.Timer(ABORT_GRACE, os._exit, args=(STALL_EXIT_CODE,))
     backstop.daemon = True
     backstop.start()

@@ -19,9 +19,12 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 
 import pytest
 from mpi4py import MPI
+
+from mpiring.watchdog import REPORT_GRACE
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -48,6 +51,7 @@ def _abort(message: str) -> None:
     sys.stdout.flush()
     sys.stderr.write(message)
     sys.stderr.flush()
+    time.sleep(REPORT_GRACE)  # let the launcher forward the report before it kills the job
     WORLD.Abort(1)
 
 
