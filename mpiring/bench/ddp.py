@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import pages
 from ..trace import NULL_CALL, Tracer, clock
 from .measure import balanced_orders
 
@@ -127,7 +128,8 @@ def _flat_all_reduce(job) -> tuple[float, float]:
     n = sum(p.numel() for p in params)
     flat = getattr(job, "_bench_flat", None)
     if flat is None or flat.numel() != n:  # one buffer, reused: no fresh pages every step
-        flat = job._bench_flat = torch.empty(n, dtype=params[0].grad.dtype)
+        # On huge pages, like the reducer's buckets (see mpiring.pages).
+        flat = job._bench_flat = pages.zeros(n, params[0].grad.dtype)
     torch.cat([p.grad.reshape(-1) for p in params], out=flat)
     t1 = clock()
     job.comm.all_reduce(flat, op="sum", algo="native", check=False)

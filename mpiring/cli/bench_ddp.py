@@ -64,6 +64,7 @@ def run(args) -> int:
     import mpiring
     from mpiring.bench.ddp import DDPBenchConfig, format_ddp_table, plot_ddp, run_ddp_bench
     from mpiring.bench.report import Progress
+    from mpiring.pages import steady_malloc
 
     if args.backend != "mpi":
         raise ValueError("bench-ddp runs on the MPI backend (CPU); use --backend mpi")
@@ -74,6 +75,8 @@ def run(args) -> int:
                          algo=args.algo, max_data_mb=args.max_data_mb,
                          grad_as_bucket_view=args.grad_as_bucket_view)
     cfg.validate()
+    # Every mode, the memory setups too, with the same allocator state (see there).
+    steady = steady_malloc()
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if args.memory:
         return _memory(comm, args)
@@ -81,6 +84,9 @@ def run(args) -> int:
     if comm.rank == 0:
         print(f"# mpiring bench-ddp, {now}: {comm.size} rank(s); command: mpiexec -n "
               f"{comm.size} python -m mpiring bench-ddp {' '.join(sys.argv[2:])}".rstrip())
+        print("# malloc: " + ("glibc's thresholds fixed (mpiring.pages.steady_malloc)" if steady
+                              else "as the environment left it (MALLOC_*, GLIBC_TUNABLES or "
+                                   "MPIRING_STEADY_MALLOC=0, or not glibc)"))
     on = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     bar = Progress(cfg.warmup + cfg.steps, enabled=on and comm.rank == 0)
     try:

@@ -120,6 +120,7 @@ def run(args) -> int:
     import mpiring
 
     from ..checkpoint import ReplicaDivergenceError
+    from ..pages import steady_malloc
     from ..train.checkpointing import CheckpointWriteError, ResumeError, callbacks_from_args
     from ..train.loop import TrainJob, train
 
@@ -130,6 +131,7 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"mpiring train: {exc}", file=sys.stderr)
         return 2
+    steady_malloc()  # every step reuses the last one's freed memory (see mpiring.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if comm.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a host would otherwise each start one thread per core.

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .. import pages
 from ..trace import clock
 from .bucketing import MIB, bucket_offsets, compute_buckets, order_from_observed
 
@@ -216,8 +217,8 @@ class Reducer:
             offsets, total = bucket_offsets(group, numels)
             last = b == len(groups) - 1
             first = self.params[group[0]]
-            flat = torch.zeros(total + (tail_len if last else 0), dtype=first.dtype,
-                               device=first.device)
+            # On huge pages: MPI copies between processes faster (see mpiring.pages).
+            flat = pages.zeros(total + (tail_len if last else 0), first.dtype, first.device)
             self.buckets.append(_Bucket(b, group, offsets, total, flat, total if last else None))
             for i, off in zip(group, offsets):
                 self._where[i] = (b, off)

@@ -1,0 +1,105 @@
+"""Large host buffers on transparent huge pages.
+
+MPICH moves a large message between two processes of one host with a single
+copy: the receiver reads the sender's memory (``process_vm_readv``, "CMA"). The
+kernel pins the sender's pages one by one for that, so the page size shows: on
+a 2-core host, 2 ranks, ring AllReduce of three buckets of 4, 29 and 17 MB
+(the DDP bench's GPT "comm"), buffers from ``torch.empty`` (4 KiB pages) took
+9.8 ms and the same buffers on 2 MiB pages 6.7 ms, side by side in one run.
+NumPy already asks for huge pages for its large arrays (``madvise``); torch's
+CPU allocator does not (unless ``THP_MEM_ALLOC_ENABLE=1`` is set).
+
+So the buffers mpiring allocates itself and sends often (the DDP reducer's
+buckets, ZeRO's flat parameters and gradients, the parameter server's
+buckets) come from :func:`zeros`: an anonymous mapping, aligned to 2 MiB and
+advised ``MADV_HUGEPAGE``, seen as a torch tensor. Where the system has no
+transparent huge pages (``never``) the advice is a no-op; where Python has no
+``MADV_HUGEPAGE`` (not Linux) or the buffer is under one huge page, it is a
+plain ``torch.zeros``. ``MPIRING_HUGE_PAGES=0`` turns it off.
+
+Your own tensors can live there too: ``mpiring.pages.zeros(n, torch.float32)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+
+#: The huge-page size (x86-64 and most aarch64 kernels).
+HUGE_PAGE = 2 << 20
+
+
+def enabled() -> bool:
+    """Whether :func:`zeros` maps huge pages (``MPIRING_HUGE_PAGES``, default on)."""
+    return (hasattr(mmap, "MADV_HUGEPAGE")
+            and os.environ.get("MPIRING_HUGE_PAGES", "1").strip() != "0")
+
+
+def zeros(numel: int, dtype, device=None):
+    """A zero-filled 1-D torch tensor of ``numel`` elements, on huge pages when on the host.
+
+    CUDA tensors and buffers under one huge page are plain ``torch.zeros``. The
+    mapping is freed when the last tensor or view of it goes away.
+    """
+    import torch
+
+    device = torch.device("cpu" if device is None else device)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < HUGE_PAGE or not enabled():
+        return torch.zeros(numel, dtype=dtype, device=device)
+    # One huge page more than needed, so that the tensor can start on a 2 MiB
+    # boundary (the kernel maps huge pages only on aligned 2 MiB ranges). The
+    # slack is never touched, so it costs address space, not memory.
+    # Private: a shared anonymous mapping is shmem, which THP leaves alone.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # pragma: no cover - a kernel without THP: ordinary pages
+        pass
+    raw = np.frombuffer(region, dtype=np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    # The tensor keeps the NumPy view alive, and the view the mapping.
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype)
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: The largest mmap threshold glibc accepts on 64-bit hosts.
+MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def steady_malloc(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 256 << 20) -> bool:
+    """Let glibc keep freed tensor memory for the next training step; True if it took effect.
+
+    torch's CPU tensors come from ``malloc``. Under glibc's defaults a block of
+    128 KiB or more is a fresh ``mmap`` and goes back to the kernel when freed,
+    until the first such block is freed: glibc then raises its threshold to
+    that block's size. So whether every step's gradients and optimizer
+    temporaries page-fault in again (zeroed by the kernel) depends on what the
+    process freed before. On the DDP bench's GPT "comm" (2 ranks, 2 cores) the
+    same compute-alone step took 127-161 ms in a process that had not freed a
+    large block and 104-106 ms with the thresholds fixed here, side by side.
+
+    ``mpiring train`` and ``mpiring bench-ddp`` call this at start, so that
+    every mode they compare runs with the same allocator state. It does nothing
+    when ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or
+    ``GLIBC_TUNABLES`` is set (yours win), when ``MPIRING_STEADY_MALLOC=0``, or
+    without glibc. The price: up to ``trim_threshold`` bytes of freed memory
+    stay mapped.
+    """
+    env = os.environ
+    if env.get("MPIRING_STEADY_MALLOC", "1").strip() == "0" or any(
+            k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # Trim first: setting either one turns glibc's dynamic adjustment off.
+    return bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+                and mallopt(_M_MMAP_THRESHOLD, mmap_threshold))
