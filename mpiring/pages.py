@@ -55,12 +55,12 @@ def zeros(numel: int, dtype, device=None):
     # slack is never touched, so it costs address space, not memory.
     # Private: a shared anonymous mapping is shmem, which THP leaves alone.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # pragma: no cover - a kernel without THP: ordinary pages
-        pass
     raw = np.frombuffer(region, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
+    try:  # whole huge pages only: the last partial one stays 4 KiB pages, not 2 MiB resident
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE)
+    except OSError:  # pragma: no cover - a kernel without THP: ordinary pages
+        pass
     # The tensor keeps the NumPy view alive, and the view the mapping.
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype)
 
