@@ -26,6 +26,7 @@ import numpy as np
 from . import collectives as coll
 from .buffers import DTYPES, Buffer, as_buffer
 from .chunking import chunk_bounds
+from .collectives.ring_segmented import SEGMENT_BYTES
 from .cuda import device_plan
 from .errors import MismatchError
 from .ops import OPS, check_op
@@ -45,7 +46,10 @@ REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 
 # "call" last: the call number of this collective on this communicator. It
 # differs when a rank made more or fewer calls than the others (one unchecked).
-_DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks", "call")
+_DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks",
+                "segment_bytes", "call")
+#: The collectives whose "auto" or "ring-seg" may run the segmented ring.
+_SEGMENTED = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -88,6 +92,7 @@ class Communicator:
         # (collective, bytes, dtype, op) -> the algo auto chose; bytes -> pipeline S.
         self._auto_seen: dict[tuple, str] = {}
         self._chunks_seen: dict[int, int] = {}
+        self._segment_bytes = SEGMENT_BYTES
 
     # --- helpers --------------------------------------------------------------
     def __repr__(self) -> str:
@@ -120,6 +125,25 @@ class Communicator:
         if not hasattr(self._be, "idle"):
             raise ValueError(f"idle: the {self.backend} backend has no waiting mode to set")
         self._be.idle = check_idle_mode(mode)
+
+    @property
+    def segment_bytes(self) -> int:
+        """The segment size of ``algo="ring-seg"`` (also when ``auto`` picks it), in bytes.
+
+        Default ``mpiring.collectives.ring_segmented.SEGMENT_BYTES`` (4 MiB). The
+        segmented ring receives into ``WINDOW`` (2) segments, so this also bounds
+        its receive buffer; DDP's buckets use 1 MiB. Set it to the same value on
+        every rank: the argument check compares it, and a call on ranks that
+        disagree raises ``MismatchError`` on all of them.
+        """
+        return self._segment_bytes
+
+    @segment_bytes.setter
+    def segment_bytes(self, nbytes: int) -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 1:
+            raise ValueError(f"segment_bytes={nbytes!r}: give a positive number of bytes "
+                             "(for instance 1 << 20)")
+        self._segment_bytes = int(nbytes)
 
     def _steps(self, collective: str, call: int, algo: str):
         # The ring code reports each finished step to the watchdog's record,
@@ -191,8 +215,9 @@ class Communicator:
             if error is not None:
                 raise error
             return self._enter(buf), call
-        table = self._be.exchange(_descriptor(collective, buf, op, algo, root, chunks, call,
-                                              error))
+        segment = self._segment_bytes if collective in _SEGMENTED else None
+        table = self._be.exchange(_descriptor(collective, buf, op, algo, root, chunks, segment,
+                                              call, error))
         rows = table.tolist()
         if rows[0][-1] == 0 and rows.count(rows[0]) == len(rows):
             # Every rank described the same call and none failed: the usual case,
@@ -251,7 +276,8 @@ class Communicator:
             self._be.native_all_reduce(buf.array, op)
         elif algo == "ring-seg":
             coll.segmented_all_reduce(self._be, buf.array, op,
-                                      self._steps("all_reduce", call, algo))
+                                      self._steps("all_reduce", call, algo),
+                                      segment_bytes=self._segment_bytes)
         elif algo == "recursive-doubling":
             coll.recursive_doubling_all_reduce(self._be, buf.array, op,
                                                self._steps("all_reduce", call, algo))
@@ -281,7 +307,8 @@ class Communicator:
             lo, hi = self._be.native_reduce_scatter(buf.array, op)
         elif algo == "ring-seg":
             lo, hi = coll.segmented_reduce_scatter(
-                self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
+                self._be, buf.array, op, self._steps("reduce_scatter", call, algo),
+                segment_bytes=self._segment_bytes)
         else:
             lo, hi = coll.ring_reduce_scatter(
                 self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
@@ -302,7 +329,8 @@ class Communicator:
         if algo == "native":
             self._be.native_all_gather(buf.array)
         elif algo == "ring-seg":
-            coll.segmented_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
+            coll.segmented_all_gather(self._be, buf.array, self._steps("all_gather", call, algo),
+                                      segment_bytes=self._segment_bytes)
         else:
             coll.ring_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
         self._finish()
@@ -496,8 +524,8 @@ def _int_or(value: Any) -> int:
     return -2
 
 
-def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks, call: int,
-                error: Exception | None) -> np.ndarray:
+def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks, segment,
+                call: int, error: Exception | None) -> np.ndarray:
     """The call as int64s, in ``_DESC_FIELDS`` order plus an error flag; never raises."""
     return np.array([
         _name_code(collective),
@@ -507,6 +535,7 @@ def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks, cal
         _int_or(root),
         _name_code(algo),
         _int_or(chunks),
+        _int_or(segment),
         call,
         0 if error is None else 1,
     ], dtype=np.int64)

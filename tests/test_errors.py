@@ -91,6 +91,26 @@ def test_chunks_mismatch(fresh):
     still_works(fresh)
 
 
+@pytest.mark.parametrize("algo", ["ring-seg", "auto", "ring"])
+def test_segment_bytes_mismatch(fresh, algo):
+    """Ranks that would cut ring-seg's messages differently raise before any byte moves
+    (also when the call does not ask for ring-seg: ``auto`` may pick it)."""
+    fresh.segment_bytes = 4096 if fresh.rank == 1 else 1 << 20
+    with pytest.raises(mpiring.MismatchError, match="^all_reduce#1: segment_bytes differs: " + row(
+            fresh, lambda r: 4096 if r == 1 else 1 << 20) + "$"):
+        fresh.all_reduce(np.zeros(1 << 16, dtype=np.float32), algo=algo)
+    fresh.segment_bytes = 4096
+    still_works(fresh)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "1M", True, None])
+def test_segment_bytes_must_be_a_positive_int(world, bad):
+    comm = world.dup()
+    with pytest.raises(ValueError, match="segment_bytes=.*positive number of bytes"):
+        comm.segment_bytes = bad
+    assert comm.segment_bytes == 4 << 20
+
+
 def test_collective_mismatch_is_reported_alone(fresh):
     x = np.zeros(16, dtype=np.float32)
     names = lambda r: "broadcast" if r == 1 else "all_reduce"  # noqa: E731

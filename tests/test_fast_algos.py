@@ -80,6 +80,29 @@ def test_segments_and_windows(comm, segment_bytes, counts):
                                           err_msg=f"n={n} window={window}")
 
 
+def test_communicator_segment_bytes_cuts_the_messages_and_the_receive_buffer(comm):
+    """comm.segment_bytes reaches all three segmented collectives; the receive buffer
+    is two segments, not a chunk."""
+    sub = comm.dup()
+    sub.segment_bytes = 64  # 16 float32 per segment
+    n = 4099
+    x = data(comm.rank, n, np.float32)
+    sub.all_reduce(x, algo="ring-seg")
+    np.testing.assert_array_equal(x, reference(comm.size, n, "float32", "sum"))
+    if comm.size > 1:
+        (buf,) = sub._be._scratch.values()
+        assert buf.size == 2 * 16, buf.size
+    y = data(comm.rank, n, np.float32, salt=1)
+    lo, hi = comm.chunk_bounds(n)[comm.rank]
+    view = sub.reduce_scatter(y, algo="ring-seg")
+    want = sum(data(r, n, np.float64, salt=1) for r in range(comm.size))[lo:hi]
+    np.testing.assert_array_equal(view, want.astype(np.float32))
+    z = np.zeros(n, dtype=np.float32)
+    z[lo:hi] = lo + np.arange(hi - lo)
+    sub.all_gather(z, algo="ring-seg")
+    np.testing.assert_array_equal(z, np.arange(n, dtype=np.float32))
+
+
 def test_torch_tensor(comm):
     torch = pytest.importorskip("torch")
     base = torch.from_numpy(data(comm.rank, 1003, np.float64)).to(torch.bfloat16)

@@ -13,6 +13,7 @@ from torch import nn
 from mpiring import pages
 from mpiring.ddp import DistributedDataParallel as DDP
 from mpiring.ddp.bucketing import MIB
+from mpiring.ddp.reducer import BUCKET_SEGMENT_BYTES
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -113,5 +114,9 @@ def test_ddp_buckets_on_huge_pages_reduce_exactly(comm, view):
             ((ref(X) - Y) ** 2).mean().backward()
             for p, q in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+        # The default bucket algorithm (ring-seg, 1 MiB segments) receives into two
+        # segments: 2 MiB, where the lecture's ring would take a chunk (2.25 MB on 2 ranks).
+        held = sum(b.nbytes for b in ddp.reducer._bucket_comm._be._scratch.values())
+        assert held <= 2 * BUCKET_SEGMENT_BYTES, held
     finally:
         ddp.close()

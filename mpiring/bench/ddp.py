@@ -90,7 +90,7 @@ class DDPBenchConfig:
     modes: Sequence[str] = DDP_MODES
     bucket_mb: float = 25.0
     bucket_sweep: Sequence[float] = ()
-    algo: str = "ring"
+    algo: str = "ring-seg"
     grad_as_bucket_view: bool = False
     max_data_mb: float = 2.0
     notes: list[str] = field(default_factory=list)

@@ -47,7 +47,7 @@ def current_rss_bytes() -> int:
 
 
 def measure_setup(comm, setup: str, *, preset: str = "comm", batch_size: int = 1,
-                  steps: int = 5, bucket_mb: float = 25.0, algo: str = "ring",
+                  steps: int = 5, bucket_mb: float = 25.0, algo: str = "ring-seg",
                   max_data_mb: float = 1.0) -> dict[str, Any]:
     """Train ``steps`` steps in ``setup``; this rank's RSS before wrapping and at its peak."""
     import torch

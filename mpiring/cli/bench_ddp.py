@@ -38,9 +38,10 @@ def add_arguments(p) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (default 25)")
     p.add_argument("--bucket-sweep", type=_floats, default=[],
                    help="also run ddp with these bucket caps in MiB, e.g. 1,4,16,64")
-    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
-                   help="bucket AllReduce: the lecture's ring (default), another of mpiring's "
-                        "algorithms (auto, ring-seg, ...), or native (the MPI library's own)")
+    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring-seg",
+                   help="bucket AllReduce: the lecture's ring in 1 MiB segments (ring-seg, the "
+                        "default), the lecture's loop as written (ring), another of mpiring's "
+                        "algorithms (auto, ...), or native (the MPI library's own)")
     p.add_argument("--grad-as-bucket-view", action="store_true",
                    help="each .grad a view into its bucket (ddp, naive and torch-ddp alike)")
     p.add_argument("--max-data-mb", type=float, default=2.0, help="corpus size (default 2)")

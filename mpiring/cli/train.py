@@ -38,8 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket in MiB (default 1)")
-    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
-                   help="bucket AllReduce: the lecture's ring (default), another of mpiring's "
+    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring-seg",
+                   help="bucket AllReduce: the lecture's ring in 1 MiB segments (ring-seg, the "
+                        "default), the lecture's loop as written (ring), another of mpiring's "
                         "algorithms, or native (the MPI library's own)")
     p.add_argument("--grad-as-bucket-view", action="store_true",
                    help="make each .grad a view into its DDP bucket: no copy back after the "

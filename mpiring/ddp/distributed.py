@@ -46,9 +46,11 @@ class DistributedDataParallel(nn.Module):
         overlap: True launches each bucket's AllReduce as soon as its gradients
             are ready, overlapping the rest of backward; False waits for the whole
             backward first (the naive design).
-        algo: AllReduce algorithm for the buckets: "ring" (the lecture's, the
-            default), any other of ``Communicator.all_reduce``'s ("auto",
-            "ring-seg", ...), or "native" (the library's own).
+        algo: AllReduce algorithm for the buckets: "ring-seg" (the default:
+            the lecture's ring, cut into 1 MiB segments, so that its receive
+            buffer is 2 MiB and not a chunk of the largest bucket), "ring" (the
+            lecture's loop as written), any other of ``Communicator.all_reduce``'s
+            ("auto", ...), or "native" (the library's own).
         quiet_wait: wait for all ranks before each bucket's AllReduce without
             spinning a core (see ``reducer.quiet_barrier``); default on for CPU
             buckets on the MPI backend.
@@ -62,7 +64,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 overlap: bool = True, *, algo: str = "ring", quiet_wait: bool | None = None):
+                 overlap: bool = True, *, algo: str = "ring-seg", quiet_wait: bool | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got "

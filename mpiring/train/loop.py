@@ -54,7 +54,7 @@ class TrainConfig:
     dropout: float = 0.0          # attention dropout (draws from torch's RNG)
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
-    algo: str = "ring"            # bucket AllReduce: any of Communicator.all_reduce's
+    algo: str = "ring-seg"        # bucket AllReduce: any of Communicator.all_reduce's
     grad_as_bucket_view: bool = False  # .grad a view into the bucket (ddp, naive, torch-ddp)
     max_data_mb: float = 4.0
     val_batches: int = 4
