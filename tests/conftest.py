@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -66,14 +67,20 @@ def run_mpiexec(n: int, args: list[str], timeout: float) -> tuple[int, str, floa
         mpiexec = "mpiexec"
     cmd = [mpiexec, "-n", str(n), sys.executable, *args]
     t0 = time.monotonic()
+    # A nested test job that is aborted on purpose cannot remove its harness
+    # files (see mpi_harness._arm_stack_dumps): they go here, removed afterwards.
+    stacks = tempfile.TemporaryDirectory(prefix="mpiring-nested-")
+    env = {**scrubbed_env(), "MPIRING_TEST_STACKS_DIR": stacks.name}
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=scrubbed_env(), capture_output=True,
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=timeout)
         return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"") + (exc.stderr or b"")
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
         return -9, out + f"\n<timed out after {timeout} s>", time.monotonic() - t0
+    finally:
+        stacks.cleanup()
 
 
 @pytest.fixture

@@ -6,18 +6,29 @@
   into the next test's collectives and wait forever for the failed one.
 * Deadline: every test runs under a watchdog (``mpi_deadline`` in the ini, 60 s
   by default, or ``@pytest.mark.deadline(seconds)``). On expiry the rank prints
-  ``[r{rank}] TIMEOUT {nodeid}`` and every thread's stack, then aborts the job.
-  A second, C-level watchdog (faulthandler) exits the process even if Python
-  itself is stuck.
+  ``[r{rank}] TIMEOUT {nodeid}`` and every thread's stack, then those of the
+  other ranks on its host, then aborts the job. A second, C-level watchdog
+  (faulthandler) exits the process even if Python itself is stuck.
+* Every rank's stacks: the rank whose deadline fires first is often not the
+  culprit (a rank stuck in C with the GIL held cannot run its own timer; the
+  others then time out waiting for it). So each rank arms faulthandler on
+  SIGUSR1, writing into a file of its own, and a rank that times out signals
+  the other ranks of its host and prints what they wrote, each under
+  ``[r{rank}] stacks of r{other}``.
 * One report: ranks other than 0 drop pytest's terminal output; rank 0 prints
   the usual progress and summary.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import faulthandler
 import os
+import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -30,6 +41,8 @@ WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
 SIZE = WORLD.Get_size()
 DEFAULT_DEADLINE = 60.0
+#: The other ranks on this host: (rank, pid, file that SIGUSR1 dumps their stacks into).
+_PEERS: list[tuple[int, int, str]] = []
 
 
 def pytest_addoption(parser):
@@ -40,11 +53,52 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "deadline(seconds): per-test deadline under MPI")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    _arm_stack_dumps()
     if RANK != 0:
         # Rank 0 speaks for the job; the others report only their own failures.
         reporter = config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
+
+
+def _arm_stack_dumps() -> None:
+    """SIGUSR1 makes this rank dump every thread's stack into a file of its own (collective)."""
+    if SIZE == 1 or not hasattr(signal, "SIGUSR1"):
+        return
+    fd, path = tempfile.mkstemp(prefix=f"mpiring-test-stacks-r{RANK}-", suffix=".txt",
+                                dir=os.environ.get("MPIRING_TEST_STACKS_DIR") or None)
+    sink = os.fdopen(fd, "w")
+    # In C, from the signal handler: works while this rank's Python is stuck.
+    faulthandler.register(signal.SIGUSR1, file=sink, all_threads=True)
+    atexit.register(_remove, path)  # an aborted job leaves its (small) files behind
+    host = socket.gethostname()
+    table = WORLD.allgather((host, os.getpid(), path))
+    _PEERS[:] = [(r, pid, p) for r, (h, pid, p) in enumerate(table) if h == host and r != RANK]
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _peer_stacks() -> None:
+    """Ask the other ranks of this host for their stacks and print them here."""
+    asked = []
+    for r, pid, path in _PEERS:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+            asked.append((r, pid, path))
+    time.sleep(0.3)  # the dumps are written from the signal handlers, in C
+    for r, pid, path in asked:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as exc:
+            text = f"(could not read {path}: {exc})\n"
+        text = text or "(nothing written)\n"
+        sys.stderr.write(f"\n[r{RANK}] stacks of r{r} (pid {pid}), asked for when r{RANK} "
+                         f"timed out:\n{text}")
+    sys.stderr.flush()
 
 
 def _abort(message: str) -> None:
@@ -85,6 +139,7 @@ def pytest_runtest_protocol(item, nextitem):
                          f"{seconds:.0f} s; stacks of every thread follow\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(all_threads=True)
+        _peer_stacks()
         _abort(f"[r{RANK}] aborting the {SIZE}-rank job after the deadline\n")
 
     timer = threading.Timer(seconds, expire)

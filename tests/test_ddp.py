@@ -378,9 +378,17 @@ def test_matches_torch_ddp_over_gloo(world):
 
     pg = init_torch_process_group(world, torch.device("cpu"))
     try:
-        ours, theirs = mlp(11), mlp(11)
-        ddp = DDP(ours, world, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
-        tddp = nn.parallel.DistributedDataParallel(theirs, process_group=pg, bucket_cap_mb=SMALL)
+        _compare_with_torch_ddp(world, pg)
+    finally:
+        # torch's DDP is gone with the helper's frame: nothing uses the group any more.
+        destroy_torch_process_group(world)
+
+
+def _compare_with_torch_ddp(world, pg) -> None:
+    ours, theirs = mlp(11), mlp(11)
+    ddp = DDP(ours, world, bucket_cap_mb=SMALL, first_bucket_mb=TINY)
+    tddp = nn.parallel.DistributedDataParallel(theirs, process_group=pg, bucket_cap_mb=SMALL)
+    try:
         for it in range(2):
             X, Y = global_batch(world.size, 70 + it)
             loss_fn(ddp(shard(X, world)), shard(Y, world)).backward()
@@ -389,9 +397,8 @@ def test_matches_torch_ddp_over_gloo(world):
             for m in (ours, theirs):
                 sgd(m)
                 m.zero_grad()
-        ddp.close()
     finally:
-        destroy_torch_process_group(world)
+        ddp.close()
 
 
 def test_model_difference_raises_on_every_rank_naming_it(comm):

@@ -38,6 +38,21 @@ def test_hang_hits_the_deadline_and_aborts_with_a_traceback(rank0_subprocess):
 
 
 @pytest.mark.deadline(90)
+def test_a_timeout_prints_the_stacks_of_the_other_ranks(rank0_subprocess):
+    """Rank 0 is stuck in C with the GIL held and cannot report; rank 1's report shows where."""
+    result = rank0_subprocess(2, [*HARNESS, "tests/harness_cases/case_stuck_in_c.py"], timeout=60)
+    if result is None:
+        return
+    rc, out, seconds = result
+    assert rc != 0, out
+    assert "[r1] TIMEOUT tests/harness_cases/case_stuck_in_c.py::test_rank0_stuck_in_c" in out, out
+    assert re.search(r"\[r1\] stacks of r0 \(pid \d+\), asked for when r1 timed out", out), out
+    after = out.split("stacks of r0", 1)[1]
+    assert "hold_the_gil_in_c" in after, f"rank 0's dump must show where it is stuck:\n{out}"
+    assert seconds < 30, f"took {seconds:.1f} s:\n{out}"
+
+
+@pytest.mark.deadline(90)
 def test_passing_run_reads_like_one_report(rank0_subprocess):
     result = rank0_subprocess(3, [*HARNESS, "tests/harness_cases/case_pass.py"], timeout=60)
     if result is None:

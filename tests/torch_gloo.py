@@ -12,7 +12,9 @@ def gloo_world(world):
     if dist.is_initialized() and dist.get_world_size() == world.size:
         return dist
     if dist.is_initialized():
-        dist.destroy_process_group()
+        from mpiring.train.torch_pg import destroy_torch_process_group
+
+        destroy_torch_process_group(world)  # in order, rank 0 (the store's host) last
     port = None
     if world.rank == 0:
         with socket.socket() as s:

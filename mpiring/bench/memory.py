@@ -93,6 +93,7 @@ def measure_setup(comm, setup: str, *, preset: str = "comm", batch_size: int = 1
         if pg is not None:
             from ..train.torch_pg import destroy_torch_process_group
 
+            wrapped = pg = None  # torch's DDP must not outlive its group
             destroy_torch_process_group(comm)
     # getrusage and /proc count pages slightly apart, so the kernel's high-water
     # mark can read a little below a resident size measured earlier; the peak is

@@ -330,6 +330,7 @@ class TrainJob:
         if self._pg is not None:
             from .torch_pg import destroy_torch_process_group
 
+            self.wrapped = self.model  # torch's DDP must not outlive its group
             destroy_torch_process_group(self.comm)
             self._pg = None
 

@@ -8,6 +8,7 @@ name otherwise.
 
 from __future__ import annotations
 
+import gc
 import socket
 
 import numpy as np
@@ -44,8 +45,7 @@ def init_torch_process_group(comm, device: torch.device, timeout_s: float = 120.
         comm.broadcast(raw, root=0)
         host = raw.tobytes().rstrip(b"\0").decode("ascii", errors="replace")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_torch_process_group(comm)  # one left from before: torn down in order, rank 0 last
     dist.init_process_group(backend, init_method=f"tcp://{host}:{int(port[0])}",
                             rank=comm.rank, world_size=comm.size,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -63,6 +63,9 @@ def destroy_torch_process_group(comm) -> None:
 
     if not dist.is_initialized():
         return
+    # A wrapper dropped by the caller but kept alive by a reference cycle (torch's
+    # DDP has them) would keep using the group: collect it first.
+    gc.collect()
     comm.barrier()            # every rank has finished with the group
     if comm.rank != 0:
         dist.destroy_process_group()
