@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from . import pages  # huge-page buffers and steady_malloc (no torch needed to import)
 from .backends import BACKENDS
 from .comm import Communicator
 from .errors import BackendUnavailable, MismatchError, MpiringTimeout
@@ -22,6 +23,7 @@ __all__ = [
     "MpiringTimeout",
     "ZeroRedundancyOptimizer",
     "init",
+    "pages",
 ]
 
 

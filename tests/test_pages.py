@@ -61,6 +61,13 @@ def test_views_keep_the_mapping_alive():
     assert tail.reshape(-1).tolist() == [float(pages.HUGE_PAGE - 5 + i) for i in range(5)]
 
 
+def test_reachable_from_the_package_without_torch():
+    code = ("import sys, mpiring; assert callable(mpiring.pages.zeros); "
+            "assert callable(mpiring.pages.steady_malloc); assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
 def test_small_buffers_and_switched_off_are_plain_zeros(monkeypatch):
     small = pages.zeros(100, torch.float16)
     assert small.dtype == torch.float16 and int(small.count_nonzero()) == 0
