@@ -56,6 +56,7 @@ def run(args) -> int:
         print(f"zero-bench: --optimizer {args.optimizer!r}: use adamw, zero1, zero2 or a comma "
               "list of them", file=sys.stderr)
         return 2
+    mpiring.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if len(names) > 1:
         return _interleaved(comm, args, names)
