@@ -38,6 +38,29 @@ def enabled() -> bool:
             and os.environ.get("MPIRING_HUGE_PAGES", "1").strip() != "0")
 
 
+def thp_mode() -> str:
+    """The system's transparent-huge-page setting ("always", "madvise", "never"), or "unknown"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "unknown"
+
+
+def describe() -> str:
+    """One line for a bench header: whether :func:`zeros` maps huge pages here, and why not."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "4 KiB pages (no MADV_HUGEPAGE on this system)"
+    if not enabled():
+        return "4 KiB pages (MPIRING_HUGE_PAGES=0)"
+    mode = thp_mode()
+    if mode == "never":
+        return "4 KiB pages (transparent huge pages are off: never)"
+    return f"huge pages advised (transparent huge pages: {mode})"
+
+
 def zeros(numel: int, dtype, device=None):
     """A zero-filled 1-D torch tensor of ``numel`` elements, on huge pages when on the host.
 

@@ -1,5 +1,7 @@
 """The DDP bench: a one-step run of every mode on the tiny GPT, and its table and bars."""
 
+import os
+
 import pytest
 
 pytest.importorskip("torch")
@@ -69,3 +71,24 @@ def test_memory_setups_report_peak_rss_and_extra_copies(world):
     with pytest.raises(ValueError, match="use one of"):
         measure_setup(world, "zero3")
     assert "torch-ddp-view" in SETUPS
+
+
+@pytest.mark.deadline(90)
+def test_command_header_says_how_memory_was_set_up(rank0_subprocess):
+    """The command's header names the allocator state and the buckets' pages, then the table."""
+    args = ["-m", "mpiring", "bench-ddp", "--preset", "tiny", "--batch-size", "1", "-n", "1",
+            "-w", "0", "--modes", "compute,ddp", "--max-data-mb", "0.2"]
+    result = rank0_subprocess(2, args, timeout=60)
+    if result is None:
+        return
+    rc, out, _ = result
+    assert rc == 0, out
+    header = next(line for line in out.splitlines() if line.startswith("# malloc: "))
+    ours = os.environ.get("MPIRING_STEADY_MALLOC", "1").strip() == "0" or any(
+        k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                                  "GLIBC_TUNABLES"))
+    want = "# malloc: as the environment left it" if ours else "# malloc: glibc's thresholds fixed"
+    assert header.startswith(want), header
+    assert "; DDP buckets: " in header and "pages" in header, header
+    assert "bucket AllReduce algo ring-seg" in out, out
+    assert out.count("compute ") == 1 and "ddp 25M" in out, out

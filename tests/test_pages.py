@@ -68,6 +68,15 @@ def test_reachable_from_the_package_without_torch():
     assert out.returncode == 0, out.stderr
 
 
+def test_describe_says_what_zeros_does_here(monkeypatch):
+    assert pages.thp_mode() in ("always", "madvise", "never", "unknown")
+    monkeypatch.setenv("MPIRING_HUGE_PAGES", "0")
+    assert pages.describe() == "4 KiB pages (MPIRING_HUGE_PAGES=0)"
+    monkeypatch.delenv("MPIRING_HUGE_PAGES")
+    if pages.enabled() and pages.thp_mode() in ("always", "madvise"):
+        assert pages.describe() == f"huge pages advised (transparent huge pages: {pages.thp_mode()})"
+
+
 def test_small_buffers_and_switched_off_are_plain_zeros(monkeypatch):
     small = pages.zeros(100, torch.float16)
     assert small.dtype == torch.float16 and int(small.count_nonzero()) == 0

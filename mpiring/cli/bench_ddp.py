@@ -65,6 +65,7 @@ def run(args) -> int:
     import mpiring
     from mpiring.bench.ddp import DDPBenchConfig, format_ddp_table, plot_ddp, run_ddp_bench
     from mpiring.bench.report import Progress
+    from mpiring.pages import describe as describe_pages
     from mpiring.pages import steady_malloc
 
     if args.backend != "mpi":
@@ -87,7 +88,8 @@ def run(args) -> int:
               f"{comm.size} python -m mpiring bench-ddp {' '.join(sys.argv[2:])}".rstrip())
         print("# malloc: " + ("glibc's thresholds fixed (mpiring.pages.steady_malloc)" if steady
                               else "as the environment left it (MALLOC_*, GLIBC_TUNABLES or "
-                                   "MPIRING_STEADY_MALLOC=0, or not glibc)"))
+                                   "MPIRING_STEADY_MALLOC=0, or not glibc)")
+              + f"; DDP buckets: {describe_pages()}")
     on = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     bar = Progress(cfg.warmup + cfg.steps, enabled=on and comm.rank == 0)
     try:
