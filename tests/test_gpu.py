@@ -123,10 +123,10 @@ def check_collectives(c: Communicator, algo: str, dtypes=("float32", "bfloat16",
         np.testing.assert_array_equal(cupy.asnumpy(g), full)
         root = n % k
         b = cupy.asarray(data(rank, n, np.float16, salt=3))
-        c.broadcast(b, root=root, algo="pipelined" if algo == "ring" else algo, chunks=3)
+        c.broadcast(b, root=root, algo="native" if algo == "native" else "pipelined", chunks=3)
         np.testing.assert_array_equal(cupy.asnumpy(b), data(root, n, np.float16, salt=3))
         r = cupy.asarray(data(rank, n, np.float32, salt=4))
-        c.reduce(r, root=root, op="sum", algo="pipelined" if algo == "ring" else algo, chunks=2)
+        c.reduce(r, root=root, op="sum", algo="native" if algo == "native" else "pipelined", chunks=2)
         expected = (reference(k, n, np.float32, "sum", salt=4) if rank == root
                     else data(rank, n, np.float32, salt=4))
         np.testing.assert_array_equal(cupy.asnumpy(r), expected)
@@ -183,17 +183,17 @@ def test_mpi_path_is_reported(world):
 
 
 @pytest.mark.deadline(180)
-@pytest.mark.parametrize("algo", ("ring", "native"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "native"))
 def test_cupy_buffers_on_mpi_backend(comm, algo):
     check_collectives(comm, algo)
 
 
-@pytest.mark.parametrize("algo", ("ring", "native"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "native"))
 def test_torch_cuda_tensors_on_mpi_backend(comm, algo):
     check_torch(comm, algo)
 
 
-@pytest.mark.parametrize("algo", ("ring", "native"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "native"))
 def test_mpi_backend_stream_rule(comm, algo):
     check_streams(comm, algo)
 
@@ -210,7 +210,7 @@ def nccl1():
 
 
 @pytest.mark.deadline(180)
-@pytest.mark.parametrize("algo", ("ring", "native"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "native"))
 def test_nccl_one_rank(nccl1, algo):
     assert nccl1.backend == "nccl" and nccl1.size == 1
     check_collectives(nccl1, algo)
@@ -244,7 +244,7 @@ def nccl2(subcomms, world):
 
 
 @pytest.mark.deadline(180)
-@pytest.mark.parametrize("algo", ("ring", "native"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "native"))
 def test_nccl_two_ranks(nccl2, algo):
     assert nccl2.size == 2
     check_collectives(nccl2, algo)

@@ -298,7 +298,7 @@ def test_device_plan_per_backend_and_awareness(monkeypatch, world):
     assert seen == [("reduce", "native", "max")]
 
 
-@pytest.mark.parametrize("algo", ("ring", "native"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "native"))
 def test_staging_runs_the_collective_on_host_memory_and_copies_once_each_way(
         comm, monkeypatch, algo):
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "0")
@@ -322,7 +322,7 @@ def test_staging_runs_the_collective_on_host_memory_and_copies_once_each_way(
     lo, hi = comm.chunk_bounds(n)[comm.rank]
     np.testing.assert_allclose(view._host, everyone.astype(np.float64)[:, lo:hi].mean(0))
     z = data(comm.rank, n, np.int32)
-    comm.broadcast(FakeDeviceArray(z), root=k - 1, algo="pipelined" if algo == "ring" else algo,
+    comm.broadcast(FakeDeviceArray(z), root=k - 1, algo="native" if algo == "native" else "pipelined",
                    chunks=3)
     np.testing.assert_array_equal(z, data(k - 1, n, np.int32))
 
@@ -341,7 +341,7 @@ def _reference(k, n, dtype, op, salt=0):
     return out.astype(dtype)
 
 
-@pytest.mark.parametrize("algo", ("ring", "native"))
+@pytest.mark.parametrize("algo", ("ring", "ring-seg", "native"))
 def test_ring_and_native_over_fake_nccl_match_the_reference(fake_nccl_comm, algo):
     c = fake_nccl_comm
     k, rank = c.size, c.rank
@@ -368,12 +368,12 @@ def test_ring_and_native_over_fake_nccl_match_the_reference(fake_nccl_comm, algo
 
         root = (n + 1) % k
         b = data(rank, n, np.float16, salt=3)
-        c.broadcast(b, root=root, algo="pipelined" if algo == "ring" else algo, chunks=3)
+        c.broadcast(b, root=root, algo="native" if algo == "native" else "pipelined", chunks=3)
         np.testing.assert_array_equal(b, data(root, n, np.float16, salt=3))
 
         r = data(rank, n, np.float32, salt=4)
         mine = r.copy()
-        c.reduce(r, root=root, op="sum", algo="pipelined" if algo == "ring" else algo, chunks=2)
+        c.reduce(r, root=root, op="sum", algo="native" if algo == "native" else "pipelined", chunks=2)
         expected = _reference(k, n, np.float32, "sum", salt=4) if rank == root else mine
         np.testing.assert_array_equal(r, expected)
 
