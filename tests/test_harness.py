@@ -11,45 +11,47 @@ import pytest
 HARNESS = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
 
 
-@pytest.mark.deadline(90)
-def test_failure_on_one_rank_ends_the_job_fast(rank0_subprocess):
-    result = rank0_subprocess(3, [*HARNESS, "tests/harness_cases/case_fail.py"], timeout=60)
+def aborted_job(rank0_subprocess, n: int, case: str) -> str | None:
+    """Run a harness case that must abort the job fast; its output (None off rank 0)."""
+    result = rank0_subprocess(n, [*HARNESS, f"tests/harness_cases/{case}"], timeout=60)
     if result is None:
-        return
+        return None
     rc, out, seconds = result
     assert rc != 0, out
+    assert seconds < 30, f"took {seconds:.1f} s:\n{out}"
+    return out
+
+
+@pytest.mark.deadline(90)
+def test_failure_on_one_rank_ends_the_job_fast(rank0_subprocess):
+    out = aborted_job(rank0_subprocess, 3, "case_fail.py")
+    if out is None:
+        return
     assert "[r1] FAILED tests/harness_cases/case_fail.py::test_rank1_fails" in out, out
     assert "deliberate failure on rank 1" in out, out
-    assert seconds < 30, f"took {seconds:.1f} s:\n{out}"
 
 
 @pytest.mark.deadline(90)
 def test_hang_hits_the_deadline_and_aborts_with_a_traceback(rank0_subprocess):
-    result = rank0_subprocess(2, [*HARNESS, "tests/harness_cases/case_hang.py"], timeout=60)
-    if result is None:
+    out = aborted_job(rank0_subprocess, 2, "case_hang.py")
+    if out is None:
         return
-    rc, out, seconds = result
-    assert rc != 0, out
     # Both ranks are stuck (r0 sleeping, r1 in the barrier); whichever deadline
     # fires first names itself and aborts the job.
     assert re.search(r"\[r[01]\] TIMEOUT tests/harness_cases/case_hang.py::test_rank0_hangs", out), out
     assert "case_hang.py\", line" in out, "the stack dump must show where it hung"
-    assert seconds < 30, f"took {seconds:.1f} s:\n{out}"
 
 
 @pytest.mark.deadline(90)
 def test_a_timeout_prints_the_stacks_of_the_other_ranks(rank0_subprocess):
     """Rank 0 is stuck in C with the GIL held and cannot report; rank 1's report shows where."""
-    result = rank0_subprocess(2, [*HARNESS, "tests/harness_cases/case_stuck_in_c.py"], timeout=60)
-    if result is None:
+    out = aborted_job(rank0_subprocess, 2, "case_stuck_in_c.py")
+    if out is None:
         return
-    rc, out, seconds = result
-    assert rc != 0, out
     assert "[r1] TIMEOUT tests/harness_cases/case_stuck_in_c.py::test_rank0_stuck_in_c" in out, out
     assert re.search(r"\[r1\] stacks of r0 \(pid \d+\), asked for when r1 timed out", out), out
     after = out.split("stacks of r0", 1)[1]
     assert "hold_the_gil_in_c" in after, f"rank 0's dump must show where it is stuck:\n{out}"
-    assert seconds < 30, f"took {seconds:.1f} s:\n{out}"
 
 
 @pytest.mark.deadline(90)
