@@ -154,9 +154,10 @@ def _all_reduce_mean_(state: HookState | None, comm, buf: torch.Tensor,
     else:
         wire = buf.to(dtype)
     if comm.size > 1:
-        # The reducer's default algorithm, so that allreduce_hook gives bit for bit
-        # what no hook gives (algo="auto" could pick another summation order).
-        comm.all_reduce(wire, op="sum", algo="ring", check=False)
+        # The reducer's default algorithm (on the bucket communicator's 1 MiB
+        # segments), so that allreduce_hook gives bit for bit what no hook gives
+        # (algo="auto" could pick another summation order).
+        comm.all_reduce(wire, op="sum", algo="ring-seg", check=False)
     if state is not None:
         state._count(comm, wire.numel(), wire.element_size())
     if wire is not buf:
