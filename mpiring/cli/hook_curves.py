@@ -177,6 +177,7 @@ def run(args) -> int:
         print(f"hook-curves: unknown hook(s) {', '.join(bad) or '(none given)'}: use some of "
               f"{', '.join(HOOKS)}", file=sys.stderr)
         return 2
+    mpiring.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     data = shared_corpus(comm, int(args.max_data_mb * (1 << 20)))
     results = run_hooks(comm, args, hooks, data)
