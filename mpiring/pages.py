@@ -108,11 +108,11 @@ def steady_malloc(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int 
     same compute-alone step took 127-161 ms in a process that had not freed a
     large block and 104-106 ms with the thresholds fixed here, side by side.
 
-    ``mpiring train`` and ``mpiring bench-ddp`` call this at start, so that
-    every mode they compare runs with the same allocator state. It does nothing
-    when ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or
-    ``GLIBC_TUNABLES`` is set (yours win), when ``MPIRING_STEADY_MALLOC=0``, or
-    without glibc. The price: up to ``trim_threshold`` bytes of freed memory
+    ``mpiring train``, ``bench-ddp``, ``zero-bench`` and ``hook-curves`` call
+    this at start, so that every mode they compare runs with the same
+    allocator state. It does nothing when ``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES`` is set (yours win), when
+    ``MPIRING_STEADY_MALLOC=0``, or without glibc. The price: up to ``trim_threshold`` bytes of freed memory
     stay mapped.
     """
     env = os.environ
