@@ -12,8 +12,7 @@ from torch import nn
 
 from mpiring import pages
 from mpiring.ddp import DistributedDataParallel as DDP
-from mpiring.ddp.bucketing import MIB
-from mpiring.ddp.reducer import BUCKET_SEGMENT_BYTES
+from mpiring.ddp.bucketing import BUCKET_SEGMENT_BYTES, MIB
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from .. import pages
+from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
 from ..trace import NULL_CALL, Tracer, clock
 from .measure import balanced_orders
 
@@ -90,7 +91,7 @@ class DDPBenchConfig:
     modes: Sequence[str] = DDP_MODES
     bucket_mb: float = 25.0
     bucket_sweep: Sequence[float] = ()
-    algo: str = "ring-seg"
+    algo: str = DEFAULT_BUCKET_ALGO
     grad_as_bucket_view: bool = False
     max_data_mb: float = 2.0
     notes: list[str] = field(default_factory=list)

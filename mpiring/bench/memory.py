@@ -28,6 +28,8 @@ from __future__ import annotations
 import resource
 from typing import Any
 
+from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
+
 SETUPS = ("compute", "ddp", "ddp-view", "torch-ddp", "torch-ddp-view")
 
 
@@ -47,7 +49,7 @@ def current_rss_bytes() -> int:
 
 
 def measure_setup(comm, setup: str, *, preset: str = "comm", batch_size: int = 1,
-                  steps: int = 5, bucket_mb: float = 25.0, algo: str = "ring-seg",
+                  steps: int = 5, bucket_mb: float = 25.0, algo: str = DEFAULT_BUCKET_ALGO,
                   max_data_mb: float = 1.0) -> dict[str, Any]:
     """Train ``steps`` steps in ``setup``; this rank's RSS before wrapping and at its peak."""
     import torch

@@ -24,6 +24,7 @@ def _floats(text: str) -> list[float]:
 def add_arguments(p) -> None:
     from ..bench.memory import SETUPS
     from ..comm import ALGOS
+    from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
 
     p.add_argument("--preset", default="comm",
                    help="GPT preset: comm (d=512, 4 layers, 64 tokens, 12.8M params; default), "
@@ -38,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB (default 25)")
     p.add_argument("--bucket-sweep", type=_floats, default=[],
                    help="also run ddp with these bucket caps in MiB, e.g. 1,4,16,64")
-    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring-seg",
+    p.add_argument("--algo", choices=ALGOS["all_reduce"], default=DEFAULT_BUCKET_ALGO,
                    help="bucket AllReduce: the lecture's ring in 1 MiB segments (ring-seg, the "
                         "default), the lecture's loop as written (ring), another of mpiring's "
                         "algorithms (auto, ...), or native (the MPI library's own)")

@@ -19,6 +19,7 @@ from . import add_backend_arguments
 
 def add_arguments(p) -> None:
     from ..comm import ALGOS
+    from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
     from ..train.checkpointing import add_arguments as add_checkpoint_arguments
     from ..train.loop import MODES
 
@@ -38,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket in MiB (default 1)")
-    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring-seg",
+    p.add_argument("--algo", choices=ALGOS["all_reduce"], default=DEFAULT_BUCKET_ALGO,
                    help="bucket AllReduce: the lecture's ring in 1 MiB segments (ring-seg, the "
                         "default), the lecture's loop as written (ring), another of mpiring's "
                         "algorithms, or native (the MPI library's own)")

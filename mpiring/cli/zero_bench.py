@@ -39,14 +39,12 @@ def add_arguments(p) -> None:
     add_backend_arguments(p)
 
 
-MIB = 2 ** 20
-
-
 def run(args) -> int:
     import torch
 
     import mpiring
     from mpiring.bench.memory import current_rss_bytes, peak_rss_bytes
+    from mpiring.ddp.bucketing import MIB
     from mpiring.ddp.comm_hooks import ring_bytes_sent
     from mpiring.train.loop import TrainConfig, TrainJob
     from mpiring.wire import allgather_json

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..chunking import chunk_bounds
+from .bucketing import DEFAULT_BUCKET_ALGO
 
 __all__ = [
     "GradBucket",
@@ -157,7 +158,7 @@ def _all_reduce_mean_(state: HookState | None, comm, buf: torch.Tensor,
         # The reducer's default algorithm (on the bucket communicator's 1 MiB
         # segments), so that allreduce_hook gives bit for bit what no hook gives
         # (algo="auto" could pick another summation order).
-        comm.all_reduce(wire, op="sum", algo="ring-seg", check=False)
+        comm.all_reduce(wire, op="sum", algo=DEFAULT_BUCKET_ALGO, check=False)
     if state is not None:
         state._count(comm, wire.numel(), wire.element_size())
     if wire is not buf:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .bucketing import DEFAULT_BUCKET_ALGO
 from .reducer import Reducer
 
 _DESC_BYTES = 200
@@ -64,7 +65,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 overlap: bool = True, *, algo: str = "ring-seg", quiet_wait: bool | None = None):
+                 overlap: bool = True, *, algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got "

@@ -49,13 +49,14 @@ import torch
 
 from .. import pages
 from ..trace import clock
-from .bucketing import MIB, bucket_offsets, compute_buckets, order_from_observed
-
-#: Segment size of the buckets' segmented ring. Measured side by side (2 and 4
-#: ranks on 2 cores, the DDP bench's buckets of 4, 29 and 17 MB on huge pages):
-#: 1-2 MiB segments ran 1.07-1.24x the lecture's ring and 4 MiB ones 1.05-1.16x,
-#: and the receive buffer is 2 MiB instead of a chunk (14 MiB on 2 ranks).
-BUCKET_SEGMENT_BYTES = 1 << 20
+from .bucketing import (
+    BUCKET_SEGMENT_BYTES,
+    DEFAULT_BUCKET_ALGO,
+    MIB,
+    bucket_offsets,
+    compute_buckets,
+    order_from_observed,
+)
 
 _OK = 0
 _MISSING = 1   # a parameter got no gradient and find_unused_parameters is off
@@ -172,7 +173,7 @@ class Reducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], comm, *,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 overlap: bool = True, algo: str = "ring-seg", quiet_wait: bool | None = None):
+                 overlap: bool = True, algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None):
         self.params = list(params)
         self.names = list(names)
         if not self.params:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
 from ..ddp.ps import ParameterServer
 from ..ddp.sampler import DistributedSampler
 from ..models.gpt import GPT, PRESETS, GPTConfig, lm_loss
@@ -54,7 +55,7 @@ class TrainConfig:
     dropout: float = 0.0          # attention dropout (draws from torch's RNG)
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
-    algo: str = "ring-seg"        # bucket AllReduce: any of Communicator.all_reduce's
+    algo: str = DEFAULT_BUCKET_ALGO  # bucket AllReduce: any of Communicator.all_reduce's
     grad_as_bucket_view: bool = False  # .grad a view into the bucket (ddp, naive, torch-ddp)
     max_data_mb: float = 4.0
     val_batches: int = 4
