@@ -112,8 +112,8 @@ def steady_malloc(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int 
     this at start, so that every mode they compare runs with the same
     allocator state. It does nothing when ``MALLOC_MMAP_THRESHOLD_``,
     ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES`` is set (yours win), when
-    ``MPIRING_STEADY_MALLOC=0``, or without glibc. The price: up to ``trim_threshold`` bytes of freed memory
-    stay mapped.
+    ``MPIRING_STEADY_MALLOC=0``, or without glibc. The price: up to
+    ``trim_threshold`` bytes of freed memory stay mapped.
     """
     env = os.environ
     if env.get("MPIRING_STEADY_MALLOC", "1").strip() == "0" or any(
