@@ -75,7 +75,7 @@ def test_memory_setups_report_peak_rss_and_extra_copies(world):
 
 @pytest.mark.deadline(90)
 def test_command_header_says_how_memory_was_set_up(rank0_subprocess):
-    """The command's header names the allocator state and the buckets' pages, then the table."""
+    """The header names the allocator state, the buckets' pages and the optimizer, then the table."""
     args = ["-m", "mpiring", "bench-ddp", "--preset", "tiny", "--batch-size", "1", "-n", "1",
             "-w", "0", "--modes", "compute,ddp", "--max-data-mb", "0.2"]
     result = rank0_subprocess(2, args, timeout=60)
@@ -90,5 +90,9 @@ def test_command_header_says_how_memory_was_set_up(rank0_subprocess):
     want = "# malloc: as the environment left it" if ours else "# malloc: glibc's thresholds fixed"
     assert header.startswith(want), header
     assert "; DDP buckets: " in header and "pages" in header, header
+    from mpiring.train.loop import fused_adamw_available
+
+    fused = fused_adamw_available("cpu")
+    assert header.endswith("; optimizer: AdamW" + (" (fused)" if fused else "")), header
     assert "bucket AllReduce algo ring-seg" in out, out
     assert out.count("compute ") == 1 and "ddp 25M" in out, out

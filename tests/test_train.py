@@ -83,6 +83,29 @@ def test_job_state_round_trip_continues_the_same_run(solo):
     second.close()
 
 
+def test_fused_adamw_by_default_same_losses_as_the_plain_one(solo):
+    from mpiring.cli import build_parser
+    from mpiring.cli.train import config_from_args
+    from mpiring.train.loop import fused_adamw_available
+
+    if not fused_adamw_available("cpu"):
+        pytest.skip("this torch has no fused AdamW on the CPU")
+    train_bytes, val_bytes = corpus()
+    cfg = dict(preset="tiny", seq_len=16, batch_size=4, steps=3, lr=3e-3, seed=5, val_batches=1)
+    losses = {}
+    for fused in (True, False):
+        job = TrainJob(solo, TrainConfig(fused_adamw=fused, **cfg), train_data=train_bytes,
+                       val_data=val_bytes)
+        assert bool(job.optimizer.param_groups[0].get("fused")) is fused
+        losses[fused] = train(job).losses
+        job.close()
+    assert losses[True][-1] < losses[True][0]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["train"])).fused_adamw is True
+    assert config_from_args(parser.parse_args(["train", "--no-fused-adamw"])).fused_adamw is False
+
+
 def test_train_command_runs_every_mode(world, capsys, tmp_path):
     from mpiring.cli import main
 

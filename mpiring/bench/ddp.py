@@ -94,6 +94,7 @@ class DDPBenchConfig:
     algo: str = DEFAULT_BUCKET_ALGO
     grad_as_bucket_view: bool = False
     max_data_mb: float = 2.0
+    fused_adamw: bool = True
     notes: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -113,7 +114,8 @@ def _train_config(cfg: DDPBenchConfig, mode: str, bucket_mb: float):
     return TrainConfig(mode=mode, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        preset=cfg.preset, bucket_mb=bucket_mb,
                        first_bucket_mb=min(1.0, bucket_mb), algo=cfg.algo,
-                       grad_as_bucket_view=cfg.grad_as_bucket_view, max_data_mb=cfg.max_data_mb)
+                       grad_as_bucket_view=cfg.grad_as_bucket_view, max_data_mb=cfg.max_data_mb,
+                       fused_adamw=cfg.fused_adamw)
 
 
 def _flat_all_reduce(job) -> tuple[float, float]:

@@ -46,6 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--grad-as-bucket-view", action="store_true",
                    help="each .grad a view into its bucket (ddp, naive and torch-ddp alike)")
     p.add_argument("--max-data-mb", type=float, default=2.0, help="corpus size (default 2)")
+    p.add_argument("--no-fused-adamw", action="store_true",
+                   help="the plain AdamW in every mode instead of torch's fused kernel")
     p.add_argument("--memory", metavar="SETUP", default=None,
                    choices=SETUPS,
                    help="instead of timing: train --steps steps in this one setup and report "
@@ -68,6 +70,7 @@ def run(args) -> int:
     from mpiring.bench.report import Progress
     from mpiring.pages import describe as describe_pages
     from mpiring.pages import steady_malloc
+    from mpiring.train.loop import fused_adamw_available
 
     if args.backend != "mpi":
         raise ValueError("bench-ddp runs on the MPI backend (CPU); use --backend mpi")
@@ -76,7 +79,8 @@ def run(args) -> int:
                          modes=[m.strip() for m in args.modes.split(",") if m.strip()],
                          bucket_mb=args.bucket_mb, bucket_sweep=args.bucket_sweep,
                          algo=args.algo, max_data_mb=args.max_data_mb,
-                         grad_as_bucket_view=args.grad_as_bucket_view)
+                         grad_as_bucket_view=args.grad_as_bucket_view,
+                         fused_adamw=not args.no_fused_adamw)
     cfg.validate()
     # Every mode, the memory setups too, with the same allocator state (see there).
     steady = steady_malloc()
@@ -90,7 +94,8 @@ def run(args) -> int:
         print("# malloc: " + ("glibc's thresholds fixed (mpiring.pages.steady_malloc)" if steady
                               else "as the environment left it (MALLOC_*, GLIBC_TUNABLES or "
                                    "MPIRING_STEADY_MALLOC=0, or not glibc)")
-              + f"; DDP buckets: {describe_pages()}")
+              + f"; DDP buckets: {describe_pages()}; optimizer: AdamW"
+              + (" (fused)" if cfg.fused_adamw and fused_adamw_available("cpu") else ""))
     on = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     bar = Progress(cfg.warmup + cfg.steps, enabled=on and comm.rank == 0)
     try:

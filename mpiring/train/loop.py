@@ -18,6 +18,7 @@ can be added as a callback in its own module.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -63,6 +64,7 @@ class TrainConfig:
     # Sharded optimizer and DDP communication hooks (modes ddp and naive; see
     # mpiring.zero and mpiring.ddp.comm_hooks).
     optimizer: str = "adamw"      # adamw, zero1, zero2
+    fused_adamw: bool = True      # torch's fused AdamW kernel where the device has one
     comm_hook: str = "none"       # none, allreduce, fp16, bf16, topk, powersgd
     topk_ratio: float = 0.01      # topk: fraction of each bucket sent
     powersgd_rank: int = 1        # powersgd: rank of the approximation
@@ -101,6 +103,24 @@ class TrainConfig:
         if self.optimizer == "zero2" and self.comm_hook != "none":
             raise ValueError("zero2 reduce-scatters the buckets itself (its own comm hook): use "
                              "comm_hook none, or zero1 with a comm hook")
+
+
+@functools.cache
+def fused_adamw_available(device: torch.device | str) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` runs on ``device`` with this torch.
+
+    The fused kernel updates every parameter in one pass per tensor instead of
+    a dozen elementwise ops: on the CPU, for the comm preset's 12.8M
+    parameters, one thread, a step took 10 ms against 27-59 ms. Where the
+    kernel is missing (an older torch, another device) the plain AdamW runs.
+    """
+    try:
+        p = torch.zeros(1, device=device, requires_grad=True)
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
 
 
 class Callback(Protocol):
@@ -160,13 +180,15 @@ class TrainJob:
 
     # --- construction per mode ---------------------------------------------------
     def _make_optimizer(self, params, ddp=None) -> torch.optim.Optimizer:
+        hyper = dict(lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        if self.cfg.fused_adamw and fused_adamw_available(self.device):
+            hyper["fused"] = True
         if self.cfg.optimizer in ("zero1", "zero2"):
             from ..zero import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(params, self.comm, torch.optim.AdamW,
-                                           stage=int(self.cfg.optimizer[-1]), ddp=ddp,
-                                           lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        return torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+                                           stage=int(self.cfg.optimizer[-1]), ddp=ddp, **hyper)
+        return torch.optim.AdamW(params, **hyper)
 
     def _register_comm_hook(self, ddp) -> None:
         from ..ddp.comm_hooks import make_hook
