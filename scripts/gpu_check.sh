@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command on a machine with a GPU (no package index needed): install carried
 # wheels, print `python -m mpiring info`, run the GPU tests, run a short GPU
-# benchmark, and print a summary. Ends in well under 6 minutes.
+# benchmark, measure the CPU collectives and DDP with a core per rank
+# (scripts/core_per_rank.sh, where the host has 8 cores or more), and print a
+# summary. Ends in under 8 minutes.
 #
 #   scripts/gpu_check.sh
 #
@@ -10,6 +12,7 @@
 #   WHEELS=.whl          folder of extra wheels (e.g. the mpich wheel); see README "GPU check"
 #   NP=4                 ranks for the GPU tests (they use sub-communicators of 1..4 ranks)
 #   GPU_CHECK_DIR=out/gpu-check   where logs and bench.json go
+#   CORE_CHECK=0         leave out the CPU part; CORE_BUDGET_S=150 its time
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -35,6 +38,10 @@ finish() {
     if [ -s "$LOGS/bench.txt" ]; then
         printf -- '--- benchmark\n'
         cat "$LOGS/bench.txt"
+    fi
+    if [ -s "$LOGS/core-per-rank.txt" ]; then
+        printf -- '--- CPU, a core per rank\n'
+        grep -vE '^\+ ' "$LOGS/core-per-rank.txt"
     fi
     if [ "$FAILED" = 0 ]; then echo "gpu_check: PASS"; else echo "gpu_check: FAIL"; fi
     exit "$FAILED"
@@ -164,6 +171,27 @@ if [ "$BENCH_NP" = 2 ] && grep -q "^nccl     skipped" "$LOGS/bench.txt"; then
         2>&1 | grep -E "^nccl" | sed 's/$/   (1 rank)/' | tee -a "$LOGS/bench.txt"
 fi
 record "$status" "GPU benchmark" "$((SECONDS - t))" "$LOGS/bench.json"
+
+# --- 6. CPU speed with a core per rank -----------------------------------------------
+# The host's many cores measure what a 2-core machine cannot: the rings against
+# MPI with a core per rank, DDP's overlap with a core to spare (README, Performance).
+if [ "${CORE_CHECK:-1}" != 0 ] && [ "${#LAUNCH[@]}" -gt 0 ]; then
+    note "CPU speed with a core per rank: scripts/core_per_rank.sh"
+    t=$SECONDS
+    if PYTHON="$PY" CORES_DIR="$LOGS/core-per-rank" BUDGET_S="${CORE_BUDGET_S:-150}" \
+            scripts/core_per_rank.sh 2>&1 | tee "$LOGS/core-per-rank.txt"; then
+        if grep -q "^core_per_rank: SKIP" "$LOGS/core-per-rank.txt"; then
+            record SKIP "CPU speed, a core per rank" "$((SECONDS - t))" \
+                "$(grep -m1 -o 'SKIP: .*' "$LOGS/core-per-rank.txt" | cut -c7-80)"
+        else
+            record PASS "CPU speed, a core per rank" "$((SECONDS - t))" "$LOGS/core-per-rank/"
+        fi
+    else
+        record FAIL "CPU speed, a core per rank" "$((SECONDS - t))" "see $LOGS/core-per-rank.txt"
+    fi
+else
+    record SKIP "CPU speed, a core per rank" 0 "CORE_CHECK=0 or no mpiexec"
+fi
 if [ -s "$LOGS/skips.txt" ]; then
     SUMMARY+=("      skipped tests and why:")
     while IFS= read -r line; do SUMMARY+=("$line"); done <"$LOGS/skips.txt"
