@@ -228,3 +228,38 @@ def test_balanced_orders_put_every_call_after_every_other_equally_often(n):
         assert len(set(Counter(row[pos] for row in rows).values())) == 1
     pairs = Counter((row[k], row[k + 1]) for row in rows for k in range(n - 1))
     assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+
+
+def test_speed_summary_marks_the_ratios_under_the_goals_bars(tmp_path, capsys):
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("speed_summary", f"{ROOT}/scripts/speed_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+
+    def row(coll, algo, nbytes, ratio):
+        return {"collective": coll, "algo": algo, "ranks": 3, "bytes": nbytes, "time_us": 10.0,
+                "vs_native": ratio, "vs_native_q1": ratio - 0.1, "vs_native_q3": ratio + 0.1}
+
+    mib = 1 << 20
+    rows = [row("all_reduce", "native", n, 1.0) for n in (8, mib, 2 * mib)]
+    rows += [row("all_reduce", "ring", 8, 0.5),          # under 1 MiB: no bar for the ring
+             row("all_reduce", "ring", mib, 0.99),       # marked
+             row("all_reduce", "ring", 2 * mib, 1.2),
+             row("all_reduce", "auto", 8, 0.94),         # marked: auto's bar is 0.95 everywhere
+             row("all_reduce", "auto", mib, 0.95),
+             row("broadcast", "native", mib, 1.0), row("broadcast", "ring", mib, 0.5),
+             row("broadcast", "pipelined", mib, 0.98)]   # marked; the naive ring has no bar
+    path = tmp_path / "speed-3.json"
+    path.write_text(json.dumps(rows))
+    assert summary.main([str(path), "--brief"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["# all_reduce, 3 ranks: 2 ratio(s) under the goals' bars; lowest auto 0.94 at 8 B",
+                   "# broadcast, 3 ranks: 1 ratio(s) under the goals' bars; "
+                   "lowest pipelined 0.98 at 1 MiB"]
+    assert summary.main([str(path), "--from", "1M"]) == 0
+    grid = capsys.readouterr().out
+    assert "    1 MiB       10.0   0.99<  (0.89-1.09)   0.95   (0.85-1.05)" in grid, grid
+    assert "8 B" not in grid and "1 ratio(s) under" in grid
