@@ -15,7 +15,8 @@
 #
 # Environment (all optional): PYTHON (default python3; a set-up .venv is used
 # when present), CORES_DIR (default out/core-per-rank, where logs and JSON go),
-# BUDGET_S (default 240: the whole script's time; each part gets a share).
+# BUDGET_S (default 240: the whole script's time; each collective run gets a
+# sixth of it, each DDP run a quarter).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -51,7 +52,8 @@ part() {  # part SECONDS LOG cmd...: one time-boxed run, its output kept in LOG
     fi
 }
 echo "core_per_rank: $CORES cores; $(uptime | sed 's/.*load/load/')"
-share=$((BUDGET_S / 5))  # three collective runs, two DDP runs
+share=$((BUDGET_S / 6))      # each of three collective runs
+ddp_share=$((BUDGET_S / 4))  # each of two DDP runs (torch's start-up, five modes)
 for n in 2 3 4; do
     part "$share" "$LOGS/speed-$n.txt" mpiexec -n "$n" "$PY" -m mpiring bench \
         -c all_reduce,broadcast --algo native,ring,ring-seg,auto,pipelined \
@@ -65,7 +67,7 @@ if [ "${#files[@]}" -gt 0 ]; then
     "$PY" scripts/speed_summary.py --brief "${files[@]}" | tee -a "$LOGS/summary.txt"
 fi
 for n in 2 4; do
-    part "$share" "$LOGS/ddp-$n.txt" mpiexec -n "$n" "$PY" -m mpiring bench-ddp --preset comm \
+    part "$ddp_share" "$LOGS/ddp-$n.txt" mpiexec -n "$n" "$PY" -m mpiring bench-ddp --preset comm \
         --batch-size 1 -n 10 -w 2 --modes compute,ddp,naive,flat-mpi,torch-ddp
     grep -E "^# (mpiring|malloc)|^ +(compute|ddp|naive|flat-mpi|torch-ddp) " "$LOGS/ddp-$n.txt"
 done
