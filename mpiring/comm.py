@@ -486,7 +486,7 @@ class Communicator:
 
     def chunk_bounds(self, n: int) -> list[tuple[int, int]]:
         """The chunk bounds ``reduce_scatter``/``all_gather`` use for ``n`` elements."""
-        return chunk_bounds(n, self.size)
+        return list(chunk_bounds(n, self.size))
 
     @property
     def mpi_comm(self):

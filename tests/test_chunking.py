@@ -85,3 +85,16 @@ def test_default_pipeline_chunks():
     assert default_pipeline_chunks(10 << 20, 4, alpha=1e-3, beta=1e9) == 5
     assert default_pipeline_chunks(10 << 20, 4) >= default_pipeline_chunks(10 << 20, 3)
     assert default_pipeline_chunks(3, 4) == 1
+
+
+def test_chunk_bounds_are_remembered_and_cannot_be_changed():
+    import numpy as np
+
+    first = chunk_bounds(1001, 4)
+    assert chunk_bounds(1001, 4) is first  # worked out once per (n, k)
+    assert isinstance(first, tuple) and all(type(a) is int for pair in first for a in pair)
+    with pytest.raises(TypeError):
+        first[0] = (0, 1)  # shared by every caller: immutable
+    assert chunk_bounds(np.int64(1001), np.int64(4)) == first
+    with pytest.raises(TypeError):
+        chunk_bounds(10.5, 2)
