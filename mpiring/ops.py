@@ -11,6 +11,8 @@ silently truncate).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -36,8 +38,9 @@ def check_op(op: str, dtype_name: str, floating: bool) -> None:
         )
 
 
+@functools.cache
 def reducer(op: str):
-    """Return ``f(dst, src)`` that reduces ``src`` into ``dst`` in place."""
+    """Return ``f(dst, src)`` that reduces ``src`` into ``dst`` in place (one per op)."""
     ufunc = _UFUNC[op]
 
     def apply(dst, src):

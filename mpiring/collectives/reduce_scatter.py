@@ -49,8 +49,9 @@ def ring_reduce_scatter(be, x, op: str, trace, phase: str = "reduce-scatter"):
     if size > 1:
         left, right = ring_neighbours(rank, size)
         reduce = reducer(op)
-        # One receive buffer per call (cached by the backend), never one per step.
-        buffer = be.scratch(x, max(b - a for a, b in bounds))
+        # One receive buffer per call (cached by the backend), never one per step;
+        # chunk 0 is the largest (array_split puts the extra elements first).
+        buffer = be.scratch(x, bounds[0][1] - bounds[0][0])
         for i in range(size - 1):
             send_chunk, recv_chunk = reduce_scatter_indices(rank, i, size)
             s0, s1 = bounds[send_chunk]
