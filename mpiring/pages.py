@@ -71,7 +71,7 @@ def zeros(numel: int, dtype, device=None):
     import torch
 
     device = torch.device("cpu" if device is None else device)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < HUGE_PAGE or not enabled():
         return torch.zeros(numel, dtype=dtype, device=device)
     # One huge page more than needed, so that the tensor can start on a 2 MiB

@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+from mpiring.cli import parse_size  # the bench's own -b/-e syntax
+
 MIB = 1 << 20
 #: (bar, smallest size it applies to) per (collective, algorithm); others go unmarked.
 BARS = {("all_reduce", "ring"): (1.0, MIB), ("all_reduce", "ring-seg"): (1.0, MIB),
@@ -29,14 +31,6 @@ def size_label(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
     return f"{n} B"
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 def summarize(path: str, rows: list[dict], smallest: int, brief: bool = False) -> list[str]:
