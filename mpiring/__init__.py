@@ -7,24 +7,40 @@
 
 from __future__ import annotations
 
-from . import pages  # huge-page buffers and steady_malloc (no torch needed to import)
-from .backends import BACKENDS
-from .comm import Communicator
-from .errors import BackendUnavailable, MismatchError, MpiringTimeout
+from mpiring.backends import BACKENDS
+from mpiring.comm.communicator import Communicator
+from mpiring.core.errors import BackendUnavailable, MismatchError, MpiringTimeout
+from mpiring.runtime import pages  # huge-page buffers and steady_malloc (no torch needed to import)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BACKENDS",
-    "BackendUnavailable",
-    "Communicator",
-    "DistributedDataParallel",
-    "MismatchError",
-    "MpiringTimeout",
-    "ZeroRedundancyOptimizer",
-    "init",
-    "pages",
-]
+# Public names that need torch (or a heavier import) live in their layer and are
+# imported on first use: ``import mpiring`` stays cheap and torch stays optional.
+_LAZY = {
+    "DistributedDataParallel": "mpiring.parallel.data",
+    "DistributedSampler": "mpiring.parallel.data",
+    "ZeroRedundancyOptimizer": "mpiring.parallel.zero",
+    "FullyShardedDataParallel": "mpiring.parallel.fsdp",
+    "ProcessGrid": "mpiring.parallel.grid",
+    "ColumnParallelLinear": "mpiring.parallel.tensor",
+    "RowParallelLinear": "mpiring.parallel.tensor",
+    "VocabParallelEmbedding": "mpiring.parallel.tensor",
+    "vocab_parallel_cross_entropy": "mpiring.parallel.tensor",
+    "PipelineStage": "mpiring.parallel.pipeline",
+    "ScheduleGPipe": "mpiring.parallel.pipeline",
+    "Schedule1F1B": "mpiring.parallel.pipeline",
+    "ScheduleZeroBubble": "mpiring.parallel.pipeline",
+    "SchedulePipeDream": "mpiring.parallel.pipeline",
+    "init_process_group": "mpiring.comm.default",
+    "destroy_process_group": "mpiring.comm.default",
+    "is_initialized": "mpiring.comm.default",
+    "get_rank": "mpiring.comm.default",
+    "get_world_size": "mpiring.comm.default",
+    "checkpoint": "mpiring.parallel",
+}
+
+__all__ = ["BACKENDS", "BackendUnavailable", "Communicator", "MismatchError", "MpiringTimeout",
+           "init", "pages", *_LAZY]
 
 
 def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = None,
@@ -42,7 +58,7 @@ def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = No
         timeout: seconds one blocking wait may last before this rank prints a
             stall report (collective, ring step, peer) and aborts the job
             (default ``MPIRING_TIMEOUT`` or 300; 0 disables). See
-            ``mpiring.watchdog``.
+            ``mpiring.runtime.watchdog``.
 
     Raises:
         ValueError: unknown backend name.
@@ -53,27 +69,26 @@ def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = No
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     from mpi4py import MPI
 
-    from .trace import Tracer
+    from mpiring.runtime.trace import Tracer
 
     world = MPI.COMM_WORLD
     tracer = Tracer.from_env(world.Get_rank(), trace, log)
     if backend == "mpi":
-        from .backends.mpi import MPIBackend
+        from mpiring.backends.mpi import MPIBackend
 
         return Communicator(MPIBackend(world.Dup()), tracer, check=check, timeout=timeout)
-    from .backends.nccl import make_backend
+    from mpiring.backends.nccl import make_backend
 
     return Communicator(make_backend(world), tracer, check=check, timeout=timeout)
 
 
 def __getattr__(name: str):
-    # torch is optional: import the DDP wrapper only when it is asked for.
-    if name == "DistributedDataParallel":
-        from .ddp import DistributedDataParallel
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'mpiring' has no attribute {name!r}")
+    from importlib import import_module
 
-        return DistributedDataParallel
-    if name == "ZeroRedundancyOptimizer":
-        from .zero import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer
-    raise AttributeError(f"module 'mpiring' has no attribute {name!r}")
+    module = import_module(where)
+    value = getattr(module, name, None) or import_module(f"{where}.{name}")  # a name or a module
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -21,6 +21,6 @@ for n in $RANKS; do
 done
 python - "$OUT" <<'PY'
 import json, sys
-from mpiring.bench.memory import memory_table
+from mpiring.tools.bench.memory import memory_table
 print(memory_table([json.loads(line) for line in open(sys.argv[1]) if line.strip()]))
 PY

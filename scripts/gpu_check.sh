@@ -125,7 +125,7 @@ else
     record FAIL "mpiring info" "$((SECONDS - t))" "see $LOGS/info.txt"
 fi
 NCCL_AT_LEAST_2_30=$("$PY" - <<'EOF' 2>/dev/null
-from mpiring.cuda import import_nccl, nccl_version_tuple
+from mpiring.backends.gpu import import_nccl, nccl_version_tuple
 lib, _ = import_nccl()
 print(int(lib is not None and nccl_version_tuple(lib.get_version()) >= (2, 30)))
 EOF

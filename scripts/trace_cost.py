@@ -21,8 +21,8 @@ import mpiring
 import mpiring.collectives.all_gather as all_gather_mod
 import mpiring.collectives.reduce_scatter as reduce_scatter_mod
 import mpiring.collectives.ring_segmented as ring_segmented_mod
-from mpiring import trace as trace_mod
-from mpiring import watchdog
+from mpiring.runtime import trace as trace_mod
+from mpiring.runtime import watchdog
 
 MODULES = (reduce_scatter_mod, all_gather_mod, ring_segmented_mod)  # those that read the clock
 

@@ -119,7 +119,7 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 def np_dtype(name: str):
     """The NumPy dtype for a canonical dtype name (ml_dtypes' for bfloat16)."""
-    from mpiring.buffers import BFLOAT16
+    from mpiring.core.buffers import BFLOAT16
 
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 

@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 
-from mpiring.buffers import BFLOAT16
+from mpiring.core.buffers import BFLOAT16
 
 NP_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
              6: np.float16, 7: np.float32, 8: np.float64, 9: BFLOAT16}

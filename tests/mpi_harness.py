@@ -35,7 +35,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from mpiring.watchdog import REPORT_GRACE
+from mpiring.runtime.watchdog import REPORT_GRACE
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()

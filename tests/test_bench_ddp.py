@@ -9,7 +9,7 @@ pytest.importorskip("matplotlib")
 
 from conftest import wait_quietly  # noqa: E402
 
-from mpiring.bench.ddp import (  # noqa: E402
+from mpiring.tools.bench.ddp import (  # noqa: E402
     PARTS,
     DDPBenchConfig,
     format_ddp_table,
@@ -58,7 +58,7 @@ def test_config_errors_name_the_fix():
 
 @pytest.mark.deadline(120)
 def test_memory_setups_report_peak_rss_and_extra_copies(world):
-    from mpiring.bench.memory import SETUPS, format_memory_line, measure_setup, memory_table
+    from mpiring.tools.bench.memory import SETUPS, format_memory_line, measure_setup, memory_table
 
     rows = [measure_setup(world, s, preset="tiny", steps=2, max_data_mb=0.25)
             for s in ("compute", "ddp", "ddp-view")]
@@ -90,7 +90,7 @@ def test_command_header_says_how_memory_was_set_up(rank0_subprocess):
     want = "# malloc: as the environment left it" if ours else "# malloc: glibc's thresholds fixed"
     assert header.startswith(want), header
     assert "; DDP buckets: " in header and "pages" in header, header
-    from mpiring.train.loop import fused_adamw_available
+    from mpiring.tools.train.loop import fused_adamw_available
 
     fused = fused_adamw_available("cpu")
     assert header.endswith("; optimizer: AdamW" + (" (fused)" if fused else "")), header

@@ -6,12 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from mpiring import comm as comm_module
-from mpiring.bench import report, sweep
-from mpiring.bench.pipeline import chunk_counts, format_chunks_table
-from mpiring.bench.ps import format_ps_table
-from mpiring.chunking import chunk_bounds
-from mpiring.ops import finish, reducer
+from mpiring.comm import communicator as comm_module
+from mpiring.core.chunking import chunk_bounds
+from mpiring.core.ops import finish, reducer
+from mpiring.tools.bench import report, sweep
+from mpiring.tools.bench.pipeline import chunk_counts, format_chunks_table
+from mpiring.tools.bench.ps import format_ps_table
 
 
 def test_size_sweep_is_nccl_tests_b_e_f():
@@ -219,7 +219,7 @@ def test_ps_table_shows_the_lecture_numbers():
 def test_balanced_orders_put_every_call_after_every_other_equally_often(n):
     from collections import Counter
 
-    from mpiring.bench.measure import balanced_orders
+    from mpiring.tools.bench.measure import balanced_orders
 
     rows = balanced_orders(n)
     assert all(sorted(row) == list(range(n)) for row in rows)

@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from mpiring.bench import report
-from mpiring.bench.pipeline import chunks_study
-from mpiring.bench.ps import ps_study
-from mpiring.bench.sweep import CHUNKED, COLLECTIVES, SweepConfig, resolve_algos, run_sweep
-from mpiring.costmodel import AlphaBeta
+from mpiring.core.costmodel import AlphaBeta
+from mpiring.tools.bench import report
+from mpiring.tools.bench.pipeline import chunks_study
+from mpiring.tools.bench.ps import ps_study
+from mpiring.tools.bench.sweep import CHUNKED, COLLECTIVES, SweepConfig, resolve_algos, run_sweep
 
 
 def test_sweep_every_collective_and_algo_is_right(world):
@@ -123,7 +123,7 @@ def test_wrong_counts_every_bad_element_on_every_rank(world):
 
 
 def test_time_interleaved_batches_and_rotates(world):
-    from mpiring.bench.measure import batch_for, time_interleaved
+    from mpiring.tools.bench.measure import batch_for, time_interleaved
 
     assert batch_for(8) == 64 and batch_for(64 << 10) == 64 and batch_for(1 << 20) == 4
     assert batch_for(4 << 20) == 1 and batch_for(1 << 30) == 1 and batch_for(0) == 64
@@ -139,7 +139,8 @@ def test_time_interleaved_batches_and_rotates(world):
 
 
 def test_sweep_reports_the_chunk_count_the_communicator_uses(world):
-    from mpiring import Communicator, autotune
+    from mpiring import Communicator
+    from mpiring.comm import autotune
 
     fresh = Communicator(world._be, world.tracer)
     d = {"all_reduce": autotune.Decision([(None, "native")])}

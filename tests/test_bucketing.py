@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpiring.ddp.bucketing import (
+from mpiring.parallel.data.bucketing import (
     MIB,
     bucket_offsets,
     compute_buckets,

@@ -16,8 +16,8 @@ from conftest import ROOT, wait_quietly
 
 torch = pytest.importorskip("torch")
 
-from mpiring import checkpoint as ck  # noqa: E402
-from mpiring.checkpoint import (  # noqa: E402
+from mpiring.parallel import checkpoint as ck  # noqa: E402
+from mpiring.parallel.checkpoint import (  # noqa: E402
     ReplicaDivergenceError,
     check_replicas,
     latest_checkpoint,
@@ -146,7 +146,7 @@ def test_a_planted_symlink_is_replaced_not_followed(tmp_path):
 
 CRASH = textwrap.dedent("""
     import os, signal, sys, torch
-    from mpiring import checkpoint as ck
+    from mpiring.parallel import checkpoint as ck
     d = sys.argv[1]
     ck.save_checkpoint(d, ck.training_state(1, extra={"v": torch.arange(1000)}))
     real_save = torch.save

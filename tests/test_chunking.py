@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpiring.chunking import (
+from mpiring.core.chunking import (
     all_gather_indices,
     chunk_bounds,
     default_pipeline_chunks,

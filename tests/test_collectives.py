@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import FLOATS, OPS, data, np_dtype, sizes
 
-from mpiring.buffers import DTYPES
+from mpiring.core.buffers import DTYPES
 
 
 def reference(comm, n, dtype, op, salt=0):

@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 
 from torch_gloo import gloo_world  # noqa: E402
 
-from mpiring.ddp import DistributedDataParallel  # noqa: E402
-from mpiring.ddp import comm_hooks as ch  # noqa: E402
+from mpiring.parallel.data import DistributedDataParallel  # noqa: E402
+from mpiring.parallel.data import comm_hooks as ch  # noqa: E402
 
 SHAPES = [(24, 10), (10,), (16, 3, 2), (7,), (12, 12)]
 

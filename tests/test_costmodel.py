@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from mpiring import costmodel as cm
+from mpiring.core import costmodel as cm
 
 AB = cm.AlphaBeta(alpha=20e-6, beta=5e9)
 SIZES = [8 * 4**i for i in range(12)]  # 8 B .. 32 MiB

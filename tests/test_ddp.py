@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from mpiring.ddp import DistributedDataParallel as DDP
-from mpiring.ddp import ParameterServer
-from mpiring.ddp.bucketing import MIB
-from mpiring.trace import Tracer
+from mpiring.parallel.data import DistributedDataParallel as DDP
+from mpiring.parallel.data import ParameterServer
+from mpiring.parallel.data.bucketing import MIB
+from mpiring.runtime.trace import Tracer
 
 PER_RANK = 3
 SMALL = 1100 / MIB    # bucket caps in MiB: a few parameters of the MLP per bucket
@@ -374,7 +374,7 @@ def test_overlap_visible_in_trace(comm):
 
 
 def test_matches_torch_ddp_over_gloo(world):
-    from mpiring.train.torch_pg import destroy_torch_process_group, init_torch_process_group
+    from mpiring.tools.train.torch_pg import destroy_torch_process_group, init_torch_process_group
 
     pg = init_torch_process_group(world, torch.device("cpu"))
     try:

@@ -15,7 +15,7 @@ import pytest
 from conftest import data
 
 import mpiring
-from mpiring.buffers import BFLOAT16
+from mpiring.core.buffers import BFLOAT16
 
 
 @pytest.fixture

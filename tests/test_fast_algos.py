@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from conftest import FLOATS, OPS, data, np_dtype, sizes
 
-from mpiring import autotune
-from mpiring.buffers import BFLOAT16, DTYPES
 from mpiring.collectives import segmented_all_reduce
-from mpiring.trace import Tracer, read_trace
+from mpiring.comm import autotune
+from mpiring.core.buffers import BFLOAT16, DTYPES
+from mpiring.runtime.trace import Tracer, read_trace
 
 
 def reference(k, n, dtype, op):

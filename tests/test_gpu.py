@@ -24,9 +24,9 @@ import pytest
 from conftest import data
 from mpi4py import MPI
 
-from mpiring.buffers import BFLOAT16
-from mpiring.comm import Communicator
-from mpiring.cuda import cuda_aware_mpi, import_cupy, import_nccl, nccl_version_tuple
+from mpiring.backends.gpu import cuda_aware_mpi, import_cupy, import_nccl, nccl_version_tuple
+from mpiring.comm.communicator import Communicator
+from mpiring.core.buffers import BFLOAT16
 
 WORLD = MPI.COMM_WORLD
 

@@ -24,12 +24,12 @@ from conftest import data
 from fake_nccl import BACKEND_STREAM, fake_backend
 
 import mpiring
-import mpiring.cuda as cuda
+import mpiring.backends.gpu as cuda
 from mpiring.backends import nccl as nccl_mod
 from mpiring.backends.mpi import MPIBackend
-from mpiring.buffers import BFLOAT16, DTYPES, Buffer
-from mpiring.comm import Communicator
-from mpiring.ops import OPS
+from mpiring.comm.communicator import Communicator
+from mpiring.core.buffers import BFLOAT16, DTYPES, Buffer
+from mpiring.core.ops import OPS
 
 
 def np_dtype(name):

@@ -1,4 +1,4 @@
-"""mpiring.pages: huge-page host buffers and glibc's malloc thresholds."""
+"""mpiring.runtime.pages: huge-page host buffers and glibc's malloc thresholds."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from mpiring import pages
-from mpiring.ddp import DistributedDataParallel as DDP
-from mpiring.ddp.bucketing import BUCKET_SEGMENT_BYTES, MIB
+from mpiring.parallel.data import DistributedDataParallel as DDP
+from mpiring.parallel.data.bucketing import BUCKET_SEGMENT_BYTES, MIB
+from mpiring.runtime import pages
 
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -61,8 +61,8 @@ def test_views_keep_the_mapping_alive():
 
 
 def test_reachable_from_the_package_without_torch():
-    code = ("import sys, mpiring; assert callable(mpiring.pages.zeros); "
-            "assert callable(mpiring.pages.steady_malloc); assert 'torch' not in sys.modules")
+    code = ("import sys, mpiring; assert callable(mpiring.runtime.pages.zeros); "
+            "assert callable(mpiring.runtime.pages.steady_malloc); assert 'torch' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
@@ -88,7 +88,7 @@ def test_small_buffers_and_switched_off_are_plain_zeros(monkeypatch):
 
 
 def _steady(env: dict[str, str]) -> str:
-    code = "from mpiring.pages import steady_malloc; print(steady_malloc())"
+    code = "from mpiring.runtime.pages import steady_malloc; print(steady_malloc())"
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("MALLOC_", "GLIBC_TUNABLES", "MPIRING_STEADY"))}
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env},

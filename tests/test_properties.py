@@ -24,8 +24,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mpiring.buffers import BFLOAT16, DTYPES, FLOAT_DTYPES  # noqa: E402
-from mpiring.comm import ALGOS, REDUCING  # noqa: E402
+from mpiring.comm.communicator import ALGOS, REDUCING  # noqa: E402
+from mpiring.core.buffers import BFLOAT16, DTYPES, FLOAT_DTYPES  # noqa: E402
 
 EXAMPLES = 100
 SETTINGS = settings(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.utils.data.distributed as tud
 
-from mpiring.ddp.sampler import DistributedSampler
+from mpiring.parallel.data.sampler import DistributedSampler
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 10, 12])

@@ -19,8 +19,8 @@ from conftest import data
 from mpi4py import MPI
 
 import mpiring
-from mpiring import wire
-from mpiring.trace import Tracer
+from mpiring.backends import control as wire
+from mpiring.runtime.trace import Tracer
 
 PACKAGE = Path(mpiring.__file__).parent
 
@@ -63,7 +63,7 @@ def test_no_pickling_mpi_calls_in_the_package():
                 found.append(f"{name}:{number}: {line.strip()}")
     assert not found, (
         "mpi4py's lowercase methods pickle what they send and unpickle what peers send; "
-        "use the buffer methods (Bcast, Allgather, Allreduce...) or mpiring.wire "
+        "use the buffer methods (Bcast, Allgather, Allreduce...) or mpiring.backends.control "
         "(allreduce_scalar, bcast_json, allgather_json, bcast_bytes...):\n" + "\n".join(found))
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from conftest import data, wait_quietly
 
-from mpiring import timeline
-from mpiring.chunking import all_gather_indices, chunk_bounds, reduce_scatter_indices
+from mpiring.backends.control import bcast_json
 from mpiring.cli import main as cli_main
-from mpiring.trace import Tracer
-from mpiring.wire import bcast_json
+from mpiring.core.chunking import all_gather_indices, chunk_bounds, reduce_scatter_indices
+from mpiring.runtime.trace import Tracer
+from mpiring.tools import timeline
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mpiring import Communicator
-from mpiring.trace import Tracer, read_trace
+from mpiring.runtime.trace import Tracer, read_trace
 
 
 def traced(comm, directory, **kw):

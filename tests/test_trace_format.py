@@ -2,7 +2,7 @@
 
 import json
 
-from mpiring.trace import NULL_CALL, Tracer, fmt_bytes, fmt_step, read_trace
+from mpiring.runtime.trace import NULL_CALL, Tracer, fmt_bytes, fmt_step, read_trace
 
 
 def test_fmt_bytes():

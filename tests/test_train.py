@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from mpiring.train.data import Windows, read_corpus
-from mpiring.train.loop import MODES, TrainConfig, TrainJob, train
+from mpiring.tools.train.data import Windows, read_corpus
+from mpiring.tools.train.loop import MODES, TrainConfig, TrainJob, train
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 _CORPUS: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -86,7 +86,7 @@ def test_job_state_round_trip_continues_the_same_run(solo):
 def test_fused_adamw_by_default_same_losses_as_the_plain_one(solo):
     from mpiring.cli import build_parser
     from mpiring.cli.train import config_from_args
-    from mpiring.train.loop import fused_adamw_available
+    from mpiring.tools.train.loop import fused_adamw_available
 
     if not fused_adamw_available("cpu"):
         pytest.skip("this torch has no fused AdamW on the CPU")

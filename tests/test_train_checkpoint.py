@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from mpiring import checkpoint as ck  # noqa: E402
-from mpiring import wire  # noqa: E402
-from mpiring.train.checkpointing import (  # noqa: E402
+from mpiring.backends import control as wire  # noqa: E402
+from mpiring.parallel import checkpoint as ck  # noqa: E402
+from mpiring.tools.train.checkpointing import (  # noqa: E402
     CRASH_ENV,
     Checkpointer,
     ReplicaCheck,
@@ -25,8 +25,8 @@ from mpiring.train.checkpointing import (  # noqa: E402
     rng_state_json,
     set_rng_state_json,
 )
-from mpiring.train.data import read_corpus  # noqa: E402
-from mpiring.train.loop import TrainConfig, TrainJob  # noqa: E402
+from mpiring.tools.train.data import read_corpus  # noqa: E402
+from mpiring.tools.train.loop import TrainConfig, TrainJob  # noqa: E402
 
 STEPS = 8
 # Dropout draws from torch's RNG, so a resume that did not restore it would differ.

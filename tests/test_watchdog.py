@@ -15,8 +15,8 @@ import pytest
 from conftest import data
 
 import mpiring
-from mpiring import watchdog
-from mpiring.watchdog import STALL_EXIT_CODE, Activity, parse_timeout
+from mpiring.runtime import watchdog
+from mpiring.runtime.watchdog import STALL_EXIT_CODE, Activity, parse_timeout
 
 # --- pure: deadlines and the report text ------------------------------------------------
 
@@ -114,7 +114,7 @@ def test_activity_forwards_steps_to_an_enabled_trace():
     (args, fields), = got
     assert args == ("reduce-scatter", 0, 3) and fields["dst"] == 2
     assert fields["src"] is None and fields["bytes_sent"] == 0  # the other fields: defaults
-    from mpiring.trace import NULL_CALL
+    from mpiring.runtime.trace import NULL_CALL
     act.steps_to(NULL_CALL)
     act.step("reduce-scatter", 1, 3)
     assert not act.enabled and len(got) == 1

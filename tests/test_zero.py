@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from torch_gloo import gloo_world  # noqa: E402
 
-from mpiring.zero import ZeroRedundancyOptimizer  # noqa: E402
+from mpiring.parallel.zero import ZeroRedundancyOptimizer  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by K = 1, 2, 3, 4
 STEPS = 3
@@ -256,7 +256,7 @@ def test_equals_torch_zero_redundancy_optimizer_over_gloo(world, subcomms):
 def test_zero_with_ddp_buckets_no_sync_and_rebuild(comm, stage):
     """ZeRO on a DDP model: buckets reduce-scattered during backward (stage 2), no_sync,
     the bucket rebuild after the first iteration; equal to the unsharded reference."""
-    from mpiring.ddp import DistributedDataParallel
+    from mpiring.parallel.data import DistributedDataParallel
 
     model = make_model()
     # Tiny buckets: several per dtype, and the rebuild reorders them.
@@ -303,8 +303,8 @@ def test_zero_with_ddp_buckets_no_sync_and_rebuild(comm, stage):
 
 def test_training_job_zero2_and_zero1_with_fp16_hook_follow_adamw(world, subcomms):
     """The train command's configurations: zero2 and zero1+fp16 give AdamW's loss curve."""
-    from mpiring.train.data import read_corpus
-    from mpiring.train.loop import TrainConfig, TrainJob, train
+    from mpiring.tools.train.data import read_corpus
+    from mpiring.tools.train.loop import TrainConfig, TrainJob, train
 
     comm = subcomms[world.size]
     train_bytes, val_bytes, _ = read_corpus(150_000)

@@ -12,7 +12,7 @@ def gloo_world(world):
     if dist.is_initialized() and dist.get_world_size() == world.size:
         return dist
     if dist.is_initialized():
-        from mpiring.train.torch_pg import destroy_torch_process_group
+        from mpiring.tools.train.torch_pg import destroy_torch_process_group
 
         destroy_torch_process_group(world)  # in order, rank 0 (the store's host) last
     port = None

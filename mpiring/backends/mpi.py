@@ -9,10 +9,10 @@ from contextlib import nullcontext
 import numpy as np
 from mpi4py import MPI
 
-from ..chunking import chunk_bounds
-from ..cuda import device_ready, empty_like_device
-from ..ops import finish
-from ..watchdog import Activity
+from mpiring.backends.gpu import device_ready, empty_like_device
+from mpiring.core.chunking import chunk_bounds
+from mpiring.core.ops import finish
+from mpiring.runtime.watchdog import Activity
 
 # One tag for all ring traffic: collectives on a communicator are issued in the
 # same order on every rank and MPI never overtakes messages between two ranks
@@ -111,7 +111,7 @@ class MPIBackend:
 
     Every blocking call stamps ``self.activity`` (what, peer, since) so that the
     watchdog can report and abort a wait that outlives the deadline; see
-    ``mpiring.watchdog``.
+    ``mpiring.runtime.watchdog``.
     """
 
     name = "mpi"

@@ -16,7 +16,7 @@ In NCCL a receive and the send it must overlap with have to be in one
 ``irecv`` only records the receive; the next ``send`` (or ``sendrecv``) issues it
 together with the send in one group; ``wait`` issues a receive that is still
 pending on its own and otherwise does nothing on the host. Every NCCL call and
-every reduction (the NumPy ufunc in ``mpiring.ops``, which dispatches to CuPy)
+every reduction (the NumPy ufunc in ``mpiring.core.ops``, which dispatches to CuPy)
 is enqueued on one stream, the backend's, so the reduction after ``wait`` runs
 after the data has arrived, and the next step's send after the reduction,
 without the host ever waiting::
@@ -54,16 +54,16 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import Buffer
-from ..chunking import chunk_bounds
-from ..cuda import (
+from mpiring.backends.gpu import (
     GPU_INSTALL_HINT,
     import_cupy,
     import_nccl,
     nccl_version_tuple,
 )
-from ..errors import BackendUnavailable
-from .mpi import MPIBackend
+from mpiring.backends.mpi import MPIBackend
+from mpiring.core.buffers import Buffer
+from mpiring.core.chunking import chunk_bounds
+from mpiring.core.errors import BackendUnavailable
 
 # ncclDataType_t and ncclRedOp_t (nccl.h); CuPy exposes them as module constants
 # too, but not NCCL_BFLOAT16/NCCL_AVG in every version, so the values live here.
@@ -484,7 +484,7 @@ class NCCLBackend:
 
 
 def _dtype_name(x) -> str:
-    from ..buffers import _canonical
+    from mpiring.core.buffers import _canonical
 
     return _canonical(x.dtype)
 

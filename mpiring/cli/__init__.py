@@ -58,7 +58,7 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..errors import BackendUnavailable
+    from mpiring.core.errors import BackendUnavailable
 
     try:
         return int(args._module.run(args) or 0)

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from . import add_backend_arguments, parse_size
+from mpiring.cli import add_backend_arguments, parse_size
 
 
 def add_arguments(p) -> None:
@@ -23,9 +23,9 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import mpiring
-    from mpiring.buffers import BFLOAT16
-    from mpiring.trace import fmt_bytes
-    from mpiring.wire import allreduce_scalar
+    from mpiring.backends.control import allreduce_scalar
+    from mpiring.core.buffers import BFLOAT16
+    from mpiring.runtime.trace import fmt_bytes
 
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     to_dev, to_host, sync = _placement(args, comm)
@@ -40,7 +40,7 @@ def run(args) -> int:
     ref_algo = "native" if args.dtype != "bfloat16" else "ring"
     comm.all_reduce(expected, op=args.op, algo=ref_algo)
     ok = bool(np.array_equal(to_host(x), to_host(expected)))
-    wrong = allreduce_scalar(comm, 0 if ok else 1)  # no pickle: see mpiring.wire
+    wrong = allreduce_scalar(comm, 0 if ok else 1)  # no pickle: see mpiring.backends.control
     comm.tracer.close()
 
     times = []

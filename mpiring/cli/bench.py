@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from . import add_backend_arguments, parse_size
+from mpiring.cli import add_backend_arguments, parse_size
 
 
 def _csv(text: str) -> list[str]:
@@ -65,9 +65,9 @@ def run(args) -> int:
     import datetime
 
     import mpiring
-    from mpiring.bench import measure, report
-    from mpiring.bench import sweep as sw
-    from mpiring.costmodel import MemoryBound
+    from mpiring.core.costmodel import MemoryBound
+    from mpiring.tools.bench import measure, report
+    from mpiring.tools.bench import sweep as sw
 
     collectives = list(sw.COLLECTIVES) if args.collective == ["all"] else args.collective
     if args.backend != "mpi":
@@ -82,7 +82,7 @@ def run(args) -> int:
     studies = args.ps is not None or args.sweep_chunks is not None
 
     # Validate everything before any measurement (same on every rank).
-    from mpiring.bench import gloo as gloo_mod
+    from mpiring.tools.bench import gloo as gloo_mod
 
     gloo_ok = gloo_mod.available()
     algos = sw.resolve_algos(collectives, args.algo, gloo_ok)
@@ -117,7 +117,7 @@ def run(args) -> int:
     rows: list[dict] = []
     progress_on = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
     if args.sweep_chunks is not None:
-        from mpiring.bench.pipeline import chunks_study, format_chunks_table
+        from mpiring.tools.bench.pipeline import chunks_study, format_chunks_table
 
         bar = report.Progress(0, enabled=progress_on and rank == 0)
         study = chunks_study(comm, parse_size(args.sweep_chunks), dtype=dtype, root=args.root,
@@ -127,7 +127,7 @@ def run(args) -> int:
         if out:
             print("\n" + format_chunks_table(study), file=out)
     if args.ps is not None:
-        from mpiring.bench.ps import METHODS, format_ps_table, plot_ps, ps_study
+        from mpiring.tools.bench.ps import METHODS, format_ps_table, plot_ps, ps_study
 
         bar = report.Progress(len(METHODS) * max(0, k - 1), enabled=progress_on and rank == 0)
         study = ps_study(comm, parse_size(args.ps), iters=args.iters, warmup=args.warmup,
@@ -173,8 +173,8 @@ def run(args) -> int:
 
 
 def _print_tables(rows, cfg, k, out, bound, ab) -> None:
-    from mpiring.bench import report
-    from mpiring.costmodel import membw_busbw_bound
+    from mpiring.core.costmodel import membw_busbw_bound
+    from mpiring.tools.bench import report
 
     for coll in cfg.collectives:
         sub = [r for r in rows if r["collective"] == coll]

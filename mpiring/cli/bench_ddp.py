@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from . import add_backend_arguments
+from mpiring.cli import add_backend_arguments
 
 
 def _floats(text: str) -> list[float]:
@@ -22,9 +22,9 @@ def _floats(text: str) -> list[float]:
 
 
 def add_arguments(p) -> None:
-    from ..bench.memory import SETUPS
-    from ..comm import ALGOS
-    from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
+    from mpiring.comm.communicator import ALGOS
+    from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
+    from mpiring.tools.bench.memory import SETUPS
 
     p.add_argument("--preset", default="comm",
                    help="GPT preset: comm (d=512, 4 layers, 64 tokens, 12.8M params; default), "
@@ -66,11 +66,11 @@ def run(args) -> int:
     import json
 
     import mpiring
-    from mpiring.bench.ddp import DDPBenchConfig, format_ddp_table, plot_ddp, run_ddp_bench
-    from mpiring.bench.report import Progress
-    from mpiring.pages import describe as describe_pages
-    from mpiring.pages import steady_malloc
-    from mpiring.train.loop import fused_adamw_available
+    from mpiring.runtime.pages import describe as describe_pages
+    from mpiring.runtime.pages import steady_malloc
+    from mpiring.tools.bench.ddp import DDPBenchConfig, format_ddp_table, plot_ddp, run_ddp_bench
+    from mpiring.tools.bench.report import Progress
+    from mpiring.tools.train.loop import fused_adamw_available
 
     if args.backend != "mpi":
         raise ValueError("bench-ddp runs on the MPI backend (CPU); use --backend mpi")
@@ -91,7 +91,7 @@ def run(args) -> int:
     if comm.rank == 0:
         print(f"# mpiring bench-ddp, {now}: {comm.size} rank(s); command: mpiexec -n "
               f"{comm.size} python -m mpiring bench-ddp {' '.join(sys.argv[2:])}".rstrip())
-        print("# malloc: " + ("glibc's thresholds fixed (mpiring.pages.steady_malloc)" if steady
+        print("# malloc: " + ("glibc's thresholds fixed (mpiring.runtime.pages.steady_malloc)" if steady
                               else "as the environment left it (MALLOC_*, GLIBC_TUNABLES or "
                                    "MPIRING_STEADY_MALLOC=0, or not glibc)")
               + f"; DDP buckets: {describe_pages()}; optimizer: AdamW"
@@ -119,8 +119,8 @@ def run(args) -> int:
 def _memory(comm, args) -> int:
     import json
 
-    from mpiring.bench.memory import format_memory_line, measure_setup
-    from mpiring.wire import allgather_json
+    from mpiring.backends.control import allgather_json
+    from mpiring.tools.bench.memory import format_memory_line, measure_setup
 
     row = measure_setup(comm, args.memory, preset=args.preset, batch_size=args.batch_size,
                         steps=args.steps, bucket_mb=args.bucket_mb, algo=args.algo,

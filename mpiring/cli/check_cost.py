@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from . import parse_size
+from mpiring.cli import parse_size
 
 
 def add_arguments(p) -> None:
@@ -29,9 +29,9 @@ def _median_us(samples: list[float]) -> float:
 
 def run(args) -> int:
     import mpiring
-    from mpiring.trace import fmt_bytes
-    from mpiring.watchdog import Activity
-    from mpiring.wire import allreduce_scalar
+    from mpiring.backends.control import allreduce_scalar
+    from mpiring.runtime.trace import fmt_bytes
+    from mpiring.runtime.watchdog import Activity
 
     comm = mpiring.init(trace="", log="none")
     rows = []

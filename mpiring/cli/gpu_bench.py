@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from . import parse_size
+from mpiring.cli import parse_size
 
 
 def add_arguments(p) -> None:
@@ -40,7 +40,7 @@ def run(args) -> int:
     from mpi4py import MPI
 
     import mpiring
-    from mpiring.cuda import cuda_aware_mpi, import_cupy
+    from mpiring.backends.gpu import cuda_aware_mpi, import_cupy
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()

@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 
-from . import add_backend_arguments
+from mpiring.cli import add_backend_arguments
 
 DEFAULT_HOOKS = "none,fp16,bf16,topk,powersgd"
 
@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
 
 def _dense_bytes(job) -> int:
     """Bytes rank 0 sends per step with plain DDP: a ring AllReduce of every bucket."""
-    from ..ddp.comm_hooks import ring_bytes_sent
+    from mpiring.parallel.data.comm_hooks import ring_bytes_sent
 
     reducer = job.wrapped.reducer
     return sum(ring_bytes_sent(b.numel, b.flat.element_size(), job.comm.size, job.comm.rank,
@@ -60,8 +60,8 @@ def run_hooks(comm, args, hooks: list[str], data) -> list[dict]:
     hook to the same machine load, so the step-time ratios are fair even on a
     busy machine.
     """
-    from ..train.loop import TrainConfig, TrainJob
-    from ..wire import allgather_json
+    from mpiring.backends.control import allgather_json
+    from mpiring.tools.train.loop import TrainConfig, TrainJob
 
     jobs = []
     for hook in hooks:
@@ -159,9 +159,8 @@ def _label(hook: str) -> str:
 
 def run(args) -> int:
     import mpiring
-
-    from ..ddp.comm_hooks import HOOKS
-    from ..train.data import shared_corpus
+    from mpiring.parallel.data.comm_hooks import HOOKS
+    from mpiring.tools.train.data import shared_corpus
 
     if args.replot:
         with open(args.out + ".json") as f:
@@ -177,7 +176,7 @@ def run(args) -> int:
         print(f"hook-curves: unknown hook(s) {', '.join(bad) or '(none given)'}: use some of "
               f"{', '.join(HOOKS)}", file=sys.stderr)
         return 2
-    mpiring.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.pages)
+    mpiring.runtime.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.runtime.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     data = shared_corpus(comm, int(args.max_data_mb * (1 << 20)))
     results = run_hooks(comm, args, hooks, data)

@@ -6,7 +6,7 @@ import platform
 
 import numpy as np
 
-from ..info import collect
+from mpiring.tools.info import collect
 
 
 def add_arguments(p) -> None:

@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import timeline
+    from mpiring.tools import timeline
 
     try:
         files = timeline.load(args.dir)
@@ -63,7 +63,7 @@ def run(args) -> int:
 
 def _window(text: str, files) -> tuple[float, float]:
     """'FROM:TO' in ms; an empty end means the trace's end."""
-    from .. import timeline
+    from mpiring.tools import timeline
 
     try:
         lo, _, hi = text.partition(":")

@@ -14,14 +14,14 @@ from __future__ import annotations
 import os
 import sys
 
-from . import add_backend_arguments
+from mpiring.cli import add_backend_arguments
 
 
 def add_arguments(p) -> None:
-    from ..comm import ALGOS
-    from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
-    from ..train.checkpointing import add_arguments as add_checkpoint_arguments
-    from ..train.loop import MODES
+    from mpiring.comm.communicator import ALGOS
+    from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
+    from mpiring.tools.train.checkpointing import add_arguments as add_checkpoint_arguments
+    from mpiring.tools.train.loop import MODES
 
     p.add_argument("--mode", choices=MODES, default="ddp",
                    help="ddp (overlapped buckets), naive (buckets after backward), ps "
@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--val-batches", type=int, default=4, help="validation batches per rank (default 4)")
     p.add_argument("--log-every", type=int, default=10, help="global loss every N steps (default 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # Sharded optimizer and gradient compression (mpiring.zero, mpiring.ddp.comm_hooks).
+    # Sharded optimizer and gradient compression (mpiring.parallel.zero, mpiring.parallel.data.comm_hooks).
     p.add_argument("--optimizer", choices=("adamw", "zero1", "zero2"), default="adamw",
                    help="adamw, or AdamW sharded over the ranks: zero1 (state sharded), zero2 "
                         "(state sharded, buckets reduce-scattered during backward)")
@@ -72,7 +72,7 @@ def add_arguments(p) -> None:
 
 def config_from_args(args):
     """A ``TrainConfig`` from parsed flags."""
-    from ..train.loop import TrainConfig
+    from mpiring.tools.train.loop import TrainConfig
 
     return TrainConfig(
         mode=args.mode, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -124,11 +124,14 @@ def run(args) -> int:
     import torch
 
     import mpiring
-
-    from ..checkpoint import ReplicaDivergenceError
-    from ..pages import steady_malloc
-    from ..train.checkpointing import CheckpointWriteError, ResumeError, callbacks_from_args
-    from ..train.loop import TrainJob, train
+    from mpiring.parallel.checkpoint import ReplicaDivergenceError
+    from mpiring.runtime.pages import steady_malloc
+    from mpiring.tools.train.checkpointing import (
+        CheckpointWriteError,
+        ResumeError,
+        callbacks_from_args,
+    )
+    from mpiring.tools.train.loop import TrainJob, train
 
     cfg = config_from_args(args)
     try:
@@ -137,7 +140,7 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"mpiring train: {exc}", file=sys.stderr)
         return 2
-    steady_malloc()  # every step reuses the last one's freed memory (see mpiring.pages)
+    steady_malloc()  # every step reuses the last one's freed memory (see mpiring.runtime.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if comm.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a host would otherwise each start one thread per core.

@@ -1,7 +1,7 @@
 """Fit algo="auto" to this machine: time every algorithm per size, store the decision table.
 
 Run under mpiexec with the ranks and hosts you will train on; the table is
-stored per backend, world size and host layout (see mpiring.autotune):
+stored per backend, world size and host layout (see mpiring.comm.autotune):
 
     mpiexec -n 4 python -m mpiring tune                   # K=4, 8 B .. 256 MiB
     mpiexec -n 4 python -m mpiring tune --world-sizes 2,3,4 --max-size 64M
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import parse_size
+from mpiring.cli import parse_size
 
 
 def _ints(text: str) -> list[int]:
@@ -65,8 +65,8 @@ def run(args) -> int:
 
 def _run(args) -> int:
     import mpiring
-    from mpiring import autotune
-    from mpiring.bench.measure import quiet_barrier
+    from mpiring.comm import autotune
+    from mpiring.tools.bench.measure import quiet_barrier
 
     collectives = [c.strip() for c in args.collective.split(",") if c.strip()]
     for c in collectives:
@@ -117,7 +117,7 @@ def tune_communicator(comm, collectives, sizes, reps: int, margin: float):
 
     Collective over ``comm``; every rank returns the same table.
     """
-    from mpiring import autotune
+    from mpiring.comm import autotune
 
     hosts = autotune.host_layout(comm.mpi_comm, comm.local_rank, comm.local_size)
     key = autotune.layout_key(comm.backend, comm.size, hosts)
@@ -173,9 +173,9 @@ def tune_pipeline(comm, max_bytes: int, reps: int):
     Times the Broadcast from rank 0 for N in 1..64 MiB (up to ``max_bytes``) and
     S in 1..16, interleaved with MPI_Bcast, and fits (K-2+S)(alpha + N/(S beta)).
     """
-    from mpiring import autotune
-    from mpiring.chunking import default_pipeline_chunks
-    from mpiring.trace import fmt_bytes
+    from mpiring.comm import autotune
+    from mpiring.core.chunking import default_pipeline_chunks
+    from mpiring.runtime.trace import fmt_bytes
 
     sizes = [n for n in PIPELINE_SIZES if n <= max_bytes] or [min(PIPELINE_SIZES)]
     samples, lines = [], []
@@ -224,7 +224,7 @@ def _time_broadcast(comm, nbytes: int, plan, reps: int) -> dict:
 
 def format_table(table) -> str:
     """Medians (busbw-free: plain times) and the decision, as text."""
-    from mpiring.trace import fmt_bytes
+    from mpiring.runtime.trace import fmt_bytes
 
     lines = [f"# auto decision table for {table.key}"]
     sizes = table.measured.get("sizes", [])

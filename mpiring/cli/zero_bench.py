@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import sys
 
-from . import add_backend_arguments
+from mpiring.cli import add_backend_arguments
 
 
 def add_arguments(p) -> None:
@@ -43,18 +43,18 @@ def run(args) -> int:
     import torch
 
     import mpiring
-    from mpiring.bench.memory import current_rss_bytes, peak_rss_bytes
-    from mpiring.ddp.bucketing import MIB
-    from mpiring.ddp.comm_hooks import ring_bytes_sent
-    from mpiring.train.loop import TrainConfig, TrainJob
-    from mpiring.wire import allgather_json
+    from mpiring.backends.control import allgather_json
+    from mpiring.parallel.data.bucketing import MIB
+    from mpiring.parallel.data.comm_hooks import ring_bytes_sent
+    from mpiring.tools.bench.memory import current_rss_bytes, peak_rss_bytes
+    from mpiring.tools.train.loop import TrainConfig, TrainJob
 
     names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
     if not names or any(n not in ("adamw", "zero1", "zero2") for n in names):
         print(f"zero-bench: --optimizer {args.optimizer!r}: use adamw, zero1, zero2 or a comma "
               "list of them", file=sys.stderr)
         return 2
-    mpiring.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.pages)
+    mpiring.runtime.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.runtime.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if len(names) > 1:
         return _interleaved(comm, args, names)
@@ -106,9 +106,9 @@ def _interleaved(comm, args, names: list[str]) -> int:
     """Alternate the steps of one job per optimizer; print median step times and ratios."""
     import statistics
 
-    from mpiring.train.data import shared_corpus
-    from mpiring.train.loop import TrainConfig, TrainJob
-    from mpiring.wire import allgather_json
+    from mpiring.backends.control import allgather_json
+    from mpiring.tools.train.data import shared_corpus
+    from mpiring.tools.train.loop import TrainConfig, TrainJob
 
     data = shared_corpus(comm, int(args.max_data_mb * (1 << 20)))
     jobs = [TrainJob(comm, TrainConfig(mode="ddp", steps=args.steps, batch_size=args.batch_size,

@@ -6,14 +6,18 @@ arguments; it calls only the backend's point-to-point operations
 over MPI and NCCL.
 """
 
-from .all_gather import ring_all_gather
-from .all_reduce import ring_all_reduce
-from .broadcast import pipelined_broadcast
-from .halving_doubling import halving_doubling_all_reduce
-from .recursive_doubling import recursive_doubling_all_reduce
-from .reduce import pipelined_reduce
-from .reduce_scatter import ring_reduce_scatter
-from .ring_segmented import segmented_all_gather, segmented_all_reduce, segmented_reduce_scatter
+from mpiring.collectives.all_gather import ring_all_gather
+from mpiring.collectives.all_reduce import ring_all_reduce
+from mpiring.collectives.broadcast import pipelined_broadcast
+from mpiring.collectives.halving_doubling import halving_doubling_all_reduce
+from mpiring.collectives.recursive_doubling import recursive_doubling_all_reduce
+from mpiring.collectives.reduce import pipelined_reduce
+from mpiring.collectives.reduce_scatter import ring_reduce_scatter
+from mpiring.collectives.ring_segmented import (
+    segmented_all_gather,
+    segmented_all_reduce,
+    segmented_reduce_scatter,
+)
 
 __all__ = [
     "halving_doubling_all_reduce",

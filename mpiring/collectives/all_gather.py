@@ -25,8 +25,8 @@ The lecture's pseudocode::
 
 from __future__ import annotations
 
-from ..chunking import all_gather_indices, chunk_bounds, ring_neighbours
-from ..trace import clock
+from mpiring.core.chunking import all_gather_indices, chunk_bounds, ring_neighbours
+from mpiring.runtime.trace import clock
 
 
 def ring_all_gather(be, x, trace, phase: str = "all-gather"):

@@ -18,8 +18,8 @@ that grows with K (see ``recursive_doubling`` for small messages).
 
 from __future__ import annotations
 
-from .all_gather import ring_all_gather
-from .reduce_scatter import ring_reduce_scatter
+from mpiring.collectives.all_gather import ring_all_gather
+from mpiring.collectives.reduce_scatter import ring_reduce_scatter
 
 
 def ring_all_reduce(be, x, op: str, trace):

@@ -27,8 +27,8 @@ loop in ``pipelined_broadcast`` is the lecture's, and runs with
 
 from __future__ import annotations
 
-from ..chunking import chunk_bounds, ring_neighbours, ring_position
-from ..trace import clock
+from mpiring.core.chunking import chunk_bounds, ring_neighbours, ring_position
+from mpiring.runtime.trace import clock
 
 
 def pipelined_broadcast(be, x, root: int, chunks: int, trace, phase: str = "broadcast",

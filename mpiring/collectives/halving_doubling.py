@@ -36,8 +36,8 @@ the ring's bandwidth term with recursive doubling's latency term (plus
 
 from __future__ import annotations
 
-from ..ops import finish, reducer
-from ..trace import clock
+from mpiring.core.ops import finish, reducer
+from mpiring.runtime.trace import clock
 
 
 def halving_doubling_all_reduce(be, x, op: str, trace):

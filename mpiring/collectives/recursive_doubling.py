@@ -39,8 +39,8 @@ but the whole message every step, so it loses once M/B outgrows alpha.
 
 from __future__ import annotations
 
-from ..ops import finish, reducer
-from ..trace import clock
+from mpiring.core.ops import finish, reducer
+from mpiring.runtime.trace import clock
 
 
 def recursive_doubling_all_reduce(be, x, op: str, trace, phase: str = "doubling"):

@@ -14,9 +14,9 @@ their input stays as it was (as with MPI_Reduce).
 
 from __future__ import annotations
 
-from ..chunking import chunk_bounds, ring_neighbours, ring_position
-from ..ops import finish, reducer
-from ..trace import clock
+from mpiring.core.chunking import chunk_bounds, ring_neighbours, ring_position
+from mpiring.core.ops import finish, reducer
+from mpiring.runtime.trace import clock
 
 
 def pipelined_reduce(be, x, op: str, root: int, chunks: int, trace, phase: str = "reduce"):

@@ -30,9 +30,9 @@ The loop is the lecture's pseudocode, line for line::
 
 from __future__ import annotations
 
-from ..chunking import chunk_bounds, reduce_scatter_indices, ring_neighbours
-from ..ops import finish, reducer
-from ..trace import clock
+from mpiring.core.chunking import chunk_bounds, reduce_scatter_indices, ring_neighbours
+from mpiring.core.ops import finish, reducer
+from mpiring.runtime.trace import clock
 
 
 def ring_reduce_scatter(be, x, op: str, trace, phase: str = "reduce-scatter"):
@@ -41,7 +41,7 @@ def ring_reduce_scatter(be, x, op: str, trace, phase: str = "reduce-scatter"):
     Args:
         be: backend (point-to-point: irecv, send, wait; scratch).
         x: flat contiguous array, the same length on every rank.
-        op: reduction op name (see ``mpiring.ops``).
+        op: reduction op name (see ``mpiring.core.ops``).
         trace: a ``CallTrace``; records one entry per step when tracing is on.
     """
     rank, size = be.rank, be.size

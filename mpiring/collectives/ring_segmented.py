@@ -41,11 +41,11 @@ the literal ring runs instead.
 
 from __future__ import annotations
 
-from ..chunking import chunk_bounds, ring_neighbours
-from ..ops import finish, reducer
-from ..trace import clock
-from .all_gather import ring_all_gather
-from .reduce_scatter import ring_reduce_scatter
+from mpiring.collectives.all_gather import ring_all_gather
+from mpiring.collectives.reduce_scatter import ring_reduce_scatter
+from mpiring.core.chunking import chunk_bounds, ring_neighbours
+from mpiring.core.ops import finish, reducer
+from mpiring.runtime.trace import clock
 
 #: Default segment size. Measured on a 2-core machine with 2-4 ranks: every
 #: segment is one rendezvous (MPICH's single-copy path: ready-to-send, the

@@ -7,7 +7,7 @@ Run as ``mpiexec -n K python tests/scripts/check_collectives.py``; prints
 import numpy as np
 
 import mpiring
-from mpiring.buffers import BFLOAT16
+from mpiring.core.buffers import BFLOAT16
 
 
 def main():

@@ -119,7 +119,7 @@ class AutoTable:
 
     def pipeline_chunks(self, nbytes: int, size: int) -> int:
         """The model's best chunk count S for a pipelined Broadcast/Reduce of ``nbytes``."""
-        from .chunking import default_pipeline_chunks
+        from mpiring.core.chunking import default_pipeline_chunks
 
         if self.pipeline is None:
             return default_pipeline_chunks(nbytes, size)
@@ -377,7 +377,7 @@ def lookup(backend: str, size: int, hosts: Sequence[int], path: str | None = Non
 # --- agreeing on one table (collective) ------------------------------------------------
 def host_layout(mpi_comm, local_rank: int, local_size: int) -> list[int]:
     """Ranks per host, from every rank's (local_rank, local_size). Collective."""
-    from .wire import allgather_array
+    from mpiring.backends.control import allgather_array
 
     info = allgather_array(mpi_comm, [local_rank, local_size])
     return [int(n) for lr, n in info if lr == 0]
@@ -389,7 +389,7 @@ def shared_table(comm) -> AutoTable:
     Collective over ``comm``'s MPI communicator (the control plane of both
     backends): one small allgather and one broadcast, without pickle.
     """
-    from .wire import bcast_bytes
+    from mpiring.backends.control import bcast_bytes
 
     if comm.size == 1:
         return lookup(comm.backend, 1, [1])

@@ -93,6 +93,6 @@ def default_pipeline_chunks(nbytes: int, size: int, alpha: float = PIPELINE_ALPH
     """
     if nbytes <= 0 or size <= 2:
         return 1
-    from .costmodel import AlphaBeta, best_chunks
+    from mpiring.core.costmodel import AlphaBeta, best_chunks
 
     return best_chunks(nbytes, size, AlphaBeta(alpha, beta), max_chunks=nbytes)

@@ -47,9 +47,7 @@ from typing import Any
 
 import torch
 
-from .. import pages
-from ..trace import clock
-from .bucketing import (
+from mpiring.parallel.data.bucketing import (
     BUCKET_SEGMENT_BYTES,
     DEFAULT_BUCKET_ALGO,
     MIB,
@@ -57,6 +55,8 @@ from .bucketing import (
     compute_buckets,
     order_from_observed,
 )
+from mpiring.runtime import pages
+from mpiring.runtime.trace import clock
 
 _OK = 0
 _MISSING = 1   # a parameter got no gradient and find_unused_parameters is off
@@ -228,7 +228,7 @@ class Reducer:
             offsets, total = bucket_offsets(group, numels)
             last = b == len(groups) - 1
             first = self.params[group[0]]
-            # On huge pages: MPI copies between processes faster (see mpiring.pages).
+            # On huge pages: MPI copies between processes faster (see mpiring.runtime.pages).
             flat = pages.zeros(total + (tail_len if last else 0), first.dtype, first.device)
             self.buckets.append(_Bucket(b, group, offsets, total, flat, total if last else None))
             for i, off in zip(group, offsets):
@@ -446,7 +446,7 @@ class Reducer:
                 quiet_barrier(comm.mpi_comm)
             record["t_peers"] = clock()
             if hook is not None:
-                from .comm_hooks import run_comm_hook
+                from mpiring.parallel.data.comm_hooks import run_comm_hook
 
                 run_comm_hook(hook[0], hook[1], comm, *hook_args)
             else:

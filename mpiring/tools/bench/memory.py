@@ -28,7 +28,7 @@ from __future__ import annotations
 import resource
 from typing import Any
 
-from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
+from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
 
 SETUPS = ("compute", "ddp", "ddp-view", "torch-ddp", "torch-ddp-view")
 
@@ -54,9 +54,9 @@ def measure_setup(comm, setup: str, *, preset: str = "comm", batch_size: int = 1
     """Train ``steps`` steps in ``setup``; this rank's RSS before wrapping and at its peak."""
     import torch
 
-    from ..ddp.distributed import DistributedDataParallel
-    from ..models.gpt import GPT, PRESETS, lm_loss
-    from ..train.data import Windows, shared_corpus
+    from mpiring.parallel.data.distributed import DistributedDataParallel
+    from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
+    from mpiring.tools.train.data import Windows, shared_corpus
 
     if setup not in SETUPS:
         raise ValueError(f"unknown setup {setup!r}: use one of {', '.join(SETUPS)}")
@@ -73,7 +73,7 @@ def measure_setup(comm, setup: str, *, preset: str = "comm", batch_size: int = 1
         wrapped = DistributedDataParallel(model, comm, bucket_cap_mb=bucket_mb, algo=algo,
                                           gradient_as_bucket_view=view)
     elif setup.startswith("torch-ddp"):
-        from ..train.torch_pg import init_torch_process_group
+        from mpiring.tools.train.torch_pg import init_torch_process_group
 
         pg = init_torch_process_group(comm, torch.device("cpu"))
         wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -93,7 +93,7 @@ def measure_setup(comm, setup: str, *, preset: str = "comm", batch_size: int = 1
         if setup.startswith("ddp"):
             wrapped.close()
         if pg is not None:
-            from ..train.torch_pg import destroy_torch_process_group
+            from mpiring.tools.train.torch_pg import destroy_torch_process_group
 
             wrapped = pg = None  # torch's DDP must not outlive its group
             destroy_torch_process_group(comm)

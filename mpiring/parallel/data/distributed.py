@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .bucketing import DEFAULT_BUCKET_ALGO
-from .reducer import Reducer
+from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
+from mpiring.parallel.data.reducer import Reducer
 
 _DESC_BYTES = 200
 
@@ -73,7 +73,7 @@ class DistributedDataParallel(nn.Module):
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} and first_bucket_mb={first_bucket_mb}: "
                              "bucket sizes must be positive numbers of MiB")
-        from ..comm import ALGOS
+        from mpiring.comm.communicator import ALGOS
 
         if algo not in ALGOS["all_reduce"]:
             raise ValueError(f"algo={algo!r}: use one of {', '.join(ALGOS['all_reduce'])}")

@@ -11,7 +11,7 @@ For each collective and each size, every algorithm runs on the same buffer:
    elsewhere on a shared machine hits them alike; the time of an iteration is
    the slowest rank's, the reported time the median.
 
-Algorithms come from ``mpiring.comm.ALGOS`` (so new ones show up here without a
+Algorithms come from ``mpiring.comm.communicator.ALGOS`` (so new ones show up here without a
 change) plus ``gloo``.
 """
 
@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import comm as comm_module
-from ..buffers import BFLOAT16
-from ..chunking import chunk_bounds
-from ..costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, model_fields, predict
-from ..ops import finish, reducer
-from ..wire import allreduce_scalar
-from .measure import batch_for, time_interleaved
-from .report import make_row, paired_quartiles
+from mpiring.backends.control import allreduce_scalar
+from mpiring.comm import communicator as comm_module
+from mpiring.core.buffers import BFLOAT16
+from mpiring.core.chunking import chunk_bounds
+from mpiring.core.costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, model_fields, predict
+from mpiring.core.ops import finish, reducer
+from mpiring.tools.bench.measure import batch_for, time_interleaved
+from mpiring.tools.bench.report import make_row, paired_quartiles
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 ROOTED = ("broadcast", "reduce")

@@ -33,7 +33,7 @@ def collect() -> dict[str, str]:
         "torch": _version("torch"),
     }
     try:
-        from .cuda import describe_gpu_stack
+        from mpiring.backends.gpu import describe_gpu_stack
 
         facts.update(describe_gpu_stack())
     except ImportError:

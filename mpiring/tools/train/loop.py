@@ -28,12 +28,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
-from ..ddp.ps import ParameterServer
-from ..ddp.sampler import DistributedSampler
-from ..models.gpt import GPT, PRESETS, GPTConfig, lm_loss
-from ..trace import clock
-from .data import Windows, shared_corpus
+from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
+from mpiring.parallel.data.ps import ParameterServer
+from mpiring.parallel.data.sampler import DistributedSampler
+from mpiring.runtime.trace import clock
+from mpiring.tools.models.gpt import GPT, PRESETS, GPTConfig, lm_loss
+from mpiring.tools.train.data import Windows, shared_corpus
 
 MODES = ("ddp", "naive", "ps", "torch-ddp")
 OPTIMIZERS = ("adamw", "zero1", "zero2")  # AdamW, or AdamW sharded by ZeroRedundancyOptimizer
@@ -62,7 +62,7 @@ class TrainConfig:
     val_batches: int = 4
     log_every: int = 10
     # Sharded optimizer and DDP communication hooks (modes ddp and naive; see
-    # mpiring.zero and mpiring.ddp.comm_hooks).
+    # mpiring.parallel.zero and mpiring.parallel.data.comm_hooks).
     optimizer: str = "adamw"      # adamw, zero1, zero2
     fused_adamw: bool = True      # torch's fused AdamW kernel where the device has one
     comm_hook: str = "none"       # none, allreduce, fp16, bf16, topk, powersgd
@@ -91,7 +91,7 @@ class TrainConfig:
         self._validate_zero_and_hook()
 
     def _validate_zero_and_hook(self) -> None:
-        from ..ddp.comm_hooks import HOOKS
+        from mpiring.parallel.data.comm_hooks import HOOKS
 
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
@@ -184,14 +184,14 @@ class TrainJob:
         if self.cfg.fused_adamw and fused_adamw_available(self.device):
             hyper["fused"] = True
         if self.cfg.optimizer in ("zero1", "zero2"):
-            from ..zero import ZeroRedundancyOptimizer
+            from mpiring.parallel.zero import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(params, self.comm, torch.optim.AdamW,
                                            stage=int(self.cfg.optimizer[-1]), ddp=ddp, **hyper)
         return torch.optim.AdamW(params, **hyper)
 
     def _register_comm_hook(self, ddp) -> None:
-        from ..ddp.comm_hooks import make_hook
+        from mpiring.parallel.data.comm_hooks import make_hook
 
         state, hook = make_hook(self.cfg.comm_hook, ratio=self.cfg.topk_ratio,
                                 rank=self.cfg.powersgd_rank, start_iter=self.cfg.hook_start)
@@ -202,7 +202,7 @@ class TrainJob:
     def _wrap(self):
         mode, cfg = self.cfg.mode, self.cfg
         if mode in ("ddp", "naive"):
-            from ..ddp.distributed import DistributedDataParallel
+            from mpiring.parallel.data.distributed import DistributedDataParallel
 
             wrapped = DistributedDataParallel(
                 self.model, self.comm, bucket_cap_mb=cfg.bucket_mb,
@@ -219,7 +219,7 @@ class TrainJob:
         return self._wrap_torch_ddp()
 
     def _wrap_torch_ddp(self):
-        from .torch_pg import init_torch_process_group
+        from mpiring.tools.train.torch_pg import init_torch_process_group
 
         self._pg = init_torch_process_group(self.comm, self.device)
         # torch DDP takes rank 0's parameters at construction, like ours.
@@ -312,7 +312,7 @@ class TrainJob:
         return float(total[0] / total[1]) if total[1] else math.nan
 
     def _our_reducer(self):
-        from ..ddp.reducer import Reducer
+        from mpiring.parallel.data.reducer import Reducer
 
         reducer = getattr(self.wrapped, "reducer", None)
         return reducer if isinstance(reducer, Reducer) else None
@@ -351,7 +351,7 @@ class TrainJob:
         if reducer is not None:
             reducer.close()
         if self._pg is not None:
-            from .torch_pg import destroy_torch_process_group
+            from mpiring.tools.train.torch_pg import destroy_torch_process_group
 
             self.wrapped = self.model  # torch's DDP must not outlive its group
             destroy_torch_process_group(self.comm)

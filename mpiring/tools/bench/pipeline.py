@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..costmodel import AlphaBeta, best_chunks, model_fields, pipelined_broadcast
-from ..wire import allreduce_scalar
-from .measure import time_interleaved
-from .report import make_row
-from .sweep import count_wrong, rank_data, reference
+from mpiring.backends.control import allreduce_scalar
+from mpiring.core.costmodel import AlphaBeta, best_chunks, model_fields, pipelined_broadcast
+from mpiring.tools.bench.measure import time_interleaved
+from mpiring.tools.bench.report import make_row
+from mpiring.tools.bench.sweep import count_wrong, rank_data, reference
 
 
 def chunk_counts(count: int, s_star: int | None = None, max_chunks: int = 1024) -> list[int]:

@@ -6,7 +6,7 @@
 * ``pingpong`` and ``ring_exchange``: the point-to-point times the alpha-beta
   model is fitted to.
 * ``memory_bandwidth``: single-core memcpy and add speed, the ingredients of the
-  memory-bandwidth bound (``mpiring.costmodel.membw_busbw_bound``).
+  memory-bandwidth bound (``mpiring.core.costmodel.membw_busbw_bound``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..costmodel import AlphaBeta, MemoryBound, fit_alpha_beta
-from ..wire import bcast_json
+from mpiring.backends.control import bcast_json
+from mpiring.core.costmodel import AlphaBeta, MemoryBound, fit_alpha_beta
 
 clock = time.perf_counter
 

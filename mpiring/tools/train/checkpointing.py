@@ -7,7 +7,7 @@ bit for bit, as one that was never interrupted (same flags, same world size,
 CPU). ``ReplicaCheck`` hashes the parameters every N steps and raises on every
 rank, naming the ranks, if the replicas have diverged.
 
-What a checkpoint holds (``mpiring.checkpoint``'s format, so
+What a checkpoint holds (``mpiring.parallel.checkpoint``'s format, so
 ``restore_training_state`` reads it too): the step, the model's and the
 optimizer's state (a sharded ZeRO optimizer consolidated first), the sampler's
 position (epoch and offset into this epoch's shard) and rank 0's RNG states;
@@ -44,8 +44,8 @@ from unittest import mock
 
 import numpy as np
 
-from .. import checkpoint as ck
-from .. import wire
+from mpiring.backends import control as wire
+from mpiring.parallel import checkpoint as ck
 
 CRASH_ENV = "MPIRING_TEST_CRASH"
 # Flags that may change between a run and its resumption without changing the
@@ -116,7 +116,7 @@ def _die(step: int, *_args: Any) -> None:
 def _quiet_wait(comm) -> None:
     # Rank 0 may take a while to write; the others must not spin a core meanwhile
     # (MPICH busy-polls in blocking calls, and ranks share cores).
-    from ..ddp.reducer import quiet_barrier
+    from mpiring.parallel.data.reducer import quiet_barrier
 
     quiet_barrier(getattr(comm, "mpi_comm", comm), poll_s=0.005)
 
@@ -301,7 +301,7 @@ class ReplicaCheck:
     """Every ``every`` steps, check that every rank holds the same parameters (collective).
 
     Raises:
-        mpiring.checkpoint.ReplicaDivergenceError: on every rank, naming the
+        mpiring.parallel.checkpoint.ReplicaDivergenceError: on every rank, naming the
             ranks whose parameters or buffers differ.
     """
 

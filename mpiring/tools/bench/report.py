@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..costmodel import busbw_factor
+from mpiring.core.costmodel import busbw_factor
 
 ROW_KEYS = ("collective", "algo", "backend", "ranks", "bytes", "dtype", "time_us", "algbw",
             "busbw", "wrong")

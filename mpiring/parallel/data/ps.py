@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .. import pages
-from .bucketing import MIB, bucket_offsets, compute_buckets
-from .distributed import check_same_model, describe_module, sync_from_root
-from .reducer import quiet_barrier
+from mpiring.parallel.data.bucketing import MIB, bucket_offsets, compute_buckets
+from mpiring.parallel.data.distributed import check_same_model, describe_module, sync_from_root
+from mpiring.parallel.data.reducer import quiet_barrier
+from mpiring.runtime import pages
 
 
 class ParameterServer:

@@ -18,7 +18,7 @@ transparent huge pages (``never``) the advice is a no-op; where Python has no
 ``MADV_HUGEPAGE`` (not Linux) or the buffer is under one huge page, it is a
 plain ``torch.zeros``. ``MPIRING_HUGE_PAGES=0`` turns it off.
 
-Your own tensors can live there too: ``mpiring.pages.zeros(n, torch.float32)``.
+Your own tensors can live there too: ``mpiring.runtime.pages.zeros(n, torch.float32)``.
 """
 
 from __future__ import annotations

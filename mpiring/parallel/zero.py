@@ -65,9 +65,9 @@ from typing import Any
 
 import torch
 
-from . import pages
-from .chunking import chunk_bounds
-from .wire import allgather_json
+from mpiring.backends.control import allgather_json
+from mpiring.core.chunking import chunk_bounds
+from mpiring.runtime import pages
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -270,7 +270,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self.stage, self.optimizer_class.__name__,
                 [len(g["params"]) for g in self.param_groups],
                 [_describe_param(p) for p in self._all_params])
-        # JSON through byte buffers, never pickle (see mpiring.wire).
+        # JSON through byte buffers, never pickle (see mpiring.backends.control).
         table = allgather_json(self.comm, desc) if self.comm.size > 1 else [desc]
         if error is not None:
             raise error

@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..chunking import chunk_bounds
-from .bucketing import DEFAULT_BUCKET_ALGO
+from mpiring.core.chunking import chunk_bounds
+from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
 
 __all__ = [
     "GradBucket",

@@ -109,7 +109,7 @@ def training_state(step: int, model=None, optimizer=None, sampler=None,
         step: the number of optimizer steps taken so far.
         model: a ``torch.nn.Module`` (its ``state_dict()``).
         optimizer: a ``torch.optim.Optimizer`` (its ``state_dict()``).
-        sampler: anything with ``state_dict()`` (``mpiring.ddp.DistributedSampler``),
+        sampler: anything with ``state_dict()`` (``mpiring.parallel.data.DistributedSampler``),
             or plain data (an int position, a dict) stored as it is.
         extra: more plain data (tensors, numbers, strings, lists, dicts).
     """
@@ -188,7 +188,7 @@ def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None =
     step = state.get("step") if isinstance(state, dict) else None
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError("state must be a dict with a non-negative integer 'step' "
-                         "(build it with mpiring.checkpoint.training_state)")
+                         "(build it with mpiring.parallel.checkpoint.training_state)")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (or None for all)")
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -300,7 +300,7 @@ def _allgather(comm, values: list[int]) -> np.ndarray:
     be = getattr(comm, "_be", None)
     if be is not None and hasattr(be, "exchange"):  # under the watchdog's deadline
         return be.exchange(vec)
-    from .wire import allgather_array
+    from mpiring.backends.control import allgather_array
 
     return allgather_array(comm, vec)
 

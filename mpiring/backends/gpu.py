@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .buffers import BFLOAT16, Buffer
+from mpiring.core.buffers import BFLOAT16, Buffer
 
 #: Environment variable that overrides the CUDA-awareness probe (1/0, or "auto").
 CUDA_AWARE_ENV = "MPIRING_CUDA_AWARE"

@@ -1,6 +1,6 @@
 """Data parallelism on mpiring's collectives: bucketed DDP, a parameter server, a sampler.
 
-    from mpiring.ddp import DistributedDataParallel, ParameterServer, DistributedSampler
+    from mpiring.parallel.data import DistributedDataParallel, ParameterServer, DistributedSampler
 
 ``bucketing`` is pure Python; the rest needs torch, imported on first use.
 """

@@ -16,7 +16,7 @@ import socket
 
 import numpy as np
 
-from ..wire import bcast_json
+from mpiring.backends.control import bcast_json
 
 _TORCH_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
 

@@ -1,6 +1,6 @@
 r"""Turn a recorded trace into pictures and explanations (pure: files in, text or JSON out).
 
-A trace directory holds one JSON-lines file per rank (``mpiring.trace``): a
+A trace directory holds one JSON-lines file per rank (``mpiring.runtime.trace``): a
 ``header`` (with ``wall_minus_clock``, the offset from the rank's
 ``perf_counter`` to wall-clock time), ``step`` records of the ring collectives
 and ``event`` records of other spans (DDP buckets, backward...). From it:

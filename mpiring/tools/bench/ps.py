@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..chunking import default_pipeline_chunks
-from ..costmodel import (
+from mpiring.backends.control import allgather_array, allreduce_scalar, bcast_json
+from mpiring.core.chunking import default_pipeline_chunks
+from mpiring.core.costmodel import (
     AlphaBeta,
     expected_traffic,
     model_fields,
@@ -42,12 +43,11 @@ from ..costmodel import (
     pipelined_broadcast,
     ring_all_reduce,
 )
-from ..ops import finish, reducer
-from ..trace import Tracer, clock
-from ..wire import allgather_array, allreduce_scalar, bcast_json
-from .measure import quiet_barrier, time_interleaved
-from .report import make_row
-from .sweep import count_wrong, rank_data, reference
+from mpiring.core.ops import finish, reducer
+from mpiring.runtime.trace import Tracer, clock
+from mpiring.tools.bench.measure import quiet_barrier, time_interleaved
+from mpiring.tools.bench.report import make_row
+from mpiring.tools.bench.sweep import count_wrong, rank_data, reference
 
 METHODS = ("ring", "ps", "ps-ring")
 _PUSH_TAG, _PULL_TAG = 21, 22

@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import pages
-from ..ddp.bucketing import DEFAULT_BUCKET_ALGO
-from ..trace import NULL_CALL, Tracer, clock
-from .measure import balanced_orders
+from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
+from mpiring.runtime import pages
+from mpiring.runtime.trace import NULL_CALL, Tracer, clock
+from mpiring.tools.bench.measure import balanced_orders
 
 DDP_MODES = ("compute", "ddp", "naive", "flat-mpi", "ps", "torch-ddp")
 #: Modes that train the bare model (no wrapper): compute alone, and flat-mpi,
@@ -109,7 +109,7 @@ class DDPBenchConfig:
 
 
 def _train_config(cfg: DDPBenchConfig, mode: str, bucket_mb: float):
-    from ..train.loop import TrainConfig
+    from mpiring.tools.train.loop import TrainConfig
 
     return TrainConfig(mode=mode, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        preset=cfg.preset, bucket_mb=bucket_mb,
@@ -131,7 +131,7 @@ def _flat_all_reduce(job) -> tuple[float, float]:
     n = sum(p.numel() for p in params)
     flat = getattr(job, "_bench_flat", None)
     if flat is None or flat.numel() != n:  # one buffer, reused: no fresh pages every step
-        # On huge pages, like the reducer's buckets (see mpiring.pages).
+        # On huge pages, like the reducer's buckets (see mpiring.runtime.pages).
         flat = job._bench_flat = pages.zeros(n, params[0].grad.dtype)
     torch.cat([p.grad.reshape(-1) for p in params], out=flat)
     t1 = clock()
@@ -148,7 +148,7 @@ def _flat_all_reduce(job) -> tuple[float, float]:
 def _step_parts(job, sink: EventSink | None, compute_only: bool,
                 flat_mpi: bool = False) -> dict[str, float]:
     """Run one training step; return its parts in seconds (this rank's)."""
-    from ..models.gpt import lm_loss
+    from mpiring.tools.models.gpt import lm_loss
 
     if sink is not None:
         sink.events.clear()
@@ -189,7 +189,7 @@ KEYS = ("step", "forward", "backward_call", "update", "other", "comm_total", "wa
 
 def _summarise(comm, local: np.ndarray) -> dict[str, float]:
     """Per part: the median over steps of the mean over ranks (the step: of the slowest rank)."""
-    from ..wire import allgather_array
+    from mpiring.backends.control import allgather_array
 
     steps = local.shape[0]
     table = allgather_array(comm, local.reshape(-1)).reshape(comm.size, steps, len(KEYS))
@@ -227,8 +227,8 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
     """Run every mode (and the ddp bucket sweep); rows with times in ms, on every rank."""
     import torch
 
-    from ..train.data import shared_corpus
-    from ..train.loop import TrainJob
+    from mpiring.tools.train.data import shared_corpus
+    from mpiring.tools.train.loop import TrainJob
 
     cfg.validate()
     if "torch-ddp" in cfg.modes and not _gloo_ok():
@@ -304,7 +304,7 @@ def run_ddp_bench(comm, cfg: DDPBenchConfig, progress=None) -> list[dict[str, An
 
 
 def _gloo_ok() -> bool:
-    from .gloo import available
+    from mpiring.tools.bench.gloo import available
 
     return available()
 

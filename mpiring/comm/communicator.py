@@ -23,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from . import collectives as coll
-from .buffers import DTYPES, Buffer, as_buffer
-from .chunking import chunk_bounds
-from .collectives.ring_segmented import SEGMENT_BYTES
-from .cuda import device_plan
-from .errors import MismatchError
-from .ops import OPS, check_op
-from .trace import Tracer
-from .watchdog import Activity, parse_timeout
+from mpiring import collectives as coll
+from mpiring.backends.gpu import device_plan
+from mpiring.collectives.ring_segmented import SEGMENT_BYTES
+from mpiring.core.buffers import DTYPES, Buffer, as_buffer
+from mpiring.core.chunking import chunk_bounds
+from mpiring.core.errors import MismatchError
+from mpiring.core.ops import OPS, check_op
+from mpiring.runtime.trace import Tracer
+from mpiring.runtime.watchdog import Activity, parse_timeout
 
 ALGOS = {
     "all_reduce": ("auto", "ring", "ring-seg", "recursive-doubling", "halving-doubling",
@@ -70,7 +70,7 @@ class Communicator:
         backend: "mpi" or "nccl".
     """
 
-    _plan = None  # what the current collective does with a GPU buffer (mpiring.cuda)
+    _plan = None  # what the current collective does with a GPU buffer (mpiring.backends.gpu)
     _auto_table = None  # algo="auto"'s decision table, agreed at the first auto call (autotune)
 
     def __init__(self, be, tracer: Tracer | None = None, *, check: bool | None = None,
@@ -80,7 +80,7 @@ class Communicator:
         self.size: int = be.size
         self.backend: str = be.name
         # The watchdog's record of what this communicator is doing (the backend
-        # stamps it around blocking calls; see mpiring.watchdog).
+        # stamps it around blocking calls; see mpiring.runtime.watchdog).
         self._act: Activity = getattr(be, "activity", None) or Activity(
             be.rank, be.size, watch=False)
         self._act.timeout = parse_timeout(timeout)
@@ -120,7 +120,7 @@ class Communicator:
 
     @idle.setter
     def idle(self, mode: str) -> None:
-        from .backends.mpi import check_idle_mode
+        from mpiring.backends.mpi import check_idle_mode
 
         if not hasattr(self._be, "idle"):
             raise ValueError(f"idle: the {self.backend} backend has no waiting mode to set")
@@ -184,7 +184,7 @@ class Communicator:
             raise ValueError(f"chunks={chunks!r}: the pipeline needs a positive integer "
                              "number of chunks (or None for the default)")
         # GPU buffers (and any buffer on a backend that takes device memory): host
-        # staging, CUDA-aware pass-through or the NCCL stream; see mpiring.cuda.
+        # staging, CUDA-aware pass-through or the NCCL stream; see mpiring.backends.gpu.
         if buf.device == "cuda" or getattr(self._be, "accepts_cuda", False):
             self._plan = device_plan(self._be, buf, collective, algo, op)
         if algo == "native":
@@ -258,7 +258,7 @@ class Communicator:
         Args:
             x: numpy array, torch tensor or cupy array (contiguous, writable).
             op: "sum", "avg", "max", "min" or "prod".
-            algo: "auto" (the fastest for this size, see ``mpiring.autotune``),
+            algo: "auto" (the fastest for this size, see ``mpiring.comm.autotune``),
                 "ring" (the lecture's ReduceScatter + AllGather), "ring-seg" (the
                 same ring cut into pipelined segments), "recursive-doubling"
                 (log2 K steps, for small messages), "halving-doubling" (the ring's
@@ -344,7 +344,7 @@ class Communicator:
             algo: "ring" (the whole message hop by hop, (K-1)N/B), "pipelined"
                 (S chunks, (K-2+S)N/(SB)) or "native".
             chunks: S for "pipelined"; default: the cost model's best S for this
-                size (``mpiring.chunking.default_pipeline_chunks``; ``python -m
+                size (``mpiring.core.chunking.default_pipeline_chunks``; ``python -m
                 mpiring tune`` refits its alpha and beta).
 
         Returns:
@@ -397,7 +397,7 @@ class Communicator:
         """What ``algo="auto"`` runs: a function of values equal on every rank.
 
         The first auto call on a communicator takes rank 0's table to every rank
-        (two small exchanges, see ``mpiring.autotune``); every rank then looks up
+        (two small exchanges, see ``mpiring.comm.autotune``); every rank then looks up
         the same (collective, bytes) in the same table, so all choose alike. A
         training loop repeats its sizes, so each choice is remembered: the usual
         call costs one dictionary lookup. That matters where messages are small
@@ -426,7 +426,7 @@ class Communicator:
 
     def _tuned(self):
         if self._auto is None:  # collective: every rank's first call that needs it
-            from .autotune import shared_table
+            from mpiring.comm.autotune import shared_table
 
             self._auto = shared_table(self)
         return self._auto
@@ -441,7 +441,7 @@ class Communicator:
     def pipeline_chunks(self, nbytes: int) -> int:
         """The chunks S a pipelined broadcast or reduce of ``nbytes`` uses by default.
 
-        The cost model's best S (``mpiring.costmodel``), with the alpha and beta
+        The cost model's best S (``mpiring.core.costmodel``), with the alpha and beta
         that ``tune`` stored for this layout, else the built-in ones; 1 on two
         ranks or for an empty message (nothing to overlap). The first call loads
         rank 0's table, so it is collective: call it on every rank.
