@@ -19,10 +19,12 @@ spent waiting for data vs reducing it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import time
+import weakref
 from typing import IO, Any
 
 log = logging.getLogger("mpiring.steps")
@@ -50,6 +52,13 @@ def fmt_step(rec: dict[str, Any]) -> str:
     parts.append(fmt_bytes(nbytes))
     parts.append(f"{(rec['t_end'] - rec['t_start']) * 1e3:.1f} ms")
     return " ".join(parts)
+
+
+def fmt_p2p(rec: dict[str, Any]) -> str:
+    """One readable line for a point-to-point record: ``[r0] send#3 ->r1 tag 0 4.0 KiB 0.1 ms``."""
+    arrow = "->" if rec["op"] == "send" else "<-"
+    return (f"[r{rec['rank']}] {rec['op']}#{rec['call']} {arrow}r{rec['peer']} tag {rec['tag']} "
+            f"{fmt_bytes(rec['bytes'])} {(rec['t_end'] - rec['t_start']) * 1e3:.1f} ms")
 
 
 class CallTrace:
@@ -108,6 +117,7 @@ class Tracer:
             # O_NOFOLLOW: never write through a symlink someone planted in DIR.
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
             self._file = os.fdopen(fd, "w", buffering=1 << 16)
+            _OPEN.add(self)  # flushed at exit and before an abort: no lost tail
             self._file.write(json.dumps({
                 "type": "header", "rank": rank, "pid": os.getpid(),
                 "wall_minus_clock": time.time() - clock(),
@@ -136,8 +146,12 @@ class Tracer:
     def write(self, rec: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(rec) + "\n")
-        if self.log_steps and rec.get("type") == "step":
-            log.info(fmt_step(rec))
+        if self.log_steps:
+            kind = rec.get("type")
+            if kind == "step":
+                log.info(fmt_step(rec))
+            elif kind == "p2p":
+                log.info(fmt_p2p(rec))
 
     def event(self, name: str, cat: str, t_start: float, t_end: float, **fields: Any) -> None:
         """Record a span that is not a ring step (a DDP bucket, a backward pass...)."""
@@ -153,6 +167,24 @@ class Tracer:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+# Every tracer with a file: a buffered tail would be lost when the process ends
+# without closing it (a script that never calls close) or is aborted (MPI_Abort
+# and os._exit skip Python's own cleanup).
+_OPEN: weakref.WeakSet[Tracer] = weakref.WeakSet()
+
+
+def flush_all() -> None:
+    """Write out every open trace file's buffer (at exit, and before an abort)."""
+    for tracer in list(_OPEN):
+        try:
+            tracer.flush()
+        except (OSError, ValueError):  # a closed or broken file: nothing more to save
+            pass
+
+
+atexit.register(flush_all)
 
 
 def _ensure_stderr_handler() -> None:

@@ -39,6 +39,8 @@ import traceback
 import weakref
 from collections.abc import Callable
 
+from mpiring.runtime.trace import flush_all
+
 #: Seconds one blocking wait may last before the job is aborted.
 DEFAULT_TIMEOUT = 300.0
 #: Exit status of a job aborted by the watchdog (the convention of timeout(1)).
@@ -311,6 +313,7 @@ def fire(act: Activity, text: str) -> None:
     except Exception:  # noqa: BLE001 - the report matters more than stdout
         pass
     os.write(2, text.encode(errors="replace"))
+    flush_all()  # the trace up to the stall is what explains it
     time.sleep(REPORT_GRACE)
     backstop = threading.Timer(ABORT_GRACE, os._exit, args=(STALL_EXIT_CODE,))
     backstop.daemon = True
