@@ -1,20 +1,27 @@
-"""Small values between ranks without pickle.
+"""The control channel: small values between ranks, without pickle.
+
+Descriptors of a collective's arguments, scalars, shapes, the NCCL id,
+checkpoint agreement and benchmark bookkeeping all travel here, and nowhere
+else: code above the backends reaches it as ``comm.control`` and never sees
+mpi4py.
 
 mpi4py's lowercase methods (``comm.bcast``, ``comm.allgather``,
-``comm.allreduce``, ``comm.gather``, ``comm.send``/``recv``...) pickle the object
-and unpickle whatever arrives: a peer, or anything that can inject traffic into
-the job's network, could then run code in this process. mpiring never uses
-them. Everything that crosses ranks is a typed buffer: numbers go as int64 or
-float64 arrays, text and structured values as bytes (UTF-8 JSON for the
-latter: JSON decodes to plain data and nothing else).
+``comm.allreduce``, ``comm.send``/``recv``...) pickle the object and unpickle
+whatever arrives: a peer, or anything that can inject traffic into the job's
+network, could then run code in this process. mpiring never uses them.
+Everything that crosses ranks is a typed buffer: numbers go as int64 or float64
+arrays, text and structured values as bytes (UTF-8 JSON for the latter: JSON
+decodes to plain data and nothing else).
 
-Every function takes an ``mpi4py.MPI.Comm`` or an ``mpiring.Communicator`` and
-is collective: every rank of the communicator calls it, in the same order.
+Every call is collective over its communicator (every rank calls it, in the
+same order) and waits under the communicator's deadline: the watchdog names
+the call if a rank never arrives.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -23,56 +30,109 @@ from mpi4py import MPI
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 
 
-def _mpi(comm) -> MPI.Comm:
-    return getattr(comm, "mpi_comm", comm)
-
-
-def allreduce_scalar(comm, value: float | int | bool, op: str = "sum") -> Any:
-    """Reduce one number over every rank: an int stays an int (int64), a float a float.
+class Control:
+    """Small collective exchanges over one MPI communicator, stamped for the watchdog.
 
     Args:
-        op: "sum", "max", "min" or "prod".
+        mpi: the ``mpi4py.MPI.Comm`` that carries the values.
+        activity: the communicator's watchdog record (``runtime.watchdog.Activity``),
+            or None for no deadline.
     """
-    if op not in _OPS:
-        raise ValueError(f"unknown op {op!r}: use one of {', '.join(_OPS)}")
-    is_int = isinstance(value, (bool, int, np.integer))
-    buf = np.array([value], dtype=np.int64 if is_int else np.float64)
-    _mpi(comm).Allreduce(MPI.IN_PLACE, buf, _OPS[op])
-    return int(buf[0]) if is_int else float(buf[0])
+
+    def __init__(self, mpi: MPI.Comm, activity=None):
+        self.mpi = mpi
+        self.rank = mpi.Get_rank()
+        self.size = mpi.Get_size()
+        self._act = activity
+
+    def _run(self, what: str, fn, *args):
+        act = self._act
+        if act is None:
+            return fn(*args)
+        act.blocked(what, None)
+        try:
+            return fn(*args)
+        finally:
+            act.since = 0.0
+
+    def allgather_array(self, values) -> np.ndarray:
+        """Every rank's equal-length vector of numbers, as a (size, n) array (int64 or float64)."""
+        values = np.asarray(values)
+        dtype = np.float64 if values.dtype.kind == "f" else np.int64
+        values = np.ascontiguousarray(values, dtype=dtype).reshape(-1)
+        out = np.empty((self.size, values.size), dtype=dtype)
+        self._run("Allgather", self.mpi.Allgather, values, out)
+        return out
+
+    def allreduce_scalar(self, value: float | int | bool, op: str = "sum") -> Any:
+        """Reduce one number over every rank: an int stays an int (int64), a float a float.
+
+        Args:
+            op: "sum", "max", "min" or "prod".
+        """
+        if op not in _OPS:
+            raise ValueError(f"unknown op {op!r}: use one of {', '.join(_OPS)}")
+        is_int = isinstance(value, (bool, int, np.integer))
+        buf = np.array([value], dtype=np.int64 if is_int else np.float64)
+        self._run("Allreduce", self.mpi.Allreduce, MPI.IN_PLACE, buf, _OPS[op])
+        return int(buf[0]) if is_int else float(buf[0])
+
+    def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
+        """The root's bytes on every rank (``data`` is ignored elsewhere)."""
+        is_root = self.rank == root
+        n = np.array([len(data) if is_root else 0], dtype=np.int64)
+        self._run("Bcast", self.mpi.Bcast, n, root)
+        buf = np.frombuffer(bytearray(data), dtype=np.uint8) if is_root \
+            else np.empty(int(n[0]), dtype=np.uint8)
+        self._run("Bcast", self.mpi.Bcast, buf, root)
+        return buf.tobytes()
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's byte string, in rank order."""
+        lengths = self.allgather_array([len(data)])[:, 0]
+        displs = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        out = np.empty(int(lengths.sum()), dtype=np.uint8)
+        self._run("Allgatherv", self.mpi.Allgatherv, np.frombuffer(bytes(data), dtype=np.uint8),
+                  [out, lengths.tolist(), displs.tolist(), MPI.BYTE])
+        return [out[d:d + n].tobytes() for d, n in zip(displs, lengths)]
+
+    def bcast_json(self, obj: Any = None, root: int = 0) -> Any:
+        """The root's JSON-serialisable value on every rank (tuples come back as lists;
+        NumPy scalars and arrays as numbers and lists)."""
+        data = _dumps(obj) if self.rank == root else None
+        return json.loads(self.bcast_bytes(data, root).decode())
+
+    def allgather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-serialisable value, in rank order."""
+        return [json.loads(b.decode()) for b in self.allgather_bytes(_dumps(obj))]
+
+    def barrier(self, poll_s: float = 0.0) -> None:
+        """Wait until every rank has arrived.
+
+        Args:
+            poll_s: 0 waits inside MPI (MPICH spins: the lowest latency). A positive
+                value polls a non-blocking barrier and sleeps that long between polls,
+                so that a rank waiting for slower ones leaves the core to the threads
+                that compute (DDP's buckets, a checkpoint being written).
+        """
+        if poll_s <= 0:
+            self._run("Barrier", self.mpi.Barrier)
+            return
+        req = self.mpi.Ibarrier()
+
+        def wait() -> None:
+            while not req.Test():
+                time.sleep(poll_s)
+
+        self._run("Ibarrier", wait)
 
 
-def allgather_array(comm, values) -> np.ndarray:
-    """Every rank's equal-length vector of numbers, as a (size, n) array (int64 or float64)."""
-    values = np.asarray(values)
-    dtype = np.float64 if values.dtype.kind == "f" else np.int64
-    values = np.ascontiguousarray(values, dtype=dtype).reshape(-1)
-    mpi = _mpi(comm)
-    out = np.empty((mpi.Get_size(), values.size), dtype=dtype)
-    mpi.Allgather(values, out)
-    return out
-
-
-def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
-    """The root's bytes on every rank (``data`` is ignored elsewhere)."""
-    mpi = _mpi(comm)
-    is_root = mpi.Get_rank() == root
-    n = np.array([len(data) if is_root else 0], dtype=np.int64)
-    mpi.Bcast(n, root=root)
-    buf = np.frombuffer(bytearray(data), dtype=np.uint8) if is_root \
-        else np.empty(int(n[0]), dtype=np.uint8)
-    mpi.Bcast(buf, root=root)
-    return buf.tobytes()
-
-
-def allgather_bytes(comm, data: bytes) -> list[bytes]:
-    """Every rank's byte string, in rank order."""
-    mpi = _mpi(comm)
-    lengths = allgather_array(mpi, [len(data)])[:, 0]
-    displs = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-    out = np.empty(int(lengths.sum()), dtype=np.uint8)
-    mpi.Allgatherv(np.frombuffer(bytes(data), dtype=np.uint8),
-                   [out, lengths.tolist(), displs.tolist(), MPI.BYTE])
-    return [out[d:d + n].tobytes() for d, n in zip(displs, lengths)]
+def of(comm) -> Control:
+    """The control channel of a Communicator, a backend or an ``mpi4py.MPI.Comm``."""
+    control = getattr(comm, "control", None)
+    if isinstance(control, Control):
+        return control
+    return Control(comm)
 
 
 def _plain(value: Any) -> Any:
@@ -87,14 +147,32 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, default=_plain).encode()
 
 
+# The same calls as functions of a communicator, for code that holds one.
+def allreduce_scalar(comm, value: float | int | bool, op: str = "sum") -> Any:
+    """``of(comm).allreduce_scalar(value, op)``."""
+    return of(comm).allreduce_scalar(value, op)
+
+
+def allgather_array(comm, values) -> np.ndarray:
+    """``of(comm).allgather_array(values)``."""
+    return of(comm).allgather_array(values)
+
+
+def bcast_bytes(comm, data: bytes | None, root: int = 0) -> bytes:
+    """``of(comm).bcast_bytes(data, root)``."""
+    return of(comm).bcast_bytes(data, root)
+
+
+def allgather_bytes(comm, data: bytes) -> list[bytes]:
+    """``of(comm).allgather_bytes(data)``."""
+    return of(comm).allgather_bytes(data)
+
+
 def bcast_json(comm, obj: Any = None, root: int = 0) -> Any:
-    """The root's JSON-serialisable value on every rank (tuples come back as lists;
-    NumPy scalars and arrays as numbers and lists)."""
-    mpi = _mpi(comm)
-    data = _dumps(obj) if mpi.Get_rank() == root else None
-    return json.loads(bcast_bytes(mpi, data, root).decode())
+    """``of(comm).bcast_json(obj, root)``."""
+    return of(comm).bcast_json(obj, root)
 
 
 def allgather_json(comm, obj: Any) -> list[Any]:
-    """Every rank's JSON-serialisable value, in rank order."""
-    return [json.loads(b.decode()) for b in allgather_bytes(comm, _dumps(obj))]
+    """``of(comm).allgather_json(obj)``."""
+    return of(comm).allgather_json(obj)

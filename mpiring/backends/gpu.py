@@ -465,3 +465,15 @@ def _dist_version(names) -> str | None:
             continue
     return None
 
+
+
+def to_host(a) -> np.ndarray:
+    """A host copy of device array ``a``, complete on return (point-to-point staging)."""
+    cuda_ops().current_stream().synchronize()  # the kernels that produced ``a`` first
+    return a.get()
+
+
+def from_host(a, host: np.ndarray) -> None:
+    """Copy ``host`` into device array ``a``, complete on return (point-to-point staging)."""
+    a.set(host)
+    cuda_ops().current_stream().synchronize()

@@ -9,15 +9,23 @@ from contextlib import nullcontext
 import numpy as np
 from mpi4py import MPI
 
+from mpiring.backends.control import Control
 from mpiring.backends.gpu import device_ready, empty_like_device
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.ops import finish
+from mpiring.runtime.trace import flush_all
 from mpiring.runtime.watchdog import Activity
 
 # One tag for all ring traffic: collectives on a communicator are issued in the
 # same order on every rank and MPI never overtakes messages between two ranks
 # with the same tag, so the steps cannot be confused.
 TAG = 7
+# The public point-to-point calls map the user's tag t to two MPI tags above the
+# ring's, one for the message's descriptor and one for its data, so that neither
+# can match the other nor a ring step.
+P2P_TAG0 = TAG + 1
+#: The largest user tag: MPI guarantees tags up to 32767.
+MAX_TAG = (32767 - P2P_TAG0) // 2
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 
@@ -103,7 +111,17 @@ def _idle_mode(local_size: int) -> str:
 def _abort_world(code: int) -> None:
     # The whole job, not just this communicator: a stalled sub-communicator
     # must not leave the other ranks of the job waiting.
+    flush_all()
     MPI.COMM_WORLD.Abort(code)
+
+
+class _Msg:
+    """A public message in flight: its MPI requests and the receiver's descriptor check."""
+
+    __slots__ = ("reqs", "check")
+
+    def __init__(self, reqs: list, check):
+        self.reqs, self.check = reqs, check
 
 
 class MPIBackend:
@@ -129,6 +147,8 @@ class MPIBackend:
                                                  MPI.COMM_WORLD.Get_group())
         self.activity = Activity(self.rank, self.size, world_ranks=list(world),
                                  abort=_abort_world)
+        #: Small values (descriptors, scalars, JSON) without pickle, under the deadline.
+        self.control = Control(comm, self.activity)
 
     # --- point-to-point, as in the lecture's pseudocode ---------------------
     def irecv(self, buf, src: int):
@@ -186,6 +206,66 @@ class MPIBackend:
         finally:
             act.since = 0.0
 
+    # --- the public point-to-point calls (Communicator.send/recv/isend/irecv) --
+    def post_send(self, buf, dst: int, tag: int, header: np.ndarray | None) -> _Msg:
+        """Start sending ``header`` (if any), then ``buf``, to ``dst``."""
+        reqs = [] if header is None else [self.comm.Isend(header, dest=dst, tag=P2P_TAG0 + 2 * tag)]
+        reqs.append(self.comm.Isend(_bytes(buf), dest=dst, tag=P2P_TAG0 + 2 * tag + 1))
+        return _Msg(reqs, None)
+
+    def post_recv(self, buf, src: int, tag: int, header: np.ndarray | None, check=None) -> _Msg:
+        """Post the receives of ``src``'s descriptor (into ``header``) and data (into ``buf``).
+
+        ``check()`` runs once the descriptor has arrived and raises to refuse the
+        message; the data is then drained, so that the sender is not left waiting.
+        """
+        reqs = [] if header is None else [self.comm.Irecv(header, source=src,
+                                                          tag=P2P_TAG0 + 2 * tag)]
+        reqs.append(self.comm.Irecv(_bytes(buf), source=src, tag=P2P_TAG0 + 2 * tag + 1))
+        return _Msg(reqs, check)
+
+    def complete(self, msg: _Msg, what: str, peer: int) -> None:
+        """Wait for a message under the deadline; raise what its check raises.
+
+        Raises:
+            ValueError: the data that arrived is longer than the receive buffer.
+        """
+        if msg.check is not None:
+            self._wait_p2p(msg.reqs[:1], what, peer)
+            check, msg.check = msg.check, None
+            try:
+                check()
+            except Exception:
+                try:
+                    self._wait_p2p(msg.reqs[1:], what, peer)
+                except ValueError:
+                    pass  # a longer message, refused anyway: the check's error says why
+                raise
+        self._wait_p2p(msg.reqs, what, peer)
+
+    def _wait_p2p(self, reqs, what: str, peer: int) -> None:
+        act = self.activity
+        act.blocked(what, peer)
+        try:
+            if self.idle != "spin":
+                _idle_wait_all(reqs, self.idle)
+            else:
+                MPI.Request.Waitall(reqs)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            raise ValueError(f"{what}: the message from r{peer} is longer than the "
+                             "receive buffer") from None
+        finally:
+            act.since = 0.0
+
+    def done(self, msg: _Msg) -> bool:
+        """Whether the message has arrived or left (does not block)."""
+        return MPI.Request.Testall(msg.reqs)
+
+    def flush(self) -> None:
+        """Issue what is posted but not yet issued: nothing, MPI issues at once."""
+
     def _collective(self, what: str, fn, *args):
         """Run a blocking MPI collective under the watchdog (waits for every rank)."""
         act = self.activity
@@ -214,18 +294,11 @@ class MPIBackend:
 
     def exchange(self, values: np.ndarray) -> np.ndarray:
         """Allgather a small int64 vector from every rank: a (size, len) array."""
-        out = np.empty((self.size, values.size), dtype=np.int64)
-        self._collective("Allgather", self.comm.Allgather, values, out)
-        return out
+        return self.control.allgather_array(values)
 
     def exchange_bytes(self, data: bytes) -> list[bytes]:
         """Allgather variable-length byte strings (no pickle)."""
-        lengths = self.exchange(np.array([len(data)], dtype=np.int64))[:, 0]
-        out = np.empty(int(lengths.sum()), dtype=np.uint8)
-        displs = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        self._collective("Allgatherv", self.comm.Allgatherv, np.frombuffer(data, dtype=np.uint8),
-                         [out, lengths.tolist(), displs.tolist(), MPI.BYTE])
-        return [out[d:d + n].tobytes() for d, n in zip(displs, lengths)]
+        return self.control.allgather_bytes(data)
 
     def barrier(self) -> None:
         self._collective("Barrier", self.comm.Barrier)
@@ -294,4 +367,5 @@ class MPIBackend:
         return local
 
     def abort(self, code: int = 1) -> None:
+        flush_all()
         self.comm.Abort(code)

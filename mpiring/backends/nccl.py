@@ -276,6 +276,16 @@ class _Recv:
         self.buf, self.src, self.issued = buf, src, False
 
 
+class _P2P:
+    """A public send or receive, recorded until its group is issued."""
+
+    __slots__ = ("what", "buf", "peer", "desc", "issued", "error")
+
+    def __init__(self, what: str, buf, peer: int, desc):
+        self.what, self.buf, self.peer, self.desc = what, buf, peer, desc
+        self.issued, self.error = False, None
+
+
 class NCCLBackend:
     """Point-to-point and native collectives on one NCCL communicator.
 
@@ -298,12 +308,14 @@ class NCCLBackend:
         self.rank = mpi.rank
         self.size = mpi.size
         self.activity = getattr(mpi, "activity", None)
+        self.control = mpi.control  # MPI is the control plane
         self.nccl = nccl_comm
         self._lib = lib
         self.device = device
         self.version = tuple(version)
         self._factory = factory
         self._pending: list[_Recv] = []
+        self._p2p_pending: list[_P2P] = []
         self._scratch: dict = {}
 
     # --- point-to-point, as in the lecture's pseudocode ---------------------
@@ -352,6 +364,56 @@ class NCCLBackend:
         # Raw bytes, as the MPI backend: every dtype travels the same way.
         getattr(self.nccl, what)(self.device.pointer(buf), nbytes, NCCL_UINT8, peer,
                                  self.device.stream_ptr())
+
+    # --- the public point-to-point calls -------------------------------------
+    # Descriptors travel over MPI and are checked before NCCL moves any data;
+    # the data is recorded and issued, sends and receives together in one
+    # group, at the first wait or test (or at the end of ``Communicator.group``),
+    # because an NCCL send issued alone blocks until its peer's receive runs.
+    def post_send(self, buf, dst: int, tag: int, header: np.ndarray | None) -> _P2P:
+        desc = None if header is None else self._mpi.post_send(header, dst, tag, None)
+        if desc is not None:
+            desc.reqs = desc.reqs[:1]  # only the descriptor goes over MPI
+        return self._record(_P2P("send", buf, dst, desc))
+
+    def post_recv(self, buf, src: int, tag: int, header: np.ndarray | None, check=None) -> _P2P:
+        desc = None if header is None else self._mpi.post_recv(header, src, tag, None)
+        if desc is not None:
+            desc.reqs, desc.check = desc.reqs[:1], check
+        return self._record(_P2P("recv", buf, src, desc))
+
+    def _record(self, op: _P2P) -> _P2P:
+        self._p2p_pending.append(op)
+        return op
+
+    def complete(self, op: _P2P, what: str, peer: int) -> None:
+        if not op.issued:
+            self.flush(what)
+        if op.error is not None:
+            raise op.error
+        # The host does not wait for the data: work queued on the stream after
+        # this runs after it (see the module docstring's Streams).
+
+    def done(self, op: _P2P) -> bool:
+        self.complete(op, f"test({op.what})", op.peer)
+        return True
+
+    def flush(self, what: str = "group") -> None:
+        pending, self._p2p_pending = self._p2p_pending, []
+        live = []
+        for op in pending:
+            op.issued = True
+            if op.desc is not None:
+                try:
+                    self._mpi.complete(op.desc, f"{what}: descriptor", op.peer)
+                except Exception as exc:  # noqa: BLE001 - refused: this op moves nothing
+                    op.error = exc
+                    continue
+            live.append(op)
+        if live:
+            with self.group():
+                for op in live:
+                    self._p2p(op.what, op.buf, op.peer)
 
     def synchronize(self) -> None:
         """Issue a receive that no send or wait picked up (the host does not block)."""

@@ -26,6 +26,7 @@ import numpy as np
 from mpiring import collectives as coll
 from mpiring.backends.gpu import device_plan
 from mpiring.collectives.ring_segmented import SEGMENT_BYTES
+from mpiring.comm.p2p import PointToPoint
 from mpiring.core.buffers import DTYPES, Buffer, as_buffer
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.errors import MismatchError
@@ -59,7 +60,7 @@ def _env_flag(name: str, default: bool) -> bool:
     return value.lower() not in ("0", "false", "no", "off")
 
 
-class Communicator:
+class Communicator(PointToPoint):
     """A group of ranks and the collectives over them.
 
     Attributes:
@@ -258,7 +259,8 @@ class Communicator:
         Args:
             x: numpy array, torch tensor or cupy array (contiguous, writable).
             op: "sum", "avg", "max", "min" or "prod".
-            algo: "auto" (the fastest for this size, see ``mpiring.comm.autotune``),
+            algo: "auto" (the default: the fastest of mpiring's own algorithms for
+                this size, from ``mpiring.comm.autotune``'s table; never "native"),
                 "ring" (the lecture's ReduceScatter + AllGather), "ring-seg" (the
                 same ring cut into pipelined segments), "recursive-doubling"
                 (log2 K steps, for small messages), "halving-doubling" (the ring's
@@ -414,15 +416,10 @@ class Communicator:
         return algo
 
     def _auto_choose(self, collective: str, buf: Buffer, op: str | None) -> str:
-        table = self._tuned()
-        algo = table.choose(collective, buf.nbytes)
-        if algo == "native":
-            try:  # e.g. MPI cannot reduce bfloat16: the best of mpiring's own instead
-                self._be.check_native(collective, buf.dtype,
-                                      op if collective in REDUCING else None)
-            except (TypeError, ValueError):
-                algo = table.choose(collective, buf.nbytes, native_ok=False)
-        return algo
+        # Only mpiring's own algorithms: the library's collective runs when it is
+        # asked for by name, so the default call is always code a reader can see
+        # (and ``--log steps`` always has steps to print).
+        return self._tuned().choose(collective, buf.nbytes, native_ok=False)
 
     def _tuned(self):
         if self._auto is None:  # collective: every rank's first call that needs it
@@ -487,6 +484,12 @@ class Communicator:
     def chunk_bounds(self, n: int) -> list[tuple[int, int]]:
         """The chunk bounds ``reduce_scatter``/``all_gather`` use for ``n`` elements."""
         return list(chunk_bounds(n, self.size))
+
+    @property
+    def control(self):
+        """The control channel (``mpiring.backends.control.Control``): small values
+        between the ranks of this communicator, without pickle, under its deadline."""
+        return self._be.control
 
     @property
     def mpi_comm(self):

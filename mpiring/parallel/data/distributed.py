@@ -139,8 +139,13 @@ class DistributedDataParallel(nn.Module):
         self.reducer.register_comm_hook(state, hook)
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread (the module stays usable)."""
+        """Remove the hooks and stop the communication thread (the module stays usable).
+
+        The trace's buffered tail is written out here (and at exit), so a run that
+        ends normally keeps every event.
+        """
         self.reducer.close()
+        self.comm.tracer.flush()
 
 
 def describe_module(module: nn.Module) -> list[str]:
@@ -161,16 +166,14 @@ def check_same_model(comm, lines: Sequence[str], what: str = "DistributedDataPar
     """
     if comm.size == 1:
         return
-    mpi = comm.mpi_comm
-    counts = np.empty(comm.size, dtype=np.int64)
-    mpi.Allgather(np.array([len(lines)], dtype=np.int64), counts)
+    control = comm.control
+    counts = control.allgather_array([len(lines)])[:, 0]
     width = int(counts.max())
     mine = np.zeros(width, dtype=np.int64)
     for j, line in enumerate(lines):
         mine[j] = int.from_bytes(hashlib.blake2b(line.encode(), digest_size=8).digest(),
                                  "little", signed=True)
-    table = np.empty((comm.size, width), dtype=np.int64)
-    mpi.Allgather(mine, table)
+    table = control.allgather_array(mine)
     first = None
     for j in range(width):
         present = counts > j
@@ -183,14 +186,11 @@ def check_same_model(comm, lines: Sequence[str], what: str = "DistributedDataPar
         text = lines[first]
     else:
         text = f"nothing (only {len(lines)} parameters and buffers)"
-    raw = text.encode()[:_DESC_BYTES].ljust(_DESC_BYTES, b"\0")
-    descs = np.empty((comm.size, _DESC_BYTES), dtype=np.uint8)
-    mpi.Allgather(np.frombuffer(raw, dtype=np.uint8).copy(), descs)
+    descs = control.allgather_bytes(text.encode()[:_DESC_BYTES])
     groups: dict[str, list[int]] = {}
     for r in range(comm.size):
-        desc = descs[r].tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
-        groups.setdefault(desc, []).append(r)
-    differ = [r for r in range(comm.size) if descs[r].tobytes() != descs[0].tobytes()
+        groups.setdefault(descs[r].decode("utf-8", errors="replace"), []).append(r)
+    differ = [r for r in range(comm.size) if descs[r] != descs[0]
               or table[r, first] != table[0, first] or counts[r] <= first]
     parts = "; ".join(f"{', '.join(f'r{r}' for r in ranks)} have {desc}"
                       for desc, ranks in groups.items())

@@ -1,0 +1,205 @@
+"""Point-to-point: send, recv, isend, irecv, sendrecv and groups, on both backends.
+
+What pipeline parallelism stands on. Each message is one call on each side::
+
+    rank 0: comm.send(x, dst=1, tag=3)      rank 1: comm.recv(y, src=0, tag=3)
+
+Messages from one rank to another with the same tag arrive in the order they
+were sent. The ring collectives do not use these calls (they talk to the
+backend directly, with a tag of their own), so the two kinds of traffic never
+match each other.
+
+With the argument check on (the communicator's ``check``, default on), every
+message carries a 24-byte descriptor (bytes, dtype, count) ahead of its data,
+and the receiver compares it with its own buffer before it accepts the data: a
+size or dtype that differs is a ``MismatchError`` naming both sides, not
+garbage in the buffer. Both ends must agree on the setting (``MPIRING_CHECK``
+is the same on every rank unless you make it differ).
+
+Every wait has the communicator's deadline; a receive that nothing matches ends
+in a stall report naming the peer and the tag. Every completed message is one
+trace record (``type: "p2p"``) and, with ``--log steps``, one log line.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from mpiring.backends.gpu import from_host, host_dtype, to_host
+from mpiring.backends.mpi import MAX_TAG
+from mpiring.core.buffers import DTYPES, Buffer, as_buffer
+from mpiring.core.errors import MismatchError
+from mpiring.runtime.trace import clock
+
+
+class Request:
+    """A message in flight, from ``isend``/``irecv``: ``wait()`` completes it, ``test()`` asks."""
+
+    __slots__ = ("_comm", "_op", "_buf", "_peer", "_tag", "_handle", "_staged", "_t0", "_call",
+                 "_done", "_header", "_keep")
+
+    def __init__(self, comm, op: str, buf: Buffer, peer: int, tag: int, call: int):
+        self._comm, self._op, self._buf, self._peer, self._tag = comm, op, buf, peer, tag
+        self._call, self._t0, self._done = call, clock(), False
+        self._handle = self._staged = self._header = self._keep = None
+
+    @property
+    def what(self) -> str:
+        arrow = "to" if self._op == "send" else "from"
+        return f"{self._op}#{self._call} {arrow} r{self._peer} tag {self._tag}"
+
+    def wait(self):
+        """Block until the message has left (send) or arrived (recv); returns the buffer."""
+        if not self._done:
+            be = self._comm._be
+            be.complete(self._handle, f"Wait({self.what})", self._peer)
+            self._done = True
+            if self._staged is not None:  # a CUDA buffer received through host memory
+                from_host(self._buf.array, self._staged)
+            self._comm._record(self)
+        return self._buf.obj
+
+    def test(self) -> bool:
+        """True once the message is complete (then ``wait`` returns at once); never blocks."""
+        if not self._done and self._comm._be.done(self._handle):
+            self.wait()
+        return self._done
+
+
+def check_peer(comm, peer, name: str) -> int:
+    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) \
+            or not 0 <= peer < comm.size:
+        raise ValueError(f"{name}={peer!r} out of range: use a rank in 0..{comm.size - 1} "
+                         f"of this {comm.size}-rank communicator")
+    return int(peer)
+
+
+def check_tag(tag) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"tag={tag!r}: use an integer in 0..{MAX_TAG}")
+    return int(tag)
+
+
+def descriptor(buf: Buffer) -> np.ndarray:
+    """What the receiver checks: bytes, dtype (index into ``DTYPES``) and count."""
+    return np.array([buf.nbytes, DTYPES.index(buf.dtype), buf.count], dtype=np.int64)
+
+
+def describe(desc) -> str:
+    nbytes, dtype, count = (int(v) for v in desc)
+    name = DTYPES[dtype] if 0 <= dtype < len(DTYPES) else "?"
+    return f"{count} x {name} ({nbytes} B)"
+
+
+class PointToPoint:
+    """The Communicator's point-to-point calls (a mixin: it uses ``_be``, ``rank``, ``size``,
+    ``check``, ``tracer`` and ``_act``)."""
+
+    _group_reqs: list | None = None
+    _p2p_calls = 0
+
+    def _post(self, op: str, x, peer: int, tag: int) -> Request:
+        buf = as_buffer(x)
+        peer = check_peer(self, peer, "dst" if op == "send" else "src")
+        tag = check_tag(tag)
+        self._p2p_calls += 1
+        req = Request(self, op, buf, peer, tag, self._p2p_calls)
+        self._act.begin(op, self._p2p_calls, None)
+        array = buf.array
+        if buf.device == "cuda" and not getattr(self._be, "accepts_cuda", False) \
+                and not _cuda_aware():
+            # The MPI library cannot read device memory: each message goes through a
+            # host copy of its own, so that messages in flight never share one.
+            array = to_host(array) if op == "send" else np.empty(buf.count,
+                                                                  dtype=host_dtype(buf.dtype))
+            req._staged = None if op == "send" else array
+        req._keep = array  # the backend reads or fills it until the message completes
+        mine = descriptor(buf) if self.check else None
+        if op == "send":
+            req._handle = self._be.post_send(array, peer, tag, mine)
+        else:
+            got = None if mine is None else np.empty(3, dtype=np.int64)
+            check = None if got is None else (lambda: self._compare(req, mine, got))
+            req._handle = self._be.post_recv(array, peer, tag, got, check)
+        req._header = mine
+        if self._group_reqs is not None:
+            self._group_reqs.append(req)
+        return req
+
+    def _compare(self, req: Request, mine: np.ndarray, got: np.ndarray) -> None:
+        if not np.array_equal(mine, got):
+            raise MismatchError(
+                f"[r{self.rank}] {req.what}: r{req._peer} sent {describe(got)}, this rank "
+                f"receives into {describe(mine)}; give both ends the same size and dtype")
+
+    def _record(self, req: Request) -> None:
+        tracer = self.tracer
+        if tracer.enabled:
+            t_end = clock()
+            tracer.write({"type": "p2p", "rank": self.rank, "op": req._op, "call": req._call,
+                          "peer": req._peer, "tag": req._tag, "bytes": req._buf.nbytes,
+                          "dtype": req._buf.dtype, "t_start": req._t0, "t_end": t_end})
+
+    def isend(self, x, dst: int, tag: int = 0) -> Request:
+        """Start sending ``x`` to rank ``dst``; ``x`` must stay unchanged until ``wait()``.
+
+        Raises:
+            ValueError/TypeError: a bad buffer, a peer out of range or a bad tag,
+                before anything is sent.
+        """
+        return self._post("send", x, dst, tag)
+
+    def irecv(self, x, src: int, tag: int = 0) -> Request:
+        """Start receiving into ``x`` from rank ``src``; ``wait()`` returns ``x`` filled.
+
+        The sender's message must have ``x``'s size and dtype (with the check on, a
+        difference raises ``MismatchError`` at ``wait()``).
+        """
+        return self._post("recv", x, src, tag)
+
+    def send(self, x, dst: int, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dst`` and return once it has left ``x``."""
+        self.isend(x, dst, tag).wait()
+
+    def recv(self, x, src: int, tag: int = 0):
+        """Receive into ``x`` from rank ``src``, in place; returns ``x``."""
+        return self.irecv(x, src, tag).wait()
+
+    def sendrecv(self, send_x, dst: int, recv_x, src: int, tag: int = 0):
+        """Send ``send_x`` to ``dst`` while receiving ``recv_x`` from ``src``; returns ``recv_x``.
+
+        Both go out together (one group), so a ring of sendrecvs cannot deadlock.
+        """
+        with self.group():
+            self.irecv(recv_x, src, tag)
+            self.isend(send_x, dst, tag)
+        return recv_x
+
+    @contextmanager
+    def group(self):
+        """Issue the point-to-point calls made inside the block together; complete them at its end.
+
+        On NCCL this is ncclGroupStart/ncclGroupEnd: a send and the receive it must
+        overlap with go in one group, or both neighbours block. On MPI every call is
+        issued at once and the block's end waits for all of them. Groups nest (the
+        outermost one completes everything).
+        """
+        if self._group_reqs is not None:  # nested: the outer group completes them
+            yield
+            return
+        self._group_reqs = reqs = []
+        try:
+            yield
+        finally:
+            self._group_reqs = None
+        self._be.flush()
+        for req in reqs:
+            req.wait()
+
+
+def _cuda_aware() -> bool:
+    from mpiring.backends.gpu import cuda_aware_mpi
+
+    return cuda_aware_mpi()[0]
