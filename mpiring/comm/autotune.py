@@ -10,16 +10,17 @@ model is reduced to a *decision table*: size intervals and the algorithm that is
 fastest on each, found where the interpolated curves cross::
 
     all_reduce, K=4:   <= 6 KiB   recursive-doubling
-                       <= 5.9 MiB native
                        larger     ring-seg
 
-``native`` (the MPI library's own) is kept unless another algorithm beats it by
-``margin`` (5%): a choice inside the noise would buy nothing and risks losing;
-and a winner at a single size between two sizes won by another algorithm gives
-way to it unless it wins by more than 15% (a burst of load on a shared machine
-hits one size, not its neighbours).
-A second table, ``own``, ranks only mpiring's algorithms: it answers where the
-library's collective cannot run (bfloat16 reductions on MPI).
+Two tables come out of one fit. ``own`` ranks only mpiring's algorithms, and it
+is the one ``auto`` uses: the default call always runs code a reader can see,
+and the library's collective runs only when asked for by name
+(``algo="native"``). ``best`` ranks every candidate, ``native`` included, so
+that ``tune`` can say how far the best of mpiring's own is from the library's;
+there ``native`` is kept unless another algorithm beats it by ``margin`` (5%).
+In both, a winner at a single size between two sizes won by another algorithm
+gives way to it unless it wins by more than 15% (a burst of load on a shared
+machine hits one size, not its neighbours).
 
 Same choice on every rank
 -------------------------
@@ -260,16 +261,13 @@ def _d(*intervals) -> Decision:
 def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
     """The table ``auto`` uses when the cache has no entry for this layout.
 
-    MPI on one host: from ``tune`` runs on a 2-core development machine with 2,
-    3 and 4 ranks, kept conservative because that machine was shared (timings
-    of small messages swung by 3x with the load): the library's own collective
-    up to the size where the segmented ring won in every run, the segmented ring
-    above (there MPICH's Allreduce allocates and faults in a temporary buffer
-    per call and loses 2-6x); with 2 ranks halving-doubling in between.
-    Recursive doubling won small sizes only while the machine was loaded, so
-    only a ``tune`` on your machine puts it in. Other layouts: the library's
-    own up to 16 MiB. NCCL: its own collectives (the ring there exists to be
-    read).
+    MPI (``own``, what ``auto`` runs): recursive doubling for small messages,
+    where its log2 K steps beat the ring's 2(K-1); the segmented ring above,
+    where bandwidth counts; with 2 ranks halving-doubling in between (one
+    exchange of halves each way). ``best`` (for ``tune``'s comparison) keeps the
+    library's own collective where it was not clearly beaten. NCCL: the ring
+    (``best``: NCCL's own). ``docs/performance.md`` has the measurements the
+    boundaries come from; ``tune`` refits them for your machine.
     """
     key = f"builtin {layout_key(backend, size, hosts)}"
     if backend != "mpi":
@@ -287,7 +285,7 @@ def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
         "all_gather": _d((min(upto, 512 << 10), "native"), (INF, "ring-seg")),
     }
     own = {
-        "all_reduce": _d((64 << 10, "recursive-doubling"), (INF, "ring-seg")),
+        "all_reduce": Decision(list(_OWN.get(size if len(hosts) == 1 else 0, _OWN[0]))),
         "reduce_scatter": _d((INF, "ring-seg")),
         "all_gather": _d((INF, "ring-seg")),
     }
@@ -302,6 +300,12 @@ _BUILTIN: dict[int, tuple[tuple[int | None, str], ...]] = {
     3: ((512 << 10, "native"), (INF, "ring-seg")),
     4: ((4 << 20, "native"), (INF, "ring-seg")),
     0: ((16 << 20, "native"), (INF, "ring-seg")),
+}
+
+# The same, over mpiring's own algorithms only (what ``auto`` chooses from).
+_OWN: dict[int, tuple[tuple[int | None, str], ...]] = {
+    2: ((64 << 10, "recursive-doubling"), (16 << 20, "halving-doubling"), (INF, "ring-seg")),
+    0: ((64 << 10, "recursive-doubling"), (INF, "ring-seg")),
 }
 
 
