@@ -247,10 +247,8 @@ class MPIBackend:
         act = self.activity
         act.blocked(what, peer)
         try:
-            if self.idle != "spin":
-                _idle_wait_all(reqs, self.idle)
-            else:
-                MPI.Request.Waitall(reqs)
+            for req in reqs:  # one at a time: Waitall would hide a truncation in a status
+                _idle_wait(req, self.idle) if self.idle != "spin" else req.Wait()
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise

@@ -66,6 +66,10 @@ PHASES = {
 _RING_PHASES = ("reduce-scatter", "all-gather")
 
 
+#: The Communicator's public point-to-point calls, as ``Activity.collective``.
+P2P = ("send", "recv")
+
+
 def parse_timeout(value: float | str | None, default: float = DEFAULT_TIMEOUT) -> float:
     """Seconds as a float; ``None`` means ``MPIRING_TIMEOUT`` or the default; 0 disables.
 
@@ -209,7 +213,9 @@ class Activity:
         where = f"{self.collective}#{self.call}" if self.collective else "a blocking call"
         if self.collective and self.algo:
             where += f" (algo {self.algo}, {self.size} ranks)"
-        if self.peer is not None:  # point-to-point: a ring step
+        if self.collective in P2P:  # a public message: the wait names it
+            stage = ""
+        elif self.peer is not None:  # point-to-point: a ring step
             stage = self.current_step()
         elif self.what in ("Allgather", "Allgatherv") and self.collective in PHASES:
             stage = "argument check (before any data moves)"
@@ -221,6 +227,11 @@ class Activity:
             whom = f"waiting for every rank of the {self.size}-rank communicator"
             hint = ("some rank has not reached this call: it is slow, stuck, dead, or "
                     "calling a different collective")
+        elif self.collective in P2P:
+            other = "receive" if self.collective == "send" else "send"
+            whom = f"waiting for the matching {other} on {self._who(self.peer)}"
+            hint = (f"{self._who(self.peer)} has not posted a {other} with this tag for this "
+                    "rank: it is slow, stuck, dead, or using another tag or peer")
         else:
             direction = "sending to" if self.what == "Send" else "waiting for data from"
             whom = f"{direction} {self._who(self.peer)}"
