@@ -1,0 +1,108 @@
+"""Plan a layout for a real cluster: memory, step time, MFU and GPU-hours, predicted.
+
+Searches every data/tensor/pipeline layout (micro-batch, schedule, ZeRO stage,
+recomputation) that fits in memory and prints the fastest few with where their
+time goes. Presets are the published runs; --check prints the published
+tables beside the predictions. No MPI needed::
+
+    python -m mpiring plan --preset llama-3.1-405b
+    python -m mpiring plan --gpu a100 --gpus 1024 --layers 80 --hidden 12288 --heads 96 --batch 2048
+    python -m mpiring plan --check
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PRESETS = ("megatron-1t", "megatron-145b", "llama-3.1-405b", "deepseek-v3")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="a published run's model, cluster, batch and tokens")
+    p.add_argument("--check", action="store_true",
+                   help="print the published tables (Megatron-LM, ZeRO, DeepSeek-V3, Llama 3.1) "
+                        "beside the predictions")
+    p.add_argument("--gpu", choices=("a100", "h100", "h800"), default="a100")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the cluster")
+    for name, help_ in (("layers", "l"), ("hidden", "h"), ("heads", "a"), ("seq", "s"),
+                        ("vocab", "V"), ("ffn", "MLP inner size (default 4h)")):
+        p.add_argument(f"--{name}", type=int, default=None, help=help_)
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences")
+    p.add_argument("--tokens", type=float, default=0.0, help="token budget for GPU-hours, e.g. 3e11")
+    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--json", metavar="FILE", help="write the layouts (or --check tables) as JSON")
+    p.add_argument("--plot", metavar="PNG", help="stacked bars of each layout's step time")
+
+
+def _problem(args):
+    from mpiring.core.stepmodel import GPT
+    from mpiring.tools.plan import presets as pr
+
+    clusters = {"a100": pr.selene, "h100": pr.h100_cluster, "h800": pr.h800_cluster}
+    if args.preset in ("megatron-1t", "megatron-145b"):
+        row = pr.MEGATRON_TABLE[-1 if args.preset == "megatron-1t" else 6]
+        g, c, batch, tokens = row.model(), pr.selene(row.gpus), row.batch, 0.0
+    elif args.preset:
+        run = pr.RUNS[args.preset]()
+        g, c, batch, tokens = run.model, run.cluster, run.batch, run.tokens
+    else:
+        g = GPT(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200)
+        c, batch, tokens = clusters[args.gpu](args.gpus or 64), 512, 0.0
+    changes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn")
+               if getattr(args, k) is not None}
+    if changes:
+        g = g.with_(**changes)
+    if args.gpus:
+        c = c.with_(gpus=args.gpus)
+    return g, c, args.batch or batch, args.tokens or tokens
+
+
+def _check(args) -> int:
+    from mpiring.tools.plan import validate as v
+    from mpiring.tools.plan.report import format_residuals
+
+    mega, zero, runs = v.megatron_rows(), v.zero_rows(), v.run_rows()
+    for r in mega:
+        r["_label"] = f"{r['params_b']:g}B tp{r['tp']} pp{r['pp']} {r['gpus']} GPUs"
+    for r in zero:
+        r["_label"], r["residual"] = f"ZeRO stage {r['stage']}", v.residual(r["printed"],
+                                                                              r["published_gb"])
+    for r in runs:
+        r["_label"] = r["run"]
+        r["published_mh"], r["predicted_mh"] = (r["published_gpu_hours"] / 1e6,
+                                                r["predicted_gpu_hours"] / 1e6)
+    print("Megatron-LM SC'21 Table 1, TFLOP/s per GPU (one set of A100 constants)")
+    print(format_residuals(mega, "run", "published_tflops", "predicted_tflops"))
+    print("\nZeRO Figure 1, GB per GPU (7.5B parameters, N_d = 64)")
+    print(format_residuals(zero, "stage", "published_gb", "printed"))
+    print("\nThe lecture's runs, million GPU-hours")
+    print(format_residuals(runs, "run", "published_mh", "predicted_mh", "{:.2f}"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"megatron": mega, "zero": zero, "runs": runs}, f, indent=1, default=str)
+    return 0
+
+
+def run(args) -> int:
+    from mpiring.tools.plan.report import format_candidates, plot_candidates
+    from mpiring.tools.plan.search import search
+
+    if args.check:
+        return _check(args)
+    g, c, batch, tokens = _problem(args)
+    try:
+        cands = search(g, c, batch, tokens, top=args.top)
+    except ValueError as exc:
+        sys.stderr.write(f"python -m mpiring plan: {exc}\n")
+        return 2
+    title = (f"{g.name or 'GPT'}: l={g.layers} h={g.hidden} a={g.heads} s={g.seq} V={g.vocab}; "
+             f"{c.gpus} x {c.name}, batch {batch} sequences")
+    print(format_candidates(cands, title))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "layouts": [x.as_dict() for x in cands]}, f, indent=1)
+    if args.plot:
+        plot_candidates(cands, args.plot, title)
+    return 0

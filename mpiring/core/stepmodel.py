@@ -1,0 +1,266 @@
+r"""A GPT training step on paper: FLOPs, memory, pipeline bubbles, MFU, GPU-hours.
+
+Each formula is a small pure function with its source. Notation (Narayanan et
+al. 2021, Korthikanti et al. 2022): l layers, h hidden, a heads, s sequence,
+V vocabulary, b micro-batch, B global batch (sequences), t/p/d tensor-,
+pipeline- and data-parallel degrees, m micro-batches per step, v virtual
+stages per rank.
+
+The step time that puts these together is ``steptime.step_time``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class GPT:
+    """A GPT-style decoder (dense; mixture-of-experts optional).
+
+    Attributes:
+        layers, hidden, heads, seq, vocab: l, h, a, s, V.
+        ffn: the MLP's inner size (4h when 0).
+        kv_heads: key/value heads (grouped-query attention; ``heads`` when 0).
+        gated: SwiGLU-style MLP (three h x ffn matrices instead of two).
+        experts, top_k, shared_experts, expert_ffn, dense_layers: mixture of
+            experts: ``experts`` routed experts of inner size ``expert_ffn``,
+            ``top_k`` of them per token plus ``shared_experts`` always on; the
+            first ``dense_layers`` layers keep the dense MLP. experts=0: dense.
+        attn_params_per_layer: overrides the attention's parameter count (MLA).
+        attn_width: heads x (query-key head dim + value head dim), what QK^T and
+            AV multiply over (2h for plain multi-head attention; 0 means 2h).
+        node_limit: a token is sent to at most this many nodes, once per node
+            (DeepSeek-V3's node-limited routing, §2.1.2); 0: no limit.
+        tied_embeddings: the output head reuses the input embedding.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn: int = 0
+    kv_heads: int = 0
+    gated: bool = False
+    experts: int = 0
+    top_k: int = 0
+    shared_experts: int = 0
+    expert_ffn: int = 0
+    dense_layers: int = 0
+    attn_params_per_layer: int = 0
+    tied_embeddings: bool = False
+    attn_width: int = 0
+    node_limit: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("layers", "hidden", "heads", "seq", "vocab"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"GPT.{f} must be >= 1, got {getattr(self, f)}")
+        if self.experts and not (0 < self.top_k <= self.experts and self.expert_ffn > 0):
+            raise ValueError("a mixture of experts needs 0 < top_k <= experts and expert_ffn > 0")
+
+    @property
+    def d_ffn(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    def with_(self, **changes) -> GPT:
+        return replace(self, **changes)
+
+
+def attention_params(g: GPT) -> int:
+    """q and output projections h x h, k and v h x (kv_heads * h/a) each (biases left out)."""
+    if g.attn_params_per_layer:
+        return g.attn_params_per_layer
+    kv = (g.kv_heads or g.heads) * (g.hidden // g.heads)
+    return 2 * g.hidden * g.hidden + 2 * g.hidden * kv
+
+
+def mlp_params(h: int, ffn: int, gated: bool) -> int:
+    """2 h ffn, or 3 h ffn for a gated (SwiGLU) MLP (Shazeer 2020)."""
+    return (3 if gated else 2) * h * ffn
+
+
+def layer_params(g: GPT, moe_layer: bool, active: bool) -> int:
+    """One layer's parameters; ``active``: only those one token uses (top_k + shared experts)."""
+    if not moe_layer:
+        return attention_params(g) + mlp_params(g.hidden, g.d_ffn, g.gated)
+    per_expert = mlp_params(g.hidden, g.expert_ffn, g.gated)
+    n = (g.top_k if active else g.experts) + g.shared_experts
+    return attention_params(g) + n * per_expert + g.hidden * g.experts  # + the router
+
+
+def params(g: GPT, active: bool = False) -> int:
+    """All parameters (embeddings included); ``active``: those one token touches.
+
+    Megatron's count for a dense GPT, 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)),
+    differs only by the biases and layer norms left out here.
+    """
+    moe = g.layers - g.dense_layers if g.experts else 0
+    body = ((g.layers - moe) * layer_params(g, False, active)
+            + moe * layer_params(g, True, active))
+    emb = g.vocab * g.hidden * (1 if g.tied_embeddings else 2)
+    return body + emb
+
+
+def forward_flops_per_token(g: GPT) -> float:
+    """Forward FLOPs per token: 2 per active weight in the layers and the head,
+    plus attention's QK^T and AV, 2 s attn_width = 4 s h per layer (not halved
+    for causality).
+
+    For a dense GPT this is 24 l h^2 (1 + s/(6h) + V/(16 l h)) / 3 per token
+    (Narayanan et al. 2021, eq. 3, with their three passes: one forward and a
+    backward twice as long).
+    """
+    moe = g.layers - g.dense_layers if g.experts else 0
+    matmul = ((g.layers - moe) * layer_params(g, False, True)
+              + moe * (layer_params(g, True, True) - g.hidden * g.experts))
+    width = g.attn_width or 2 * g.hidden
+    return 2.0 * (matmul + g.hidden * g.vocab) + 2.0 * g.layers * g.seq * width
+
+
+def training_flops_per_token(g: GPT, recompute: str = "none") -> float:
+    """Forward + backward (2x forward) + the recomputed forward.
+
+    recompute "full" adds one forward of the layers (not of the head):
+    Narayanan et al. 2021 eq. 3, 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) per step.
+    "selective" recomputes only attention's softmax and dropout, whose FLOPs the
+    count leaves out (Korthikanti et al. 2022 §5). ``model_flops_per_token``
+    (recompute "none") is what MFU counts.
+    """
+    f = forward_flops_per_token(g)
+    if recompute == "full":
+        return 3 * f + (f - 2.0 * g.hidden * g.vocab)
+    if recompute in ("none", "selective"):
+        return 3 * f
+    raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+
+
+def model_flops_per_token(g: GPT) -> float:
+    """6 N + 12 l s h per token: what MFU counts (PaLM, Chowdhery et al. 2022, App. B)."""
+    return training_flops_per_token(g, "none")
+
+
+# --- memory ------------------------------------------------------------------------
+#: Mixed-precision Adam: bytes per parameter for the fp16 weights, their gradients
+#: and the optimizer state K (fp32 master copy, momentum, variance), ZeRO §3.
+WEIGHT_BYTES, GRAD_BYTES, ADAM_K = 2, 2, 12
+
+
+def zero_model_state_bytes(psi: float, nd: int, stage: int, k: float = ADAM_K) -> float:
+    """Per-GPU model states by the ZeRO paper (Rajbhandari et al. 2020, Fig. 1, §5).
+
+    stage 0: (2 + 2 + K) Psi; 1 (P_os): 2Psi + 2Psi + K Psi/N_d;
+    2 (P_os+g): 2Psi + (2 + K) Psi/N_d; 3 (P_os+g+p): (2 + 2 + K) Psi/N_d.
+    """
+    if nd < 1:
+        raise ValueError(f"data-parallel degree N_d must be >= 1, got {nd}")
+    w, g = WEIGHT_BYTES * psi, GRAD_BYTES * psi
+    o = k * psi
+    if stage == 0:
+        return w + g + o
+    if stage == 1:
+        return w + g + o / nd
+    if stage == 2:
+        return w + (g + o) / nd
+    if stage == 3:
+        return (w + g + o) / nd
+    raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+
+
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
+                               sp: bool = False, recompute: str = "none") -> float:
+    """Activation memory of one layer in bytes (Korthikanti et al. 2022, Table 2).
+
+    none: s b h (10 + 24/t + 5 a s/(h t)) (with sequence parallelism
+    s b h (34/t + 5 a s/(h t))); selective: s b h 34/t with SP (attention's
+    softmax, dropout and AV recomputed); full: 2 s b h (only the layer's input
+    is kept, /t with SP).
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh / (t if sp else 1)
+    if recompute == "selective":
+        return sbh * (34.0 / t if sp else 10 + 24.0 / t)
+    if recompute == "none":
+        return sbh * ((34.0 / t if sp else 10 + 24.0 / t) + 5.0 * a * s / (h * t))
+    raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+
+
+# --- pipeline bubble ----------------------------------------------------------------
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "dualpipe")
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle time over ideal compute time of one pipeline flush.
+
+    gpipe and 1f1b: (p-1)/m (Narayanan et al. 2021 §2.2.1; as a share of wall
+    time that is (p-1)/(m+p-1)); interleaved with v chunks: (p-1)/(v m) (§2.2.2);
+    zb-h1: a third of 1F1B's, zb-h2: none (Qi et al. 2024, Table 2 with
+    T_F = T_B = T_W); dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B + W)
+    (DeepSeek-V3 report, Table 2) with F = B = W and F&B = F + B, i.e. none.
+    """
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need p, m, v >= 1, got p={p}, m={m}, v={v}")
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule == "interleaved":
+        return (p - 1) / (v * m)
+    if schedule == "zb-h1":
+        return (p - 1) / (3 * m)
+    if schedule in ("zb-h2", "dualpipe"):
+        return 0.0
+    raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+
+
+def in_flight_microbatches(schedule: str, p: int, m: int) -> int:
+    """Micro-batches whose activations stage 0 holds at its peak.
+
+    GPipe keeps all m; 1F1B and its variants min(p, m) (torch's Schedule1F1B
+    warm-up); ZB-H2 about 2p - 1 (Qi et al. 2024, Table 2); DualPipe p + 1 at
+    most (DeepSeek-V3 report, Table 2: PP + 1 chunks).
+    """
+    if schedule == "gpipe":
+        return m
+    if schedule == "zb-h2":
+        return min(m, 2 * p - 1)
+    if schedule == "dualpipe":
+        return min(m, p + 1)
+    return min(m, p)
+
+
+# --- utilisation ---------------------------------------------------------------------
+def mfu(model_flops_per_token: float, tokens_per_s: float, gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: model FLOPs per second over the cluster's peak (PaLM, App. B)."""
+    return model_flops_per_token * tokens_per_s / (gpus * peak_flops)
+
+
+def gpu_hours(tokens: float, tokens_per_s: float, gpus: int) -> float:
+    """GPU-hours to train on ``tokens`` at ``tokens_per_s`` on ``gpus`` GPUs."""
+    return tokens / tokens_per_s * gpus / 3600.0
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Where one step's time goes (seconds) and what each GPU holds (bytes)."""
+
+    compute: float = 0.0
+    elementwise: float = 0.0
+    tp_comm: float = 0.0
+    ep_comm: float = 0.0
+    pp_comm: float = 0.0
+    bubble: float = 0.0
+    dp_exposed: float = 0.0
+    dp_total: float = 0.0
+    memory: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.elementwise + self.tp_comm + self.ep_comm + self.pp_comm
+                + self.bubble + self.dp_exposed)
+
+    def parts(self) -> dict[str, float]:
+        return {"compute": self.compute, "elementwise": self.elementwise, "tp_comm": self.tp_comm,
+                "ep_comm": self.ep_comm, "pp_comm": self.pp_comm, "bubble": self.bubble,
+                "dp_exposed": self.dp_exposed}

@@ -1,0 +1,247 @@
+"""One training step of a GPT on a cluster with a layout: the step model assembled.
+
+Time per step is the sum of what cannot overlap (Narayanan et al. 2021, §3):
+
+    compute        FLOPs per GPU / (peak x gemm_eff x (1 - comm_sm_fraction))
+    elementwise    bytes the memory-bound ops touch / HBM bandwidth: passes x
+                   Korthikanti's per-layer activation bytes (their 5as/h term
+                   only without flash attention)
+    tp_comm        4 ring AllReduces of b s h per layer and micro-batch (2 forward,
+                   2 backward; 6 with full recomputation), none overlapped
+    ep_comm        MoE dispatch + combine all-to-alls, forward and backward,
+                   minus the share the schedule overlaps
+    pp_comm        one activation and one gradient per micro-batch and stage
+                   boundary, 1/t of it per GPU (Megatron's scatter/gather)
+    bubble         bubble_fraction(schedule) x the above per-micro-batch work
+    dp_exposed     gradient reduction over d minus what hides behind the last
+                   micro-batch's backward
+
+Cluster constants (gemm_eff, elementwise passes) are inputs, fitted once per
+GPU generation; the docs say on which published runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from mpiring.core import stepmodel as sm
+from mpiring.core.costmodel import AlphaBeta, ring_all_reduce
+from mpiring.core.netmodel import Fabric, collective_time
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs and links.
+
+    Attributes:
+        gpus: GPUs available.
+        peak_flops: dense peak FLOP/s per GPU at the training precision.
+        mem_bytes: usable memory per GPU.
+        mem_bw: memory bandwidth per GPU, bytes/s.
+        fabric: NVLink and NIC link classes, GPUs and NICs per node.
+        gemm_eff: the share of peak the layers' matrix multiplies reach.
+        elementwise_passes: how many times the memory-bound ops read or write each
+            activation byte that Korthikanti et al. count, forward and backward.
+    """
+
+    name: str
+    gpus: int
+    peak_flops: float
+    mem_bytes: float
+    mem_bw: float
+    fabric: Fabric
+    gemm_eff: float = 0.75
+    elementwise_passes: float = 10.0
+
+    def with_(self, **changes) -> Cluster:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job is spread: degrees, micro-batching, schedule, ZeRO, recomputation.
+
+    Attributes:
+        dp, tp, pp: data-, tensor- and pipeline-parallel degrees (ep splits the
+            experts inside dp x tp, as DeepSeek-V3 does).
+        micro_batch: sequences per micro-batch (b); global batch / (dp b) gives m.
+        schedule, vpp: the pipeline schedule and virtual stages per rank.
+        zero: ZeRO stage over dp (0-3). recompute: none, selective, full.
+        sp: sequence parallelism. flash: attention without the s x s matrix in HBM.
+        overlap_dp: share of the last micro-batch's backward the gradient
+            reduction may hide behind (0: reduced after the flush).
+        grad_bytes: bytes per gradient element on the wire.
+        ep_overlap: share of the MoE all-to-all hidden behind compute.
+        comm_sm_fraction: share of the GPU's cores kept for communication.
+        a2a_bytes: bytes per hidden element in the MoE all-to-alls (dispatch and
+            combine averaged: 1.5 for DeepSeek-V3's fp8 dispatch, bf16 combine).
+    """
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    vpp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sp: bool = False
+    flash: bool = False
+    overlap_dp: float = 0.0
+    grad_bytes: int = 2
+    ep: int = 1
+    ep_overlap: float = 0.0
+    comm_sm_fraction: float = 0.0
+    a2a_bytes: float = 2.0
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def with_(self, **changes) -> Layout:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        extra = f" ep{self.ep}" if self.ep > 1 else ""
+        v = f"x{self.vpp}" if self.vpp > 1 else ""
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp}{extra} b{self.micro_batch} "
+                f"{self.schedule}{v} zero{self.zero} rc-{self.recompute}")
+
+
+def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
+    """Validate the combination; return m, the micro-batches per step."""
+    if min(lay.dp, lay.tp, lay.pp, lay.micro_batch, lay.ep, lay.vpp) < 1:
+        raise ValueError(f"every degree must be >= 1: {lay.describe()}")
+    if lay.gpus > c.gpus:
+        raise ValueError(f"layout {lay.describe()} needs {lay.gpus} GPUs, the cluster has {c.gpus}")
+    if batch % (lay.dp * lay.micro_batch):
+        raise ValueError(f"global batch {batch} is not a multiple of dp x micro_batch = "
+                         f"{lay.dp * lay.micro_batch}: change the batch or the micro-batch")
+    if lay.pp > g.layers:
+        raise ValueError(f"pp={lay.pp} exceeds the model's {g.layers} layers")
+    if lay.ep > 1 and not g.experts:
+        raise ValueError("ep > 1 needs a mixture-of-experts model (experts > 0)")
+    return batch // (lay.dp * lay.micro_batch)
+
+
+def memory(g: sm.GPT, lay: Layout, m: int) -> dict[str, float]:
+    """Bytes per GPU: model states (ZeRO formulas) and activations (Korthikanti)."""
+    dense = sm.params(g.with_(experts=0, dense_layers=0)) if not g.experts else None
+    if dense is not None:
+        psi = dense / (lay.tp * lay.pp)
+        states = sm.zero_model_state_bytes(psi, lay.dp, lay.zero)
+    else:
+        total, experts_only = sm.params(g), _expert_params(g)
+        psi_shared = (total - experts_only) / (lay.tp * lay.pp)
+        psi_exp = experts_only / (lay.pp * lay.ep)  # experts split over ep, replicated over dp/ep
+        states = (sm.zero_model_state_bytes(psi_shared, lay.dp, lay.zero)
+                  + sm.zero_model_state_bytes(psi_exp, max(1, lay.dp * lay.tp // lay.ep), lay.zero))
+    per_layer = sm.activation_bytes_per_layer(g.seq, lay.micro_batch, g.hidden, g.heads, lay.tp,
+                                              lay.sp, lay.recompute)
+    if lay.flash and lay.recompute == "none":  # no s x s scores kept: selective's count
+        per_layer = sm.activation_bytes_per_layer(g.seq, lay.micro_batch, g.hidden, g.heads,
+                                                  lay.tp, lay.sp, "selective")
+    held = sm.in_flight_microbatches(lay.schedule, lay.pp, m)
+    acts = per_layer * g.layers / lay.pp * held
+    return {"model_states": states, "activations": acts, "total": states + acts}
+
+
+def _expert_params(g: sm.GPT) -> int:
+    moe = g.layers - g.dense_layers
+    return moe * g.experts * sm.mlp_params(g.hidden, g.expert_ffn, g.gated)
+
+
+def _dp_fabric(c: Cluster, lay: Layout) -> Fabric:
+    """The links one data-parallel group sees: its ranks are tp apart (Megatron's order)."""
+    f = c.fabric
+    local = max(1, f.gpus_per_node // lay.tp)
+    # Each GPU keeps its 1/G share of the node's NICs whatever the group's shape.
+    return Fabric(f.intra, f.nic, local, max(1, round(f.nics_per_node * local / f.gpus_per_node)))
+
+
+def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
+    """Seconds per step and their parts, and memory per GPU, for a global batch of sequences."""
+    m = check(g, c, lay, batch)
+    f = c.fabric
+    s, b, h = g.seq, lay.micro_batch, g.hidden
+    tokens = batch * s
+    rate = c.peak_flops * c.gemm_eff * (1 - lay.comm_sm_fraction)
+    compute = sm.training_flops_per_token(g, lay.recompute) * tokens / lay.gpus / rate
+    # Memory-bound ops, per micro-batch and stage; recomputation repeats the forward's.
+    act = sm.activation_bytes_per_layer(s, b, h, g.heads, lay.tp, lay.sp,
+                                        "selective" if lay.flash else "none")
+    redo = 4 / 3 if lay.recompute == "full" else 1.0
+    per_mb_elem = c.elementwise_passes * act * redo * g.layers / lay.pp / c.mem_bw
+    # Tensor parallel: 2 AllReduces forward and 2 backward per layer (Shoeybi et al.
+    # 2019 §3), 2 more when the forward is recomputed; on NVLink inside the node.
+    n_ar = 6 if lay.recompute == "full" else 4
+    tp_link = f.intra if lay.tp <= f.gpus_per_node else f.link(lay.tp, True)
+    per_mb_tp = n_ar * g.layers / lay.pp * ring_all_reduce(2.0 * s * b * h, lay.tp, tp_link)
+    # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
+    ep = _ep_time(g, c, lay)
+    per_mb_ep = max(ep * (1 - lay.ep_overlap), ep - compute / m)
+    per_mb_pp = 0.0
+    if lay.pp > 1:
+        # Stage neighbours are tp x dp ranks apart: across nodes once that fills one.
+        across = lay.tp * lay.dp >= f.gpus_per_node
+        per_mb_pp = 2 * _p2p(2.0 * s * b * h / lay.tp, c, across)
+    per_mb = compute / m + per_mb_elem + per_mb_tp + per_mb_ep + per_mb_pp
+    bubble = sm.bubble_fraction(lay.schedule, lay.pp, m, lay.vpp) * per_mb * m
+    dp_total = _dp_time(g, c, lay)
+    window = lay.overlap_dp * (2 / 3) * compute / m
+    return sm.Breakdown(compute=compute, elementwise=per_mb_elem * m, tp_comm=per_mb_tp * m,
+                        ep_comm=per_mb_ep * m, pp_comm=per_mb_pp * m, bubble=bubble,
+                        dp_exposed=max(0.0, dp_total - window), dp_total=dp_total,
+                        memory=memory(g, lay, m))
+
+
+def _p2p(nbytes: float, c: Cluster, across: bool) -> float:
+    ab: AlphaBeta = c.fabric.nic_share() if across else c.fabric.intra
+    return ab.time(nbytes)
+
+
+def _ep_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
+    """Dispatch + combine, forward and backward, per micro-batch: 4 all-to-alls per MoE layer.
+
+    Each token goes to top_k experts; those on other nodes cross the NICs (all G
+    GPUs of a node send at once). With node-limited routing a token crosses to
+    at most ``node_limit`` nodes, once each, and is forwarded over NVLink there.
+    """
+    if lay.ep <= 1:
+        return 0.0
+    moe_layers = (g.layers - g.dense_layers) / lay.pp
+    g_node = c.fabric.gpus_per_node
+    nodes = max(1, lay.ep // g_node)
+    far = max(0.0, (lay.ep - g_node) / lay.ep)
+    ib_copies = g.top_k * far
+    if g.node_limit and nodes > 1:
+        ib_copies = min(ib_copies, g.node_limit * (nodes - 1) / nodes)
+    nbytes = g.seq * lay.micro_batch * g.hidden * lay.a2a_bytes
+    one = (nbytes * ib_copies / c.fabric.nic_share().beta
+           + nbytes * g.top_k * (1 - 1 / lay.ep) / c.fabric.intra.beta)
+    return 4 * moe_layers * one
+
+
+def _dp_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
+    """Gradient ReduceScatter + AllGather (or AllReduce: the same bytes) over dp; ZeRO-3 x1.5."""
+    if lay.dp <= 1:
+        return 0.0
+    if g.experts:
+        psi = (sm.params(g) - _expert_params(g)) / (lay.tp * lay.pp)
+        psi += _expert_params(g) / (lay.pp * lay.ep) * (lay.ep / (lay.dp * lay.tp))
+    else:
+        psi = sm.params(g) / (lay.tp * lay.pp)
+    t = collective_time("all_reduce", psi * lay.grad_bytes, lay.dp, _dp_fabric(c, lay))
+    return t * (1.5 if lay.zero == 3 else 1.0)
+
+
+def throughput(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> dict[str, float]:
+    """Step time, tokens/s, achieved TFLOP/s per GPU (counting recomputation, as
+    Narayanan et al. do), MFU and memory for one layout."""
+    br = step_time(g, c, lay, batch)
+    t = br.total
+    tok = batch * g.seq / t
+    hw = sm.training_flops_per_token(g, lay.recompute) * tok / lay.gpus
+    return {"step_s": t, "tokens_per_s": tok, "tflops_per_gpu": hw / 1e12,
+            "mfu": sm.mfu(sm.model_flops_per_token(g), tok, lay.gpus, c.peak_flops),
+            "memory_gb": br.memory["total"] / 1e9, "breakdown": br}
