@@ -1,0 +1,305 @@
+"""Execute a schedule's actions on the stages, and the four schedules users call.
+
+    stage = PipelineStage(block, comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, n_microbatches=8, loss_fn=lm_loss)
+    out = sched.step(x)                                  # first stage
+    out = sched.step(target=y, losses=losses)            # last stage
+    sched.step()                                         # the others
+
+The runtime walks this rank's program (``schedules.build``, checked by
+``validate.check`` on every rank before anything moves). A compute action runs
+on the stage; a run of consecutive sends and receives is posted together: a
+send is an ``isend`` (waited for at the end of the step, so a send never holds
+its rank up), the receives are waited for before the next compute action. On
+NCCL the run is one ``comm.group()``. The shapes and dtypes of the activations
+are agreed once per input shape: the first step sends a small int64 header
+ahead of each micro-batch's activation (no pickle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+
+from mpiring.parallel.pipeline.actions import (
+    RECV_B,
+    RECV_F,
+    SEND_F,
+    Action,
+    B,
+    F,
+    W,
+    format_schedule,
+    groups,
+)
+from mpiring.parallel.pipeline.schedules import build, check_sizes
+from mpiring.parallel.pipeline.stage import PipelineStage
+from mpiring.parallel.pipeline.validate import Span, check
+
+TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_DIMS = 8
+
+
+class PipelineError(RuntimeError):
+    """A stage failed while running an action; the message names the rank, stage and action."""
+
+
+def _header(t: torch.Tensor) -> np.ndarray:
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise TypeError(f"activation of shape {tuple(t.shape)} and dtype {t.dtype}: a stage "
+                        f"may pass up to {_MAX_DIMS} dimensions of {', '.join(map(str, _DTYPES))}")
+    h = np.full(2 + _MAX_DIMS, -1, dtype=np.int64)
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2:2 + t.dim()] = t.shape
+    return h
+
+
+def _from_header(h: np.ndarray) -> tuple[tuple[int, ...], torch.dtype]:
+    return tuple(int(v) for v in h[2:2 + int(h[1])]), _DTYPES[int(h[0])]
+
+
+class PipelineSchedule:
+    """Runs any valid per-rank action list (``actions``) on ``stage``; the base of the four.
+
+    Args:
+        stage: this rank's ``PipelineStage``.
+        n_microbatches: micro-batches per step (the input is split along dim 0 with
+            numpy.array_split's bounds, so the batch need not divide).
+        loss_fn: ``loss_fn(output, target)`` on the last stage.
+        actions: every rank's program (``schedules.build`` or hand-written).
+        scale_grads: gradients of the mean of the micro-batch losses (torch's
+            ``scale_grads=True``); False: of their sum.
+    """
+
+    name = "custom"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None, *,
+                 actions: list[list[Action]] | None = None, scale_grads: bool = True):
+        check_sizes(stage.num_stages, n_microbatches)
+        self.stage, self.n_microbatches, self.loss_fn = stage, n_microbatches, loss_fn
+        if actions is None:
+            actions = build(self.name, stage.num_stages, n_microbatches)
+        mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None]
+        table = stage.comm.control.allgather_json(mine) if stage.comm.size > 1 else [mine]
+        if any(row[:3] != table[0][:3] for row in table):
+            raise ValueError(f"{type(self).__name__}: the ranks built different schedules "
+                             f"(name, n_microbatches: {[row[:2] for row in table]}); build the "
+                             "same one on every rank")
+        if not table[-1][3]:
+            raise ValueError(f"{type(self).__name__}: give loss_fn on the last stage")
+        self.simulated = check(actions, n_microbatches)  # ScheduleError on every rank alike
+        self.actions = actions
+        self._groups = groups(actions[stage.stage_index])
+        self._split = {a.mb for a in actions[stage.stage_index] if a.kind == W}
+        if self._split:
+            stage.split_backward()
+        self.scale = 1.0 / n_microbatches if scale_grads else 1.0
+        self._meta: dict[int, tuple] = {}
+        self._meta_sent: set[int] = set()
+        self._signature: list[int] | None = None
+        self.timeline: list[Span] = []
+
+    # --- the step ---------------------------------------------------------------
+    def step(self, x: torch.Tensor | None = None, *, target: torch.Tensor | None = None,
+             losses: list | None = None):
+        """One training step's forward and backward over the micro-batches.
+
+        Args:
+            x: the input batch, on the first stage only.
+            target: the targets, on the last stage only.
+            losses: a list the last stage appends each micro-batch's loss to.
+
+        Returns:
+            The merged output (micro-batches concatenated) on the last stage, else None.
+
+        Raises:
+            ValueError: on every rank, before any data moves, when some rank's
+                arguments do not fit (missing input, too few rows, ...).
+            PipelineError: on the rank whose stage failed; the others stop at the
+                communicator's deadline.
+        """
+        st, m = self.stage, self.n_microbatches
+        self._agree(x, target, losses)
+        self._xs = list(torch.tensor_split(x, m)) if st.is_first else None
+        self._ts = list(torch.tensor_split(target, m)) if st.is_last else None
+        st.reset()
+        self._recv: dict[tuple[str, int], torch.Tensor] = {}
+        self._send: dict[tuple[str, int], torch.Tensor] = {}
+        self._outs: dict[int, torch.Tensor] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self.timeline = []
+        sends: list = []
+        for run in self._groups:
+            try:
+                if run[0].is_comm:
+                    self._communicate(run, sends)
+                else:
+                    self._compute(run[0])
+            except PipelineError:
+                raise
+            except Exception as exc:
+                raise PipelineError(
+                    f"[r{st.comm.rank}] pipeline stage {st.stage_index} failed in "
+                    f"{' '.join(map(str, run))} ({type(exc).__name__}: {exc}); the other "
+                    f"stages stop at their next wait for this one, within the communicator's "
+                    f"deadline ({st.comm.timeout:g} s)") from exc
+        for req in sends:
+            req.wait()
+        self._reduce_tied()
+        if losses is not None and st.is_last:
+            losses.extend(self._losses[k] for k in range(m))
+        return torch.cat([self._outs[k] for k in range(m)]) if st.is_last else None
+
+    def _agree(self, x, target, losses) -> None:
+        """Every rank's argument errors and the input's shape, in one small exchange."""
+        st, m = self.stage, self.n_microbatches
+        err = _arg_error(st, m, x, target, losses)
+        rows_x = int(x.shape[0]) if st.is_first and not err else -1
+        rows_t = int(target.shape[0]) if st.is_last and not err else -1
+        shape = [-1] * (_MAX_DIMS + 1)
+        if st.is_first and not err:
+            shape[:x.dim() + 1] = [_DTYPES.index(x.dtype) if x.dtype in _DTYPES else -2, *x.shape]
+        row = [int(bool(err)), rows_x, rows_t, *shape]
+        comm = st.comm
+        table = comm.control.allgather_array(row) if comm.size > 1 else np.array([row])
+        if table[:, 0].any():
+            texts = comm.control.allgather_json(err) if comm.size > 1 else [err]
+            raise ValueError("step(): " + "; ".join(f"r{r}: {t}" for r, t in enumerate(texts) if t))
+        if table[0, 1] != table[-1, 2]:
+            raise ValueError(f"step(): the input has {table[0, 1]} rows on the first stage but "
+                             f"the target {table[-1, 2]} on the last; give them the same batch")
+        signature = table[0, 3:].tolist()
+        if signature != self._signature:  # a new input shape: agree the activations again
+            self._signature, self._meta, self._meta_sent = signature, {}, set()
+
+    def _compute(self, a: Action) -> None:
+        st, t0 = self.stage, time.perf_counter()
+        if a.kind == F:
+            x = self._xs[a.mb] if st.is_first else self._recv.pop(("F", a.mb))
+            out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
+                                   target=self._ts[a.mb] if st.is_last else None,
+                                   loss_fn=self.loss_fn, scale=self.scale)
+            if st.is_last:
+                self._outs[a.mb], self._losses[a.mb] = out.detach(), loss.detach()
+            else:
+                self._send[("F", a.mb)] = out.detach().contiguous()
+        elif a.kind == B:
+            grad = None if st.is_last else self._recv.pop(("B", a.mb))
+            gin = st.backward(a.mb, grad, split=a.mb in self._split)
+            if not st.is_first:
+                self._send[("B", a.mb)] = gin.contiguous()
+            self.after_backward(a.mb)
+        else:
+            st.weight(a.mb)
+        t1 = time.perf_counter()
+        self.timeline.append(Span(a, t0, t1))
+        tracer = st.comm.tracer
+        if tracer.enabled:
+            tracer.event(str(a), "pipeline", t0, t1, action=a.kind, stage=a.stage, mb=a.mb,
+                         schedule=self.name, microbatches=self.n_microbatches)
+
+    def _communicate(self, run: list[Action], sends: list) -> None:
+        comm, recvs = self.stage.comm, []
+        for a in run:  # headers first (first step only), so a group holds only the data
+            if a.kind == RECV_F and a.mb not in self._meta:
+                h = comm.recv(np.empty(2 + _MAX_DIMS, dtype=np.int64), a.peer, TAG_META)
+                self._meta[a.mb] = _from_header(h)
+        grouped = comm.group() if comm.backend == "nccl" else contextlib.nullcontext()
+        with grouped:
+            for a in run:
+                if a.kind == SEND_F:
+                    t = self._send.pop(("F", a.mb))
+                    if a.mb not in self._meta_sent:
+                        sends.append(comm.isend(_header(t), a.peer, TAG_META))
+                        self._meta_sent.add(a.mb)
+                    sends.append(comm.isend(t, a.peer, TAG_ACT))
+                elif a.kind == RECV_F:
+                    shape, dtype = self._meta[a.mb]
+                    buf = self._recv[("F", a.mb)] = torch.empty(shape, dtype=dtype)
+                    recvs.append(comm.irecv(buf, a.peer, TAG_ACT))
+                elif a.kind == RECV_B:
+                    out = self.stage._out[a.mb]
+                    buf = self._recv[("B", a.mb)] = torch.empty(out.shape, dtype=out.dtype)
+                    recvs.append(comm.irecv(buf, a.peer, TAG_GRAD))
+                else:  # SEND_B
+                    sends.append(comm.isend(self._send.pop(("B", a.mb)), a.peer, TAG_GRAD))
+        for req in recvs:
+            req.wait()
+
+    def _reduce_tied(self) -> None:
+        st = self.stage
+        if st.tied_comm is None:
+            return
+        for p in st.tied_parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            st.tied_comm.all_reduce(p.grad)
+
+    # --- what the schedules change -------------------------------------------------
+    recompute = False
+    stash = False
+
+    def after_backward(self, mb: int) -> None:
+        """Called after each micro-batch's B (PipeDream updates the weights here)."""
+
+
+def _arg_error(st: PipelineStage, m: int, x, target, losses) -> str:
+    def rows(name, t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return f"give {name} as a tensor with a batch dimension"
+        if t.shape[0] < m:
+            return (f"{name} has {t.shape[0]} rows, fewer than n_microbatches={m}: use at most "
+                    f"{t.shape[0]} micro-batches or a larger batch")
+        return ""
+    if st.is_first:
+        if (e := rows("x", x)):
+            return f"stage 0: {e}"
+    elif x is not None:
+        return f"stage {st.stage_index}: x is given, but only the first stage takes the input"
+    if st.is_last:
+        if (e := rows("target", target)):
+            return f"stage {st.stage_index}: {e}"
+        if losses is not None and not isinstance(losses, list):
+            return f"stage {st.stage_index}: losses must be a list (or None)"
+    elif target is not None:
+        return f"stage {st.stage_index}: target is given, but only the last stage takes it"
+    return ""
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe: all forwards, then all backwards; ``recompute=True`` keeps only each
+    micro-batch's stage input and runs its forward again in backward."""
+
+    name = "gpipe"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None, *,
+                 recompute: bool = False, scale_grads: bool = True):
+        self.recompute = recompute
+        super().__init__(stage, n_microbatches, loss_fn, scale_grads=scale_grads)
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B: warm-up, one forward and one backward in turn, cool-down; at most
+    min(p - i, m) micro-batches in flight on stage i."""
+
+    name = "1f1b"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None, *,
+                 scale_grads: bool = True):
+        super().__init__(stage, n_microbatches, loss_fn, scale_grads=scale_grads)
+
+
+class ScheduleZeroBubble(PipelineSchedule):
+    """ZB-H1: 1F1B with the backward split into B (input) and W (weights), W
+    deferred into the cool-down's bubbles; the same peak activations as 1F1B."""
+
+    name = "zb"
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None, *,
+                 scale_grads: bool = True):
+        super().__init__(stage, n_microbatches, loss_fn, scale_grads=scale_grads)

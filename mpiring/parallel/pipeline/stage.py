@@ -1,0 +1,195 @@
+"""``PipelineStage``: one rank's part of the model, and what it does for F, B and W.
+
+The stage holds, per micro-batch in flight, the input it received (a leaf that
+requires grad, so that backward leaves the gradient to send back in
+``input.grad``), its output or loss, and what the schedule asked for:
+
+* recomputation (GPipe's re-materialisation): F runs under ``no_grad`` and keeps
+  only the input and the RNG state; B runs the forward again, then backward;
+* split backward (zero bubble): B computes the input gradient, W the Linear
+  layers' weight gradients (``split_backward``);
+* weight stashing (PipeDream): F runs on a snapshot of the weights that B uses
+  again, while the live weights move on after every backward.
+
+The bytes autograd saves for backward are counted (``peak_activation_bytes``) so
+that a bench can compare the schedules' activation memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from mpiring.parallel.pipeline import split_backward
+
+
+class PipelineStage:
+    """Stage ``stage_index`` of ``num_stages``: ``submodule`` on this rank of ``comm``.
+
+    Args:
+        submodule: this stage's layers; its forward takes the previous stage's
+            output (the first stage: the step's input micro-batch).
+        stage_index: this stage's number, 0 .. num_stages - 1; must be ``comm.rank``.
+        num_stages: the number of stages; must be ``comm.size``.
+        comm: the pipeline's communicator (one rank per stage, in order).
+        tied_parameters: parameters shared between the first and the last stage
+            (a tied embedding): the same number, shapes and order on both; after
+            each step their gradients are summed between the two stages.
+
+    Raises:
+        ValueError: on every rank, when any rank's stage_index, num_stages or
+            tied parameters do not fit the communicator.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, comm, *,
+                 tied_parameters: list[nn.Parameter] | None = None):
+        tied = list(tied_parameters or [])
+        mine = {"stage": stage_index, "stages": num_stages,
+                "tied": [list(p.shape) for p in tied]}
+        table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
+        _check_layout(table, comm.size)
+        self.module = submodule
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        # A communicator of its own: the schedule's tags cannot meet the caller's messages.
+        self.comm = comm.dup()
+        self.tied_parameters = tied
+        self.has_tied = bool(table[0]["tied"])  # known on every rank, middle stages too
+        ends = (0, num_stages - 1)
+        self.tied_comm = None
+        if num_stages > 1 and table[0]["tied"]:
+            self.tied_comm = self.comm.split(0 if stage_index in ends else None, key=stage_index)
+        self._sink: split_backward.WeightGradSink | None = None
+        self.reset()
+
+    # --- per-step state -------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every micro-batch (the start of a step)."""
+        self._inp: dict[int, torch.Tensor] = {}
+        self._out: dict[int, torch.Tensor] = {}
+        self._rng: dict[int, torch.Tensor] = {}
+        self._stash: dict[int, dict[str, torch.Tensor]] = {}
+        self._wq: dict[int, list] = {}
+        self._loss_args: dict[int, tuple] = {}
+        self._held: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_activation_bytes = 0
+
+    def split_backward(self) -> None:
+        """Let B leave the Linear weight gradients to W (idempotent)."""
+        if self._sink is None:
+            self._sink = split_backward.install(self.module)
+
+    # --- F --------------------------------------------------------------------
+    def forward(self, mb: int, x: torch.Tensor, *, recompute: bool = False,
+                stash: bool = False, target=None, loss_fn=None, scale: float = 1.0):
+        """Run micro-batch ``mb``'s forward; returns the output (the loss on the last stage)."""
+        inp = x.requires_grad_(True) if x.is_floating_point() and not self.is_first else x
+        self._inp[mb] = inp
+        if recompute:
+            self._rng[mb] = torch.get_rng_state()
+            with torch.no_grad():
+                out = self.module(inp)
+            self._held[mb] = inp.nelement() * inp.element_size()
+        else:
+            params = None
+            if stash:  # PipeDream: this micro-batch's weights, kept until its backward
+                params = {n: p.detach().clone().requires_grad_(p.requires_grad)
+                          for n, p in self.module.named_parameters()}
+                self._stash[mb] = params
+            out, self._held[mb] = self._counted(lambda: self._call(inp, params))
+        self._grow(self._held[mb])
+        if self.is_last:
+            loss = loss_fn(out, target)
+            self._out[mb] = loss * scale
+            if recompute:
+                self._loss_args[mb] = (loss_fn, target, scale)
+            return out, loss
+        self._out[mb] = out
+        return out, None
+
+    def _call(self, inp, params):
+        return self.module(inp) if params is None else functional_call(self.module, params, (inp,))
+
+    def _counted(self, fn):
+        """Run ``fn`` and count the activation bytes autograd saves (parameters excluded)."""
+        seen: set[int] = set()
+        skip = {p.data_ptr() for p in self.module.parameters()}
+        total = [0]
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
+            if ptr not in seen and t.data_ptr() not in skip:
+                seen.add(ptr)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return out, total[0]
+
+    def _grow(self, n: int) -> None:
+        self.live_bytes += n
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_bytes)
+
+    # --- B and W --------------------------------------------------------------
+    def backward(self, mb: int, grad: torch.Tensor | None, *, split: bool = False
+                 ) -> torch.Tensor | None:
+        """Micro-batch ``mb``'s backward (input gradient, and the weights' unless ``split``).
+
+        Returns the gradient for the previous stage (None on the first stage).
+        """
+        inp, out = self._inp.pop(mb), self._out.pop(mb)
+        if mb in self._rng:  # recompute: the forward again, with the same random numbers
+            inp = inp.detach().requires_grad_(inp.requires_grad)
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(self._rng.pop(mb))
+                out, extra = self._counted(lambda: self.module(inp))
+            self._grow(extra)
+            self._grow(-extra)  # freed by the backward below
+            if self.is_last:
+                loss_fn, target, scale = self._loss_args.pop(mb)
+                out = loss_fn(out, target) * scale
+        if self._sink is not None:
+            self._sink.queue = self._wq.setdefault(mb, []) if split else None
+        try:
+            torch.autograd.backward(out, None if self.is_last else grad)
+        finally:
+            if self._sink is not None:
+                self._sink.queue = None
+        if not split:
+            self._release(mb)
+        return None if self.is_first else inp.grad
+
+    def weight(self, mb: int) -> None:
+        """Micro-batch ``mb``'s deferred weight gradients (the W action)."""
+        for run in self._wq.pop(mb, []):
+            run()
+        self._release(mb)
+
+    def stashed_grads(self, mb: int) -> dict[str, torch.Tensor | None]:
+        """The gradients B left on micro-batch ``mb``'s stashed weights (PipeDream)."""
+        return {n: t.grad for n, t in self._stash.pop(mb).items()}
+
+    def _release(self, mb: int) -> None:
+        self._grow(-self._held.pop(mb, 0))
+
+
+def _check_layout(table: list[dict], size: int) -> None:
+    errors = []
+    for r, row in enumerate(table):
+        if row["stages"] != size:
+            errors.append(f"r{r} gave num_stages={row['stages']} on a {size}-rank communicator")
+        if row["stage"] != r:
+            errors.append(f"r{r} gave stage_index={row['stage']}")
+    if size > 1 and table[0]["tied"] != table[-1]["tied"]:
+        errors.append(f"tied_parameters differ: first stage {table[0]['tied']}, last stage "
+                      f"{table[-1]['tied']}")
+    for r, row in enumerate(table[1:-1], start=1):
+        if row["tied"]:
+            errors.append(f"r{r} is neither the first nor the last stage but gave tied_parameters")
+    if errors:
+        raise ValueError("PipelineStage: " + "; ".join(errors) + ". Give each rank of the "
+                         "pipeline's communicator stage_index=comm.rank, num_stages=comm.size, "
+                         "and the tied parameters on the first and last stage only")

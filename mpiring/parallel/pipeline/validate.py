@@ -1,0 +1,217 @@
+"""Check a schedule before anything runs: order, matching, and no deadlock (by simulation).
+
+``check`` refuses a program that could not run: a backward before its forward,
+a W before its B, a forward on stage s > 0 without the activation received
+first, a send with no receive to match it, messages that would arrive in an
+order the receiver does not expect, or a cycle of waits (a deadlock).
+
+``simulate`` plays the programs the way the runtime executes them: compute
+actions take their cost; a group of consecutive sends and receives is posted
+at once. On MPI a send never holds its rank up (the runtime's isend is waited
+for at the end of the step), so the group finishes when each of its receives
+has met its send. With ``rendezvous=True`` (NCCL, where a group completes as a
+whole) it finishes only when its sends have met their receives too. When no
+rank can move and some have actions left, that is a deadlock, and the error
+shows where each rank is stuck. A schedule that passes the rendezvous model
+passes the other.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mpiring.parallel.pipeline.actions import (
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    W,
+    groups,
+)
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run as written (the message says which action and why)."""
+
+
+@dataclass
+class Span:
+    """One executed compute action: what, and when (start, end)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+def _fail(rank: int, pos: int, a: Action, why: str) -> ScheduleError:
+    return ScheduleError(f"rank {rank}, action #{pos} {a}: {why}")
+
+
+def check_order(schedule: list[list[Action]], m: int) -> None:
+    """Per rank: F, then B, then (optionally) W for every micro-batch, data before use."""
+    p = len(schedule)
+    for r, program in enumerate(schedule):
+        done: set[tuple[str, int]] = set()
+        for pos, a in enumerate(program):
+            if a.stage != r:
+                raise _fail(r, pos, a, f"stage {a.stage} runs on rank {a.stage}, not {r}")
+            if a.mb >= m:
+                raise _fail(r, pos, a, f"micro-batch {a.mb} out of range: the step has {m}")
+            if a.peer is not None and not 0 <= a.peer < p:
+                raise _fail(r, pos, a, f"no stage {a.peer} to talk to (stages 0..{p - 1})")
+            if (a.kind, a.mb) in done:
+                raise _fail(r, pos, a, "appears twice")
+            need = {F: [RECV_F] if r > 0 else [], B: [F] + ([RECV_B] if r < p - 1 else []),
+                    W: [B], SEND_F: [F], SEND_B: [B], RECV_F: [], RECV_B: []}[a.kind]
+            for k in need:
+                if (k, a.mb) not in done:
+                    raise _fail(r, pos, a, f"needs {r}{k}{a.mb} earlier on this rank")
+            done.add((a.kind, a.mb))
+        for k in range(m):
+            want = [F, B] + ([SEND_F] if r < p - 1 else []) + ([SEND_B] if r > 0 else [])
+            missing = [f"{r}{x}{k}" for x in want if (x, k) not in done]
+            if missing:
+                raise ScheduleError(f"rank {r} never runs {', '.join(missing)}")
+
+
+def unit_costs(f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Callable[[Action, bool], float]:
+    """Cost of an action: F=f, split B=b, W=w, a whole backward (B with no W) b + w."""
+    def cost(a: Action, split: bool) -> float:
+        if a.kind == F:
+            return f
+        if a.kind == W:
+            return w
+        return b if split else b + w
+    return cost
+
+
+def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float] | None = None,
+             *, rendezvous: bool = False) -> list[list[Span]]:
+    """Run the programs in simulated time; each rank's compute spans, in order.
+
+    Args:
+        cost: ``cost(action, split)`` in any time unit (default ``unit_costs()``).
+        rendezvous: a send completes only when its receive is posted (NCCL groups).
+
+    Raises:
+        ScheduleError: messages that would meet the wrong micro-batch, or a deadlock.
+    """
+    cost = cost or unit_costs()
+    split = {(a.stage, a.mb) for prog in schedule for a in prog if a.kind == W}
+    runs = [groups(prog) for prog in schedule]
+    pc = [0] * len(schedule)
+    clock = [0.0] * len(schedule)
+    spans: list[list[Span]] = [[] for _ in schedule]
+    # (src, dst, channel) -> posted sends / receives, in order: [(action, time)]
+    sends: dict[tuple, list] = defaultdict(list)
+    recvs: dict[tuple, list] = defaultdict(list)
+    posted: dict[int, list[tuple[dict, tuple, int]]] = {}  # rank -> its group's entries
+
+    def post(r: int, group: list[Action]) -> None:
+        entries = []
+        for a in group:
+            send = a.kind in (SEND_F, SEND_B)
+            key = (r, a.peer, a.channel) if send else (a.peer, r, a.channel)
+            table = sends if send else recvs
+            table[key].append((a, clock[r]))
+            if rendezvous or not send:
+                entries.append((recvs if send else sends, key, len(table[key]) - 1))
+        posted[r] = entries
+
+    def matched(r: int) -> float | None:
+        t = clock[r]
+        for other, key, idx in posted[r]:
+            if len(other[key]) <= idx:
+                return None
+            t = max(t, other[key][idx][1])
+        return t
+
+    moved = True
+    while moved:
+        moved = False
+        for r, run in enumerate(runs):
+            while pc[r] < len(run):
+                group = run[pc[r]]
+                if not group[0].is_comm:
+                    a = group[0]
+                    end = clock[r] + cost(a, (a.stage, a.mb) in split)
+                    spans[r].append(Span(a, clock[r], end))
+                    clock[r] = end
+                elif r not in posted:
+                    post(r, group)
+                    continue
+                else:
+                    t = matched(r)
+                    if t is None:
+                        break
+                    clock[r] = t
+                    del posted[r]
+                pc[r] += 1
+                moved = True
+    _check_pairs(sends, recvs)
+    stuck = [r for r, run in enumerate(runs) if pc[r] < len(run)]
+    if stuck:
+        where = "; ".join(f"rank {r} waits in {' '.join(map(str, runs[r][pc[r]]))}" for r in stuck)
+        raise ScheduleError(f"deadlock: {where}. Reorder the sends and receives (a receive "
+                            "must be reachable before the peer's matching send blocks)")
+    return spans
+
+
+def _check_pairs(sends: dict, recvs: dict) -> None:
+    for key in set(sends) | set(recvs):
+        s, rcv = sends.get(key, []), recvs.get(key, [])
+        for (a, _), (b, _) in zip(s, rcv):
+            if a.mb != b.mb:
+                raise ScheduleError(f"{a} would be received by {b}: messages between a pair "
+                                    "arrive in order, so both sides must list them in the "
+                                    "same micro-batch order")
+        if len(s) != len(rcv):
+            extra = s[len(rcv):] or rcv[len(s):]
+            raise ScheduleError(f"{extra[0][0]} has no matching "
+                                f"{'receive' if len(s) > len(rcv) else 'send'}")
+
+
+def check(schedule: list[list[Action]], m: int) -> list[list[Span]]:
+    """Every check, under both send models; returns the unit-cost simulation (MPI's).
+
+    Raises:
+        ScheduleError: naming the first action that cannot run, and why.
+    """
+    check_order(schedule, m)
+    simulate(schedule, rendezvous=True)
+    return simulate(schedule)
+
+
+def bubble(spans: list[list[Span]]) -> list[float]:
+    """Per rank: the fraction of the step (first start to last end, over all ranks) idle."""
+    t0 = min((s[0].start for s in spans if s), default=0.0)
+    t1 = max((s[-1].end for s in spans if s), default=0.0)
+    total = t1 - t0
+    if total <= 0:
+        return [0.0 for _ in spans]
+    return [1.0 - sum(x.end - x.start for x in s) / total for s in spans]
+
+
+def idle_time(spans: list[list[Span]]) -> list[float]:
+    """Per rank: the step's length minus this rank's busy time (the bubble in time units)."""
+    t0 = min((s[0].start for s in spans if s), default=0.0)
+    t1 = max((s[-1].end for s in spans if s), default=0.0)
+    return [(t1 - t0) - sum(x.end - x.start for x in s) for s in spans]
+
+
+def in_flight(program: list[Action]) -> int:
+    """Peak number of micro-batches whose activations a rank holds (F done, last backward not)."""
+    split = {a.mb for a in program if a.kind == W}
+    live = peak = 0
+    for a in program:
+        if a.kind == F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == W or (a.kind == B and a.mb not in split):
+            live -= 1
+    return peak

@@ -1,0 +1,122 @@
+"""The project's GPT split into pipeline stages, and one pipelined training step.
+
+The model is cut into units, in order: the embeddings (token + position), each
+transformer block, and the head (final LayerNorm + output layer). The units
+are split over the stages with numpy.array_split's bounds, so any number of
+stages up to the number of units works, and the first stages get the extra
+unit when it does not divide. The output layer's weight is tied to the token
+embedding: the first and the last stage each hold a copy, and the schedule
+sums their gradients after each step (``tied_parameters``), so both copies
+take the same optimizer step and stay equal. PipeDream updates each stage on
+its own, so there the two copies are untied (they start equal and then train
+apart).
+
+    stage, sched = build_pipeline(comm, cfg, "1f1b", n_microbatches=8)
+    loss = train_step(sched, optimizer, x, y)      # x on stage 0, y on the last
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from mpiring.core.chunking import chunk_bounds
+from mpiring.parallel.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    SchedulePipeDream,
+    ScheduleZeroBubble,
+)
+from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
+             "pipedream": SchedulePipeDream}
+
+
+class Embed(nn.Module):
+    """Token plus learned position embedding (the GPT's first unit)."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding):
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the output layer (the GPT's last unit)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear):
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def units(model: GPT) -> list[nn.Module]:
+    """The GPT as a list of modules that run one after another."""
+    return [Embed(model.tok, model.pos), *model.blocks, Head(model.ln_f, model.head)]
+
+
+def split_gpt(model: GPT, num_stages: int, stage_index: int) -> tuple[nn.Sequential, list]:
+    """Stage ``stage_index``'s part of ``model`` (a copy) and its tied parameters.
+
+    Raises:
+        ValueError: more stages than units (embeddings + blocks + head).
+    """
+    parts = units(model)
+    if not 1 <= num_stages <= len(parts):
+        raise ValueError(f"{num_stages} stages for a GPT of {len(parts)} units (embeddings, "
+                         f"{len(parts) - 2} blocks, head): use 1..{len(parts)} stages or more "
+                         "layers")
+    lo, hi = chunk_bounds(len(parts), num_stages)[stage_index]
+    # deepcopy of the units together keeps the tie inside one stage (one stage: one weight).
+    module = copy.deepcopy(nn.Sequential(*parts[lo:hi]))
+    tied = []
+    if num_stages > 1 and stage_index == 0:
+        tied = [module[0].tok.weight]
+    elif num_stages > 1 and stage_index == num_stages - 1:
+        tied = [module[-1].head.weight]
+    return module, tied
+
+
+def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *, seed: int = 0,
+                   dtype: torch.dtype = torch.float32, lr: float = 3e-4, recompute: bool = False):
+    """This rank's stage of a GPT over ``comm`` (one stage per rank), its schedule and optimizer.
+
+    Every rank builds the whole model from ``seed`` (so the stages start from one
+    model) and keeps its part. Returns ``(stage, sched, optimizer)``.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    torch.manual_seed(seed)
+    full = GPT(cfg).to(dtype)
+    module, tied = split_gpt(full, comm.size, comm.rank)
+    if schedule == "pipedream":  # stages update on their own: the two copies go untied
+        tied = []
+    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied)
+    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    kwargs = {"optimizer": opt} if schedule == "pipedream" else {}
+    if schedule == "gpipe":
+        kwargs["recompute"] = recompute
+    sched = SCHEDULES[schedule](stage, n_microbatches, lm_loss, **kwargs)
+    return stage, sched, opt
+
+
+def train_step(sched, optimizer, x: torch.Tensor | None, y: torch.Tensor | None) -> float | None:
+    """One step: the pipeline's forward and backward, then the optimizer (PipeDream steps
+    inside). Returns the mean micro-batch loss on the last stage, None elsewhere."""
+    losses: list = []
+    st = sched.stage
+    if not isinstance(sched, SchedulePipeDream):
+        optimizer.zero_grad(set_to_none=True)
+    sched.step(x if st.is_first else None, target=y if st.is_last else None,
+               losses=losses if st.is_last else None)
+    if not isinstance(sched, SchedulePipeDream):
+        optimizer.step()
+    return float(torch.stack(losses).mean()) if st.is_last else None
