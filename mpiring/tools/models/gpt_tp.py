@@ -1,0 +1,174 @@
+"""The project's GPT, tensor-parallel: Megatron's split of every block over a TP group.
+
+    attention: ln1 -> qkv (column, q/k/v split by whole heads) -> this rank's heads
+               -> proj (row) -> + x             one AllReduce forward, one backward
+    MLP:       ln2 -> fc (column) -> GELU -> out (row) -> + x      the same again
+    ends:      tok is a VocabParallelEmbedding; the tied head multiplies by this
+               rank's vocabulary rows; the loss is vocab_parallel_cross_entropy
+
+Activations run sequence-first, ``[t, b, d]``, as Megatron's do, so that under
+``sequence_parallel`` a rank's tokens are one contiguous block: the residual
+stream, LayerNorms and dropout then hold ``t/K`` tokens per rank, every block's
+AllReduce becomes a ReduceScatter (row output) plus an AllGather (column input),
+and the replicated parameters that see only local tokens (LayerNorms, the
+position table, the row layers' biases) sum their gradients over the group in
+backward (``f`` applied to the parameter itself).
+
+``TensorParallelGPT(cfg, comm)`` draws the full ``GPT(cfg)`` from torch's
+generator and keeps this rank's slices, so every TP size starts from the same
+model; ``from_full(gpt, comm)`` slices an existing one. Parameter names are the
+full model's, and ``shard(name, full_tensor)`` cuts any full parameter (or
+gradient) to this rank's part.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mpiring.parallel.tensor import (
+    ColumnParallelLinear,
+    RNGStreams,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_gather_forward_reduce_scatter_backward,
+    all_reduce_in_backward,
+    split_sizes,
+    vocab_parallel_cross_entropy,
+)
+from mpiring.tools.models.gpt import GPT, GPTConfig
+
+
+class _Replicated(nn.Module):
+    """A LayerNorm whose parameters sum their gradients over the group under sequence parallelism."""
+
+    def __init__(self, full: nn.LayerNorm, comm, sequence_parallel: bool, algo: str):
+        super().__init__()
+        self.weight = nn.Parameter(full.weight.detach().clone())
+        self.bias = nn.Parameter(full.bias.detach().clone())
+        self.shape, self.eps = full.normalized_shape, full.eps
+        self.comm, self.sp, self.algo = comm, sequence_parallel, algo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if self.sp:
+            w, b = (all_reduce_in_backward(p, self.comm, self.algo) for p in (w, b))
+        return F.layer_norm(x, self.shape, w, b, self.eps)
+
+
+class TensorParallelBlock(nn.Module):
+    """One pre-norm block with its heads and MLP columns split over ``comm``."""
+
+    def __init__(self, full, cfg: GPTConfig, comm, sp: bool, algo: str, streams: RNGStreams,
+                 hidden_dropout: float):
+        super().__init__()
+        hd = cfg.d_model // cfg.n_heads
+        opts = dict(sequence_parallel=sp, algo=algo)
+        self.ln1 = _Replicated(full.ln1, comm, sp, algo)
+        self.qkv = ColumnParallelLinear.from_full(full.qkv, comm, blocks=3, unit=hd, **opts)
+        self.proj = RowParallelLinear.from_full(full.proj, comm, unit=hd, **opts)
+        self.ln2 = _Replicated(full.ln2, comm, sp, algo)
+        self.fc = ColumnParallelLinear.from_full(full.fc, comm, **opts)
+        self.out = RowParallelLinear.from_full(full.out, comm, **opts)
+        self.head_dim, self.n_local = hd, self.qkv.weight.shape[0] // (3 * hd)
+        self.attn_dropout, self.hidden_dropout = cfg.dropout, hidden_dropout
+        self.streams, self.sp = streams, sp
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.hidden_dropout):
+            return x
+        # Replicated rows draw alike on every rank; a sequence shard is this rank's own.
+        with self.streams.fork("tensor" if self.sp else "shared"):
+            return F.dropout(x, self.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        h = self.qkv(self.ln1(x), seq_len=seq_len)                 # [t, b, 3 * heads_r * hd]
+        t, b = h.shape[:2]
+        q, k, v = h.view(t, b, 3, self.n_local, self.head_dim).permute(2, 1, 3, 0, 4)
+        if self.n_local:
+            p = self.attn_dropout if self.training else 0.0
+            with self.streams.fork("tensor"):  # this rank's heads: masks of its own
+                att = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:  # fewer heads than ranks: this rank has none and adds nothing
+            att = q
+        x = x + self._drop(self.proj(att.permute(2, 0, 1, 3).reshape(t, b, -1)))
+        return x + self._drop(self.out(F.gelu(self.fc(self.ln2(x), seq_len=seq_len))))
+
+
+class TensorParallelGPT(nn.Module):
+    """``GPT`` split over the tensor-parallel group ``comm``.
+
+    Args:
+        cfg: the model's shape (``n_heads`` may be fewer than the ranks).
+        comm: the tensor-parallel Communicator.
+        sequence_parallel: Korthikanti et al.'s sequence parallelism.
+        hidden_dropout: dropout after each residual branch (Megatron's; the
+            project's GPT has none, so 0 keeps the two models equal).
+        seed: the dropout streams' shared seed.
+        algo: the collectives' algorithm.
+        full: the full model to slice (default: drawn from torch's generator).
+
+    ``forward(idx)`` takes ``[b, t]`` tokens and returns ``[b, t, V_r]``: the
+    logits of this rank's vocabulary rows; ``loss(logits, targets)`` their mean
+    cross-entropy (the same on every rank).
+    """
+
+    def __init__(self, cfg: GPTConfig, comm, *, sequence_parallel: bool = False,
+                 hidden_dropout: float = 0.0, seed: int = 0, algo: str = "ring",
+                 full: GPT | None = None):
+        super().__init__()
+        full = GPT(cfg) if full is None else full
+        self.cfg, self.comm, self.algo, self.sp = full.cfg, comm, algo, sequence_parallel
+        self.streams = RNGStreams(seed, comm.rank)
+        self.tok = VocabParallelEmbedding.from_full(full.tok, comm, sequence_parallel=sequence_parallel,
+                                                    algo=algo)
+        self.pos = nn.Embedding.from_pretrained(full.pos.weight.detach().clone(), freeze=False)
+        self.blocks = nn.ModuleList(
+            TensorParallelBlock(b, self.cfg, comm, sequence_parallel, algo, self.streams,
+                                hidden_dropout) for b in full.blocks)
+        self.ln_f = _Replicated(full.ln_f, comm, sequence_parallel, algo)
+
+    @classmethod
+    def from_full(cls, gpt: GPT, comm, **options) -> TensorParallelGPT:
+        """This rank's slices of ``gpt``."""
+        return cls(gpt.cfg, comm, full=gpt, **options)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len="
+                             f"{self.cfg.seq_len}: build the model with a larger seq_len")
+        x = self.tok(idx.t())                                       # [t (or t_r), b, d]
+        pos = self.pos.weight
+        if self.sp:
+            pos = all_reduce_in_backward(pos, self.comm, self.algo)  # each rank's rows differ
+            lo = sum(split_sizes(t, self.comm.size)[:self.comm.rank])
+            x = x + pos[lo:lo + x.shape[0]].unsqueeze(1)
+        else:
+            x = x + pos[:t].unsqueeze(1)
+        for block in self.blocks:
+            x = block(x, t)
+        h = self.ln_f(x)
+        if self.sp:
+            h = all_gather_forward_reduce_scatter_backward(h, self.comm, 0,
+                                                           split_sizes(t, self.comm.size), self.algo)
+        else:
+            h = all_reduce_in_backward(h, self.comm, self.algo)
+        return F.linear(h, self.tok.weight).transpose(0, 1)         # tied head: [b, t, V_r]
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of this rank's logits (collective over the group)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.comm,
+                                            vocab_size=self.cfg.vocab_size, algo=self.algo)
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full model's parameter (or gradient) ``name``."""
+        owner, _, leaf = name.rpartition(".")
+        module = self.get_submodule(owner) if owner else self
+        cut = getattr(module, "shard", None)
+        return cut(leaf, full) if cut is not None and module is not self else full.detach().clone()
+
+    def num_params(self) -> int:
+        """This rank's trainable parameters."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
