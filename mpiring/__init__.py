@@ -67,19 +67,15 @@ def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = No
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    from mpi4py import MPI
-
+    from mpiring.backends.mpi import world_backend, world_rank
     from mpiring.runtime.trace import Tracer
 
-    world = MPI.COMM_WORLD
-    tracer = Tracer.from_env(world.Get_rank(), trace, log)
+    tracer = Tracer.from_env(world_rank(), trace, log)
     if backend == "mpi":
-        from mpiring.backends.mpi import MPIBackend
-
-        return Communicator(MPIBackend(world.Dup()), tracer, check=check, timeout=timeout)
+        return Communicator(world_backend(), tracer, check=check, timeout=timeout)
     from mpiring.backends.nccl import make_backend
 
-    return Communicator(make_backend(world), tracer, check=check, timeout=timeout)
+    return Communicator(make_backend(), tracer, check=check, timeout=timeout)
 
 
 def __getattr__(name: str):

@@ -129,6 +129,8 @@ class Control:
 
 def of(comm) -> Control:
     """The control channel of a Communicator, a backend or an ``mpi4py.MPI.Comm``."""
+    if isinstance(comm, Control):
+        return comm
     control = getattr(comm, "control", None)
     if isinstance(control, Control):
         return control

@@ -108,11 +108,27 @@ def _idle_mode(local_size: int) -> str:
     return "yield" if _oversubscribed(local_size) else "spin"
 
 
-def _abort_world(code: int) -> None:
+def abort_world(code: int = 1) -> None:
+    """End every rank of the job (MPI_Abort on the world), trace files flushed first."""
     # The whole job, not just this communicator: a stalled sub-communicator
     # must not leave the other ranks of the job waiting.
     flush_all()
     MPI.COMM_WORLD.Abort(code)
+
+
+def world_rank() -> int:
+    """This process's rank in the whole job."""
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def world_size() -> int:
+    """The number of ranks in the whole job."""
+    return MPI.COMM_WORLD.Get_size()
+
+
+def world_backend() -> MPIBackend:
+    """A backend over every rank of the job, on a communicator of its own (collective)."""
+    return MPIBackend(MPI.COMM_WORLD.Dup())
 
 
 class _Msg:
@@ -146,7 +162,7 @@ class MPIBackend:
         world = comm.Get_group().Translate_ranks(list(range(self.size)),
                                                  MPI.COMM_WORLD.Get_group())
         self.activity = Activity(self.rank, self.size, world_ranks=list(world),
-                                 abort=_abort_world)
+                                 abort=abort_world)
         #: Small values (descriptors, scalars, JSON) without pickle, under the deadline.
         self.control = Control(comm, self.activity)
 
@@ -365,5 +381,4 @@ class MPIBackend:
         return local
 
     def abort(self, code: int = 1) -> None:
-        flush_all()
-        self.comm.Abort(code)
+        abort_world(code)

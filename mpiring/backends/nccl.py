@@ -54,13 +54,14 @@ from typing import Any
 
 import numpy as np
 
+from mpiring.backends.control import of
 from mpiring.backends.gpu import (
     GPU_INSTALL_HINT,
     import_cupy,
     import_nccl,
     nccl_version_tuple,
 )
-from mpiring.backends.mpi import MPIBackend
+from mpiring.backends.mpi import MPIBackend, world_backend
 from mpiring.core.buffers import Buffer
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.errors import BackendUnavailable
@@ -115,12 +116,11 @@ def decode_unique_id(data: bytes):
 
 
 def broadcast_unique_id(comm, uid, root: int = 0):
-    """Rank ``root``'s NCCL id on every rank of mpi4py communicator ``comm`` (one Bcast)."""
-    buf = np.zeros(1 + UNIQUE_ID_BYTES, dtype=np.uint8)
-    if comm.Get_rank() == root:
-        buf[:] = np.frombuffer(encode_unique_id(uid), dtype=np.uint8)
-    comm.Bcast(buf, root=root)
-    return decode_unique_id(buf.tobytes())
+    """Rank ``root``'s NCCL id on every rank of ``comm`` (a backend, Communicator or
+    ``mpi4py`` communicator), over the control channel."""
+    control = of(comm)
+    data = encode_unique_id(uid) if control.rank == root else None
+    return decode_unique_id(control.bcast_bytes(data, root))
 
 
 # --- can NCCL run here? decided locally, then agreed by every rank ---------------------
@@ -552,7 +552,7 @@ def _dtype_name(x) -> str:
 
 
 # --- construction -------------------------------------------------------------------
-def make_backend(comm, *, device_id: int | None = None) -> NCCLBackend:
+def make_backend(comm=None, *, device_id: int | None = None) -> NCCLBackend:
     """An NCCL backend over the ranks of mpi4py communicator ``comm``.
 
     Each rank takes GPU ``local_rank % device_count`` (or ``device_id``). Collective
@@ -563,7 +563,7 @@ def make_backend(comm, *, device_id: int | None = None) -> NCCLBackend:
             missing on any rank, or too many ranks share a GPU; the message
             names what is missing where and how to fix it.
     """
-    mpi = MPIBackend(comm.Dup())
+    mpi = world_backend() if comm is None else MPIBackend(comm.Dup())
     local_rank, local_size = mpi.local_rank()
     problem, fix, facts = probe(local_size)
     agree(mpi, problem, fix)  # all ranks raise together, or none does
@@ -577,7 +577,7 @@ def make_backend(comm, *, device_id: int | None = None) -> NCCLBackend:
 
 def _create(mpi: MPIBackend, cupy, nccl, device_id: int, version) -> NCCLBackend:
     uid = nccl.get_unique_id() if mpi.rank == 0 else None
-    uid = broadcast_unique_id(mpi.comm, uid)
+    uid = broadcast_unique_id(mpi, uid)
     try:
         with cupy.cuda.Device(device_id):
             nccl_comm = nccl.NcclCommunicator(mpi.size, uid, mpi.rank)

@@ -481,6 +481,14 @@ class Communicator(PointToPoint):
         self._act.begin("barrier", self._next_call("barrier"), None)
         self._be.barrier()
 
+    def abort(self, code: int = 1) -> None:
+        """End the whole job now, every rank, with exit status ``code`` (traces flushed).
+
+        For a failure that the other ranks cannot learn about otherwise: they may
+        be waiting for this rank in their next call.
+        """
+        self._be.abort(code)
+
     def chunk_bounds(self, n: int) -> list[tuple[int, int]]:
         """The chunk bounds ``reduce_scatter``/``all_gather`` use for ``n`` elements."""
         return list(chunk_bounds(n, self.size))
