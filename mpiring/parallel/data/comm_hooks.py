@@ -6,7 +6,11 @@ of a bucket with ``hook(state, bucket)``, as in torch DDP. The hook gets a
 *not yet divided* by the world size (the hook decides where to divide), and
 returns the reduced mean gradient (a tensor like ``buffer()``, or a future with
 ``wait()``). It runs on the reducer's communication thread and must use
-``bucket.comm``, the reducer's own communicator, for its collectives.
+``bucket.comm``, the reducer's own communicator, for its collectives. The
+state may also be None or the model's communicator, as torch's process-group
+state is (``ddp.register_comm_hook(None, fp16_compress_hook)``): the hooks
+always use ``bucket.comm``. Hooks run eagerly, outside any ``torch.compile``
+graph: the reducer calls them from its thread after the gradients exist.
 
 Built-in hooks, cheapest last, bytes sent per rank for a bucket of N float32
 elements on K ranks (the ring sends (K-1)/K of a buffer per phase):
@@ -145,7 +149,7 @@ class HookState:
         self.calls += 1
 
 
-def _all_reduce_mean_(state: HookState | None, comm, buf: torch.Tensor,
+def _all_reduce_mean_(state: Any, comm, buf: torch.Tensor,
                       dtype: torch.dtype | None = None) -> torch.Tensor:
     """Mean of ``buf`` over the ranks, in place, sent as ``dtype`` (divide first, then sum)."""
     if comm.size > 1:
@@ -159,30 +163,30 @@ def _all_reduce_mean_(state: HookState | None, comm, buf: torch.Tensor,
         # segments), so that allreduce_hook gives bit for bit what no hook gives
         # (algo="auto" could pick another summation order).
         comm.all_reduce(wire, op="sum", algo=DEFAULT_BUCKET_ALGO, check=False)
-    if state is not None:
+    if isinstance(state, HookState):
         state._count(comm, wire.numel(), wire.element_size())
     if wire is not buf:
         buf.copy_(wire)
     return buf
 
 
-def allreduce_hook(state: HookState | None, bucket: GradBucket) -> torch.Tensor:
+def allreduce_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
     """The plain mean: divide by K, ring AllReduce. Same result as no hook."""
-    if state is not None:
+    if isinstance(state, HookState):
         state._count_dense(bucket.comm, bucket)
     return _all_reduce_mean_(state, bucket.comm, bucket.buffer())
 
 
-def fp16_compress_hook(state: HookState | None, bucket: GradBucket) -> torch.Tensor:
+def fp16_compress_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
     """Send the gradients as float16: half the bytes; divided by K before the cast and the sum."""
-    if state is not None:
+    if isinstance(state, HookState):
         state._count_dense(bucket.comm, bucket)
     return _all_reduce_mean_(state, bucket.comm, bucket.buffer(), torch.float16)
 
 
-def bf16_compress_hook(state: HookState | None, bucket: GradBucket) -> torch.Tensor:
+def bf16_compress_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
     """Send the gradients as bfloat16: half the bytes, float32's range, 8 bits of mantissa."""
-    if state is not None:
+    if isinstance(state, HookState):
         state._count_dense(bucket.comm, bucket)
     return _all_reduce_mean_(state, bucket.comm, bucket.buffer(), torch.bfloat16)
 
@@ -266,6 +270,8 @@ class PowerSGDState(HookState):
     """State of ``powerSGD_hook`` (Vogels et al., 2019), with torch's arguments and defaults.
 
     Args:
+        process_group: None or the model's Communicator (torch's first
+            argument; the hook always runs on ``bucket.comm``).
         matrix_approximation_rank: r, the rank of the approximation.
         start_powerSGD_iter: plain AllReduce for this many iterations first
             (> 1 with error feedback or warm start: the buckets are rebuilt
@@ -278,11 +284,16 @@ class PowerSGDState(HookState):
         random_seed: seed for the first Q, the same on every rank.
     """
 
-    def __init__(self, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
+    def __init__(self, process_group: Any = None, matrix_approximation_rank: int = 1,
+                 start_powerSGD_iter: int = 1_000,
                  min_compression_rate: float = 2, use_error_feedback: bool = True,
                  warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
                  random_seed: int = 0):
         super().__init__()
+        if process_group is not None and not hasattr(process_group, "all_reduce"):
+            raise TypeError(f"PowerSGDState: process_group={process_group!r}: pass None or the "
+                            "model's mpiring.Communicator")
+        self.process_group = process_group
         if matrix_approximation_rank < 1:
             raise ValueError(f"matrix_approximation_rank={matrix_approximation_rank}: use >= 1")
         if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:

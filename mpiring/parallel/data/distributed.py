@@ -1,15 +1,24 @@
 """``mpiring.DistributedDataParallel``: torch DDP's contract on mpiring's ring collectives.
 
-    model = mpiring.DistributedDataParallel(net, comm)
+    mpiring.init_process_group()             # or pass a Communicator: DDP(net, comm)
+    model = mpiring.DistributedDataParallel(net)
     loss = loss_fn(model(x), y)
     loss.backward()          # returns with every .grad = mean over ranks
     optimizer.step()
 
-At construction every rank checks that all ranks hold the same parameters and
+The signature is torch's, so a torch script ports by its import lines. At
+construction every rank checks that all ranks hold the same parameters and
 buffers (names, shapes, dtypes; only fixed-size hashes and, on a difference,
 fixed-size descriptions cross the wire) and takes rank 0's values. Each forward
 optionally re-broadcasts rank 0's buffers (BatchNorm statistics); each backward
 is reduced by the ``Reducer`` (buckets, hooks, communication thread).
+
+Under ``torch.compile`` (either ``compile(DDP(m))`` or ``DDP(compile(m))``) the
+communication stays outside the graph: the work before and after the wrapped
+module's forward runs eagerly (a graph break), and the gradient hooks fire on
+real tensors after the compiled backward. A compiled graph produces all of its
+gradients at its end, so buckets cannot start while it runs backward (torch
+overlaps there by splitting the graph at its own DDP's bucket boundaries).
 """
 
 from __future__ import annotations
@@ -23,27 +32,57 @@ import torch
 from torch import nn
 
 from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
-from mpiring.parallel.data.reducer import Reducer
+from mpiring.parallel.data.reducer import Reducer, outside_compile
+from mpiring.parallel.data.torch_args import (
+    check_devices,
+    is_comm,
+    resolve_comm,
+    same_comm,
+    to_device,
+)
 
 _DESC_BYTES = 200
 
 
 class DistributedDataParallel(nn.Module):
-    """Data-parallel wrapper: gradients are averaged over ``comm`` during backward.
+    """Data-parallel wrapper: gradients are averaged over the ranks during backward.
+
+    torch's arguments, in torch's order; then mpiring's own, by keyword.
+    ``DistributedDataParallel(module, comm)`` (a Communicator second) still works.
 
     Args:
-        module: the model; the same architecture on every rank.
-        comm: a ``mpiring.Communicator`` over the replicas.
-        bucket_cap_mb: bucket size cap in MiB (torch DDP's default 25).
-        first_bucket_mb: size of the first bucket in MiB (default 1), small so
-            that communication starts early in backward.
-        broadcast_buffers: copy rank 0's buffers to every rank before each
-            forward that will be followed by a synced backward.
+        module: the model; the same architecture on every rank, on one device.
+        device_ids: None (CPU modules, and CUDA ones left where they are), or
+            ``[i]`` for a module on ``cuda:i`` (``[local_rank]`` under
+            ``mpiring.run``); inputs are then moved to that device, as torch does.
+            Several devices per process (torch's deprecated mode) are refused.
+        output_device: None or the module's device (outputs stay where the
+            module puts them).
+        dim: accepted for torch's signature; it only matters when one process
+            drives several devices, which is refused.
+        broadcast_buffers: copy the root's buffers (rank 0's) to every rank
+            before each forward that will be followed by a synced backward.
+        process_group: the ``mpiring.Communicator`` over the replicas (default:
+            the one ``mpiring.init_process_group()`` made). A torch ProcessGroup
+            is refused: mpiring's collectives run on its own communicators.
+        bucket_cap_mb: bucket size cap in MiB (None: torch's 25).
         find_unused_parameters: allow parameters that get no gradient in some
             iterations (their gradient counts as zero on that rank). Off, such a
             parameter makes every rank raise at the end of backward.
+        check_reduction: accepted and ignored (torch deprecated it too).
         gradient_as_bucket_view: ``.grad`` becomes a view into the bucket buffer
             (saves a copy and the memory of one gradient copy).
+        static_graph: accepted. It tells torch the set of used parameters never
+            changes so it may rebuild buckets once from the first iteration's
+            order: mpiring's reducer does that rebuild anyway (without
+            ``find_unused_parameters``). A parameter whose gradient arrives twice
+            in one backward (reentrant activation checkpointing, which torch
+            allows with static_graph) is still an error here.
+        comm: the same as ``process_group`` (mpiring's name).
+        init_sync: take rank 0's parameters and buffers at construction (torch's
+            ``init_sync``; the model is compared across ranks either way).
+        first_bucket_mb: size of the first bucket in MiB (default 1), small so
+            that communication starts early in backward.
         overlap: True launches each bucket's AllReduce as soon as its gradients
             are ready, overlapping the rest of backward; False waits for the whole
             backward first (the naive design).
@@ -53,23 +92,33 @@ class DistributedDataParallel(nn.Module):
             lecture's loop as written), any other of ``Communicator.all_reduce``'s
             ("auto", ...), or "native" (the library's own).
         quiet_wait: wait for all ranks before each bucket's AllReduce without
-            spinning a core (see ``reducer.quiet_barrier``); default on for CPU
-            buckets on the MPI backend.
+            spinning a core (``comm.control.barrier(poll_s=...)``); default on for
+            CPU buckets on the MPI backend.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: a bad argument, or the model differs across ranks (every
-            rank raises, naming the first difference and the ranks).
+        TypeError: ``module`` is not an ``nn.Module``, or ``process_group`` is
+            not a Communicator.
+        ValueError: a bad argument (on every rank, naming the ranks), no
+            communicator, or the model differs across ranks (every rank raises,
+            naming the first difference and the ranks).
     """
 
-    def __init__(self, module: nn.Module, comm, bucket_cap_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 overlap: bool = True, *, algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None):
+    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, *, comm=None, init_sync: bool = True,
+                 first_bucket_mb: float = 1.0, overlap: bool = True,
+                 algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got "
                             f"{type(module).__name__}")
+        if is_comm(device_ids):  # the old call DistributedDataParallel(module, comm)
+            device_ids, comm = None, same_comm(comm, device_ids)
+        comm = resolve_comm(same_comm(comm, process_group))
+        bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} and first_bucket_mb={first_bucket_mb}: "
                              "bucket sizes must be positive numbers of MiB")
@@ -77,17 +126,24 @@ class DistributedDataParallel(nn.Module):
 
         if algo not in ALGOS["all_reduce"]:
             raise ValueError(f"algo={algo!r}: use one of {', '.join(ALGOS['all_reduce'])}")
+        self.device = check_devices(comm, module, device_ids, output_device, dim)
         self.module = module
-        self.comm = comm
+        self.comm = self.process_group = comm
+        self.device_ids = None if device_ids is None else [self.device.index]
+        self.output_device = None if output_device is None else self.device
+        self.dim = dim
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.overlap = overlap
         self.require_backward_grad_sync = True
+        self._join = None  # the JoinState while inside join()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         check_same_model(comm, describe_module(module))
-        sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()))
+        if init_sync:
+            sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()))
         self._buffers_to_sync = [b for b in module.buffers()]
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], comm,
                                bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
@@ -96,20 +152,34 @@ class DistributedDataParallel(nn.Module):
                                overlap=overlap, algo=algo, quiet_wait=quiet_wait)
 
     def forward(self, *args, **kwargs):
+        grad, sync = self._pre_forward()
+        if self.device_ids is not None:
+            args, kwargs = to_device((args, kwargs), self.device)
+        out = self.module(*args, **kwargs)
+        if grad:
+            self.reducer.prepare_for_backward(out, sync)
+        return out
+
+    @outside_compile
+    def _pre_forward(self) -> tuple[bool, bool]:
+        # Eager even under torch.compile: the rebuild and the buffer broadcast move
+        # real bytes, and the flags must be read at run time, not at trace time.
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
         if grad:
             self.reducer.prepare_forward()
         if sync:
-            self.reducer.rebuild_if_due()
-            if self.broadcast_buffers and self._buffers_to_sync:
-                # Rank 0's running statistics win, as in torch DDP (check off: the
-                # shapes were compared at construction).
-                sync_from_root(self.comm, self._buffers_to_sync, check=False)
-        out = self.module(*args, **kwargs)
-        if grad:
-            self.reducer.prepare_for_backward(out, sync)
-        return out
+            root = 0 if self._join is None else self._join.notify()
+            self.sync_before_backward(root)
+        return grad, sync
+
+    def sync_before_backward(self, root: int = 0) -> None:
+        """The collectives of a synced forward: the bucket rebuild, the buffer broadcast."""
+        self.reducer.rebuild_if_due()
+        if self.broadcast_buffers and self._buffers_to_sync:
+            # The root's running statistics win, as in torch DDP (check off: the
+            # shapes were compared at construction).
+            sync_from_root(self.comm, self._buffers_to_sync, root=root, check=False)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -125,6 +195,20 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Train on uneven inputs: ranks that run out shadow the others' reductions.
+
+        torch's ``DDP.join()``; see ``mpiring.parallel.data.join.JoinState``::
+
+            with model.join():
+                for x, y in my_batches:      # a different count on each rank
+                    loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+        """
+        from mpiring.parallel.data.join import join
+
+        return join(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
     @property
     def bucket_params(self) -> list[list[int]]:
         """Current bucket layout: per bucket, indices into the trainable parameters."""
@@ -135,8 +219,13 @@ class DistributedDataParallel(nn.Module):
 
         The hook receives a ``comm_hooks.GradBucket`` with this rank's undivided
         gradients and returns the mean; call this once, before the first backward.
+        ``state`` may be None or this model's communicator (torch's process-group
+        state), or a hook's own state object.
         """
-        self.reducer.register_comm_hook(state, hook)
+        if is_comm(state) and state is not self.comm:
+            raise ValueError("register_comm_hook: the state is a communicator other than this "
+                             "model's: pass None (the hooks use the model's own)")
+        self.reducer.register_comm_hook(None if is_comm(state) else state, hook)
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread (the module stays usable).
@@ -201,6 +290,7 @@ def check_same_model(comm, lines: Sequence[str], what: str = "DistributedDataPar
         "before wrapping it")
 
 
+@outside_compile
 def sync_from_root(comm, tensors: Sequence[torch.Tensor], root: int = 0,
                    check: bool | None = None) -> None:
     """Copy ``root``'s values of ``tensors`` into every rank's, in place.

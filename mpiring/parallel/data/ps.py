@@ -24,7 +24,7 @@ from torch import nn
 
 from mpiring.parallel.data.bucketing import MIB, bucket_offsets, compute_buckets
 from mpiring.parallel.data.distributed import check_same_model, describe_module, sync_from_root
-from mpiring.parallel.data.reducer import quiet_barrier
+from mpiring.parallel.data.reducer import QUIET_POLL_S
 from mpiring.runtime import pages
 
 
@@ -76,7 +76,7 @@ class ParameterServer:
         """Push the gradients, update on the server, pull the parameters (collective)."""
         k = self.comm.size
         if k > 1 and self.comm.backend == "mpi" and self.params[0].device.type == "cpu":
-            quiet_barrier(self.comm.mpi_comm)  # do not spin while slower workers compute
+            self.comm.control.barrier(poll_s=QUIET_POLL_S)  # no spinning while slower workers compute
         with torch.no_grad():
             for group, offsets, flat in self.buckets:
                 for i, off in zip(group, offsets):

@@ -41,7 +41,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,19 +79,13 @@ class _Bucket:
         self.device = flat.device
 
 
-def quiet_barrier(mpi_comm, poll_s: float = 2e-4) -> None:
-    """Wait until every rank of ``mpi_comm`` has arrived, sleeping instead of spinning.
+#: Seconds a rank sleeps between polls while it waits for its peers before a bucket.
+QUIET_POLL_S = 2e-4
 
-    MPICH busy-polls inside blocking calls. A rank that reaches a collective
-    first would spin a core while its peers are still computing; on a host with
-    more ranks than cores that spin takes the CPU from the very computation it
-    waits for (and, with a communication thread, from its own backward). An
-    ``Ibarrier`` polled with short sleeps costs one small message round and
-    leaves the cores to the ranks that are still working.
-    """
-    req = mpi_comm.Ibarrier()
-    while not req.Test():
-        time.sleep(poll_s)
+# Communication and bucket rebuilds run eagerly even inside torch.compile: traced,
+# they would see fake tensors (no data pointer to hand to MPI). torch's own lazy
+# form imports dynamo on the first call only (``import mpiring`` stays cheap).
+outside_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
 class CommThread:
@@ -155,7 +148,8 @@ class Reducer:
         params: the parameters to reduce (those that require grad), in
             registration order, without duplicates.
         names: a readable name per parameter (for errors and traces).
-        comm: the Communicator the model's replicas share.
+        comm: the Communicator the model's replicas share (default: the one
+            ``mpiring.init_process_group()`` made).
         bucket_cap_mb: bucket size cap in MiB.
         first_bucket_mb: cap of the first bucket in MiB.
         find_unused_parameters: allow parameters that get no gradient.
@@ -166,11 +160,13 @@ class Reducer:
         algo: the AllReduce algorithm for buckets (default "ring-seg"; any of
             ``Communicator.all_reduce``'s).
         quiet_wait: before each bucket's AllReduce, wait for every rank with
-            ``quiet_barrier`` (default: on the MPI backend with CPU buckets, unless
-            ``MPIRING_QUIET_WAIT=0``).
+            ``comm.control.barrier(poll_s=QUIET_POLL_S)``, which sleeps instead of
+            spinning (MPICH busy-polls inside blocking calls, and a rank that spins
+            while its peers still compute takes their core); default: on the MPI
+            backend with CPU buckets, unless ``MPIRING_QUIET_WAIT=0``.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], comm, *,
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], comm=None, *,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
                  overlap: bool = True, algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None):
@@ -179,8 +175,13 @@ class Reducer:
         if not self.params:
             raise ValueError("DistributedDataParallel: the module has no parameter that requires "
                              "grad, so there is nothing to reduce: wrap a trainable module")
-        self.comm = comm
+        from mpiring.comm.default import resolve
+
+        self.comm = comm = resolve(comm, "Reducer")
         self.rank, self.size = comm.rank, comm.size
+        # What each gradient is divided by before the sum: the world size, or the
+        # number of ranks still training under DDP.join(divide_by_initial_world_size=False).
+        self.divisor = self.size
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * MIB))
         self.first_bucket_bytes = max(1, int(first_bucket_mb * MIB))
         self.find_unused_parameters = find_unused_parameters
@@ -247,6 +248,7 @@ class Reducer:
         p = self.params[i]
         return self.buckets[b].flat[off:off + p.numel()].view_as(p)
 
+    @outside_compile
     def rebuild_if_due(self) -> bool:
         """Rebuild the buckets once, from rank 0's observed gradient order (collective).
 
@@ -306,6 +308,7 @@ class Reducer:
         self._t_backward = 0.0
         self._exposed_s = 0.0
 
+    @outside_compile
     def prepare_forward(self) -> None:
         """Refuse a new forward while a synced backward is half done (a bug upstream)."""
         if self._started:
@@ -314,6 +317,7 @@ class Reducer:
                 "was still reducing gradients (it raised before it finished?). Run one "
                 "backward per forward, and stop training after a failed backward")
 
+    @outside_compile
     def prepare_for_backward(self, outputs: Any, sync: bool) -> None:
         """Arm the hooks for the backward of this forward (or disarm them under no_sync)."""
         self._reset_iteration()
@@ -331,6 +335,7 @@ class Reducer:
             tensors[0].register_hook(self._on_output_grad)
 
     # --- hooks (main thread, during backward) ------------------------------------
+    @outside_compile
     def _on_output_grad(self, grad):
         if self._expect:
             self._start_backward()
@@ -346,6 +351,9 @@ class Reducer:
             self._mark_ready(i, zero=True)
 
     def _make_hook(self, i: int):
+        # Eager under compiled autograd too: the hook copies into the bucket and may
+        # hand it to the communication thread, which needs real memory.
+        @outside_compile
         def hook(p: torch.Tensor) -> None:
             self._on_grad_ready(i, p)
         return hook
@@ -372,20 +380,21 @@ class Reducer:
         # Divide by the world size BEFORE the sum, not after: summing K float16
         # gradients first can overflow (max 65504) where the mean would not.
         # A comm hook gets the undivided gradients and divides itself (torch's contract).
-        divide = self.size > 1 and self._comm_hook is None
+        divisor = self.divisor
+        divide = divisor != 1 and self._comm_hook is None
         if self.gradient_as_bucket_view:
             view = slot.view_as(p)
             if grad.data_ptr() == view.data_ptr():  # accumulated into the bucket already
                 if divide:
-                    slot.div_(self.size)
+                    slot.div_(divisor)
             else:  # a new gradient tensor (e.g. after zero_grad(set_to_none=True)):
                 if divide:  # one pass, divided on the way in
-                    torch.div(grad, self.size, out=view)
+                    torch.div(grad, divisor, out=view)
                 else:
                     view.copy_(grad)
                 p.grad = view
         elif divide:
-            torch.div(grad.reshape(-1), self.size, out=slot)
+            torch.div(grad.reshape(-1), divisor, out=slot)
         else:
             slot.copy_(grad.reshape(-1))
         self._mark_ready(i, zero=False)
@@ -443,7 +452,7 @@ class Reducer:
             # for the other ranks (``t_peers``: when the last one arrived).
             record["t_start"] = clock()
             if quiet:
-                quiet_barrier(comm.mpi_comm)
+                comm.control.barrier(poll_s=QUIET_POLL_S)
             record["t_peers"] = clock()
             if hook is not None:
                 from mpiring.parallel.data.comm_hooks import run_comm_hook
@@ -504,6 +513,26 @@ class Reducer:
             # torch DDP rebuilds only with a static set of used parameters.
             self._rebuild_due = True
         self.iteration += 1
+
+    @outside_compile
+    def shadow_backward(self) -> None:
+        """Take part in one synced backward with zero gradients (collective).
+
+        A rank that has run out of inputs under ``DDP.join()`` calls this for
+        each backward the other ranks still run: the same buckets go out in the
+        same order, so their AllReduces complete, and this rank's share of the
+        mean is zero. No parameter is marked fired, so the status tail reports
+        every one as unused here and no error is raised on its account.
+        """
+        if self._started:
+            raise RuntimeError("shadow_backward: a backward is still reducing on this rank")
+        self._reset_iteration()
+        self._expect = True
+        self._started = True
+        self._t_backward = clock()
+        for i in range(len(self.params)):
+            self._mark_ready(i, zero=True)
+        self._finalize()
 
     def _finish_unused(self, no_grad: list[int]) -> None:
         # A parameter that got no gradient here but did on another rank takes the

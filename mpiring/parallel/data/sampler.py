@@ -27,20 +27,27 @@ class DistributedSampler:
         shuffle: permute the indices each epoch.
         seed: base seed; every rank must pass the same one.
         drop_last: drop the tail instead of padding to a multiple of the ranks.
-        comm: a Communicator to take ``rank`` and ``num_replicas`` from.
+        comm: a Communicator to take ``rank`` and ``num_replicas`` from
+            (default: the one ``mpiring.init_process_group()`` made, as torch's
+            sampler takes the default process group).
 
     Raises:
-        ValueError: rank out of range, or no way to know rank and size.
+        ValueError: rank out of range, or neither the numbers, nor ``comm``,
+            nor a default communicator to take them from.
     """
 
     def __init__(self, dataset: Sized | int, num_replicas: int | None = None,
                  rank: int | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, *, comm=None):
         if num_replicas is None or rank is None:
-            if comm is None:
-                raise ValueError("DistributedSampler needs num_replicas and rank, or comm=")
+            from mpiring.comm.default import resolve
+
+            comm = resolve(comm, "DistributedSampler (num_replicas and rank not given)")
             num_replicas = comm.size if num_replicas is None else num_replicas
             rank = comm.rank if rank is None else rank
+        if isinstance(dataset, bool) or not (isinstance(dataset, int) or hasattr(dataset, "__len__")):
+            raise TypeError(f"DistributedSampler: dataset={type(dataset).__name__} has no len(): "
+                            "pass a map-style dataset or the number of samples")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} with num_replicas={num_replicas}: "
                              f"use a rank in 0..{num_replicas - 1}")

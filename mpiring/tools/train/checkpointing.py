@@ -116,9 +116,7 @@ def _die(step: int, *_args: Any) -> None:
 def _quiet_wait(comm) -> None:
     # Rank 0 may take a while to write; the others must not spin a core meanwhile
     # (MPICH busy-polls in blocking calls, and ranks share cores).
-    from mpiring.parallel.data.reducer import quiet_barrier
-
-    quiet_barrier(getattr(comm, "mpi_comm", comm), poll_s=0.005)
+    comm.control.barrier(poll_s=0.005)
 
 
 def _reducer(job):

@@ -1,0 +1,190 @@
+"""torch.distributed's process-group functions, over a default mpiring Communicator.
+
+    import mpiring as dist                 # where a script had torch.distributed
+    dist.init_process_group()              # backend "mpi" on the CPU, "nccl" if asked
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = mpiring.DistributedDataParallel(net)   # no comm: the default one
+    dist.destroy_process_group()
+
+MPI already knows every rank, so there is no rendezvous: ``init_method``,
+``MASTER_ADDR`` and ``MASTER_PORT`` are not needed. What the environment says
+is still checked: a script started by ``torchrun`` instead of ``mpiexec`` would
+see an MPI world of one process per rank and train K unrelated models, so a
+``WORLD_SIZE`` or ``RANK`` that disagrees with MPI is an error, not a warning.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+from mpiring.comm.communicator import Communicator
+
+__all__ = ["destroy_process_group", "get_rank", "get_world_size", "init_process_group",
+           "is_initialized", "default_comm", "resolve"]
+
+#: torch's backend names -> mpiring's. gloo and mpi are torch's CPU transports;
+#: mpiring's "mpi" backend is the CPU one here.
+BACKEND_NAMES = {None: "mpi", "mpi": "mpi", "gloo": "mpi", "nccl": "nccl",
+                 "cpu:gloo,cuda:nccl": "nccl", "cuda:nccl,cpu:gloo": "nccl"}
+
+_default: Communicator | None = None
+_LAUNCH_HINT = "launch with: mpiexec -n K python -m mpiring.run SCRIPT [ARGS]"
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout: datetime.timedelta | float | None = None, world_size: int = -1,
+                       rank: int = -1, store: Any = None, group_name: str = "",
+                       pg_options: Any = None, device_id: Any = None) -> Communicator:
+    """Make the default Communicator over every MPI rank (torch's signature).
+
+    Args:
+        backend: None or "mpi"/"gloo": mpiring's MPI backend (CPU tensors; CUDA
+            tensors are staged). "nccl": NCCL over the GPU of ``device_id`` (or
+            of ``local_rank % device_count``).
+        init_method: accepted and not used: MPI has already connected the ranks.
+        timeout: a ``timedelta`` or seconds: the deadline of one blocking wait
+            (mpiring's watchdog; default ``MPIRING_TIMEOUT`` or 300 s).
+        world_size, rank: -1, or the values MPI gives (checked).
+        store: must be None (no rendezvous store is used).
+        group_name: accepted and not used.
+        pg_options: must be None.
+        device_id: the CUDA device for "nccl" (an int or ``torch.device``).
+
+    Returns:
+        The new default Communicator (torch returns None; the value is a bonus).
+
+    Raises:
+        RuntimeError: called twice without ``destroy_process_group()``.
+        ValueError: an unknown backend, a ``world_size``/``rank`` argument or a
+            ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` variable that MPI contradicts,
+            or a store or options that cannot be honoured.
+    """
+    global _default
+    if _default is not None:
+        raise RuntimeError("init_process_group: the default process group is already "
+                           "initialized; call destroy_process_group() first")
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(f"init_process_group: backend={backend!r}: pass a name")
+    name = backend.lower() if backend else None
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"init_process_group: backend={backend!r}: use None, 'mpi', 'gloo' "
+                         "(both: mpiring's MPI backend) or 'nccl'")
+    if store is not None or pg_options is not None:
+        raise ValueError("init_process_group: store= and pg_options= are torch's rendezvous and "
+                         "ProcessGroup options; mpiring's ranks come from MPI: leave them None")
+    import mpiring
+
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    comm = mpiring.init(backend=BACKEND_NAMES[name], timeout=seconds)
+    if device_id is not None:
+        _check_device(comm, device_id)
+    _check_agrees(comm, world_size, rank)
+    _default = comm
+    return comm
+
+
+def _check_device(comm: Communicator, device_id: Any) -> None:
+    """Refuse a ``device_id`` the backend did not take (on every rank)."""
+    index = getattr(device_id, "index", device_id)
+    if comm.backend == "nccl":
+        # The NCCL backend takes GPU local_rank % device_count (mpiring.backends.nccl).
+        taken = getattr(getattr(comm, "_be", None), "device", None)
+        wrong = not isinstance(index, int) or (taken is not None and int(taken) != index)
+    else:
+        wrong = False  # the MPI backend moves any tensor; the device is the model's
+    flags = comm.control.allgather_array([int(wrong)])[:, 0]
+    if flags.any():
+        bad = ", ".join(f"r{r}" for r in range(comm.size) if flags[r])
+        raise ValueError(f"init_process_group: device_id={device_id!r} on {bad} is not the GPU "
+                         "the NCCL backend uses (local_rank % device_count): leave device_id "
+                         "out, or give each rank its local rank's GPU")
+
+
+def _check_agrees(comm: Communicator, world_size: int, rank: int) -> None:
+    """Every rank raises the same error if an argument or the environment contradicts MPI."""
+    problems = []
+    if world_size not in (-1, None) and int(world_size) != comm.size:
+        problems.append(f"world_size={world_size}")
+    if rank not in (-1, None) and int(rank) != comm.rank:
+        problems.append(f"rank={rank}")
+    for var, value in (("WORLD_SIZE", comm.size), ("RANK", comm.rank),
+                       ("LOCAL_RANK", comm.local_rank)):
+        text = os.environ.get(var)
+        if text not in (None, "") and text.strip() != str(value):
+            problems.append(f"{var}={text}")
+    flags = comm.control.allgather_json(problems)
+    bad = [(r, p) for r, p in enumerate(flags) if p]
+    if not bad:
+        return
+    shown = "; ".join(f"r{r} (MPI rank {r} of {comm.size}) got {', '.join(p)}" for r, p in bad)
+    raise ValueError(f"init_process_group: the launcher and MPI disagree: {shown}. mpiring "
+                     f"takes rank and size from MPI: {_LAUNCH_HINT} (torchrun starts "
+                     "independent MPI singletons), and drop rank=/world_size= or make them match")
+
+
+def destroy_process_group(group: Communicator | None = None) -> None:
+    """Forget the default Communicator (collective: waits for every rank first).
+
+    Args:
+        group: None or the default Communicator itself (torch's argument).
+
+    Raises:
+        ValueError: ``group`` is another communicator.
+    """
+    global _default
+    if group is not None and group is not _default:
+        raise ValueError("destroy_process_group: only the default group can be destroyed; "
+                         "a communicator from split() or dup() is freed with the object")
+    if _default is None:
+        return
+    comm, _default = _default, None
+    # Nobody may still be inside a collective on it when its ranks move on.
+    comm.control.barrier(poll_s=1e-3)
+    comm.tracer.flush()
+
+
+def is_initialized() -> bool:
+    """True between ``init_process_group()`` and ``destroy_process_group()``."""
+    return _default is not None
+
+
+def get_rank(group: Communicator | None = None) -> int:
+    """This process's rank in ``group`` (default: the default group)."""
+    return (group if group is not None else _require("get_rank")).rank
+
+
+def get_world_size(group: Communicator | None = None) -> int:
+    """The number of ranks in ``group`` (default: the default group)."""
+    return (group if group is not None else _require("get_world_size")).size
+
+
+def default_comm() -> Communicator | None:
+    """The Communicator ``init_process_group()`` made, or None."""
+    return _default
+
+
+def resolve(comm: Communicator | None, what: str = "mpiring") -> Communicator:
+    """``comm`` if given, else the default Communicator.
+
+    Args:
+        comm: a Communicator or None.
+        what: the caller's name, for the error message.
+
+    Raises:
+        ValueError: ``comm`` is None and ``init_process_group()`` has not run.
+    """
+    if comm is not None:
+        return comm
+    if _default is None:
+        raise ValueError(f"{what}: no communicator: call mpiring.init_process_group() first "
+                         "(then it is the default everywhere), or pass comm=mpiring.init()")
+    return _default
+
+
+def _require(what: str) -> Communicator:
+    if _default is None:
+        raise ValueError(f"{what}: the default process group is not initialized: call "
+                         "mpiring.init_process_group() first")
+    return _default
