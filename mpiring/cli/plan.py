@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences")
     p.add_argument("--tokens", type=float, default=0.0, help="token budget for GPU-hours, e.g. 3e11")
     p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--local", nargs=2, metavar=("BENCH_JSON", "DDP_JSON"), default=None,
+                   help="predict this host's DDP step from a 'bench -a ring --json' file and "
+                        "compare with a 'bench-ddp --json' file (2 ranks, preset comm)")
     p.add_argument("--json", metavar="FILE", help="write the layouts (or --check tables) as JSON")
     p.add_argument("--plot", metavar="PNG", help="stacked bars of each layout's step time")
 
@@ -85,12 +88,42 @@ def _check(args) -> int:
     return 0
 
 
+def _local(bench_json: str, ddp_json: str) -> int:
+    import os
+
+    from mpiring.core.steptime import Layout
+    from mpiring.tools.models.gpt import PRESETS as GPT_PRESETS
+    from mpiring.tools.plan import local
+
+    with open(bench_json) as f:
+        ab = local.fit_ring_rows(json.load(f))
+    with open(ddp_json) as f:
+        rows = [r for r in json.load(f) if r["mode"] in ("compute", "ddp")]
+    print(f"ring fit: {ab.describe()}")
+    for r in rows:
+        cfg = GPT_PRESETS[r["preset"]]
+        g = local.local_model(cfg.d_model, cfg.n_layers, cfg.n_heads, r["seq_len"], cfg.vocab_size)
+        threads = max(1, (os.cpu_count() or 1) // r["ranks"])  # as bench-ddp sets them
+        rate = local.measure_flop_rate(r["batch"] * r["seq_len"], cfg.d_model, 4 * cfg.d_model,
+                                       threads)
+        dp = r["ranks"] if r["mode"] == "ddp" else 1
+        pred = local.predict(g, Layout(dp=dp, micro_batch=r["batch"]), r["batch"] * dp, ab, rate)
+        cmp_ = local.compare(r["step_ms"], pred)
+        print(f"{r['mode']:>8} on {r['ranks']} ranks: measured {cmp_['measured_ms']:.1f} ms, "
+              f"predicted {cmp_['predicted_ms']:.1f} ms ({cmp_['residual'] * 100:+.0f}%); "
+              f"FLOP rate {rate / 1e9:.1f} GFLOP/s, gradient reduction "
+              f"{pred['dp_total_ms']:.1f} ms by the fit, {r.get('comm_total_ms') or 0:.1f} ms measured")
+    return 0
+
+
 def run(args) -> int:
     from mpiring.tools.plan.report import format_candidates, plot_candidates
     from mpiring.tools.plan.search import search
 
     if args.check:
         return _check(args)
+    if args.local:
+        return _local(*args.local)
     g, c, batch, tokens = _problem(args)
     try:
         cands = search(g, c, batch, tokens, top=args.top)

@@ -1,0 +1,171 @@
+"""Pure tests of the step model and the planner, against the published runs."""
+
+import time
+
+import pytest
+
+from mpiring.core import stepmodel as sm
+from mpiring.core.steptime import Layout, step_time, throughput
+from mpiring.tools.plan import presets as pr
+from mpiring.tools.plan import validate as v
+from mpiring.tools.plan.search import search
+
+GPT_1T = pr.MEGATRON_TABLE[-1].model()
+
+
+def test_zero_figure1_exact_to_the_printed_digit():
+    for r in v.zero_rows():
+        assert r["printed"] == r["published_gb"], r
+    psi, nd = 7.5e9, 64
+    assert sm.zero_model_state_bytes(psi, nd, 1) == 4 * psi + 12 * psi / nd
+    assert sm.zero_model_state_bytes(psi, 1, 3) == sm.zero_model_state_bytes(psi, 1, 0) == 16 * psi
+
+
+@pytest.mark.parametrize("bad", [dict(nd=0, stage=1), dict(nd=4, stage=4)])
+def test_zero_rejects_bad_input(bad):
+    with pytest.raises(ValueError, match="N_d|stage"):
+        sm.zero_model_state_bytes(1e9, **bad)
+
+
+def test_flops_are_narayanans_equation_3():
+    for r in pr.MEGATRON_TABLE:
+        g = r.model()
+        n, h, s, V = g.layers, g.hidden, g.seq, g.vocab  # n is the paper's l
+        eq3 = 96 * s * n * h * h * (1 + s / (6 * h) + V / (16 * n * h)) / s  # per token
+        assert sm.training_flops_per_token(g, "full") == pytest.approx(eq3, rel=1e-12)
+        # MFU counts no recomputation: 6 N + 12 l s h (PaLM), N = 12 l h^2 + V h.
+        assert sm.model_flops_per_token(g) == pytest.approx(72 * n * h * h + 12 * n * s * h
+                                                             + 6 * h * V, rel=1e-12)
+
+
+def test_parameter_counts_match_the_published_sizes():
+    for r in pr.MEGATRON_TABLE:
+        # 1.65B prints as 1.7 in the table; biases, norms and positions are left out here.
+        assert sm.params(r.model()) / 1e9 == pytest.approx(r.params_b, rel=0.035), r
+    assert sm.params(pr.DEEPSEEK_V3) / 1e9 == pytest.approx(671, rel=0.01)
+    assert sm.params(pr.DEEPSEEK_V3, active=True) / 1e9 == pytest.approx(37, rel=0.03)
+    assert sm.params(pr.LLAMA31_405B) / 1e9 == pytest.approx(405, rel=0.01)
+
+
+def test_activation_memory_is_korthikantis_table2():
+    s, b, h, a, t = 2048, 3, 1536, 12, 4
+    sbh = s * b * h
+    assert sm.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert sm.activation_bytes_per_layer(s, b, h, a, t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert sm.activation_bytes_per_layer(s, b, h, a, t, sp=True) == sbh * (34 / t + 5 * a * s / (h * t))
+    assert sm.activation_bytes_per_layer(s, b, h, a, t, True, "selective") == sbh * 34 / t
+    assert sm.activation_bytes_per_layer(s, b, h, a, t, True, "full") == 2 * sbh / t
+    with pytest.raises(ValueError, match="recompute"):
+        sm.activation_bytes_per_layer(s, b, h, a, recompute="some")
+
+
+@pytest.mark.parametrize("sched,p,m,v,want", [
+    ("1f1b", 8, 32, 1, 7 / 32), ("gpipe", 4, 4, 1, 3 / 4), ("interleaved", 8, 32, 4, 7 / 128),
+    ("zb-h1", 4, 8, 1, 3 / 24), ("zb-h2", 4, 8, 1, 0.0), ("dualpipe", 16, 120, 1, 0.0),
+    ("1f1b", 1, 5, 1, 0.0),
+])
+def test_bubble_fractions(sched, p, m, v, want):
+    assert sm.bubble_fraction(sched, p, m, v) == pytest.approx(want)
+
+
+def test_bubble_rejects_unknown_schedules_and_zero_degrees():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        sm.bubble_fraction("2f2b", 4, 8)
+    with pytest.raises(ValueError, match=">= 1"):
+        sm.bubble_fraction("1f1b", 4, 0)
+
+
+def test_every_megatron_row_within_15_percent_with_one_set_of_constants():
+    rows = v.megatron_rows()
+    assert len(rows) == 10
+    for r in rows:
+        assert abs(r["residual"]) < 0.15, r
+        assert r["memory_gb"] < 80, r  # the published layouts fit on the 80 GB A100
+
+
+def test_llama_gpu_hours_within_25_percent():
+    (llama,) = [r for r in v.run_rows() if r["run"] == "llama-3.1-405b"]
+    assert abs(llama["residual"]) < 0.25, llama
+    assert llama["memory_gb"] < 80
+
+
+@pytest.mark.xfail(strict=True, reason="known miss (docs/planner.md): the model prices DeepSeek-V3's "
+                   "FP8 GEMMs at the A100-fitted share of the FP8 peak and predicts ~45% too few hours")
+def test_deepseek_gpu_hours_within_25_percent():
+    (ds,) = [r for r in v.run_rows() if r["run"] == "deepseek-v3"]
+    assert abs(ds["residual"]) < 0.25, ds
+
+
+def test_step_parts_move_the_right_way():
+    c, row = pr.selene(), pr.MEGATRON_TABLE[6]
+    g, lay = row.model(), row.layout()
+    base = step_time(g, c, lay, row.batch)
+    assert base.total == pytest.approx(sum(base.parts().values()))
+    # More micro-batches of the same batch: a smaller bubble; interleaving: smaller still.
+    assert step_time(g, c, lay, row.batch * 2).bubble / 2 < base.bubble
+    assert step_time(g, c, lay.with_(schedule="interleaved", vpp=2), row.batch).bubble < base.bubble
+    # Overlap hides gradient reduction; no recomputation saves compute, costs memory.
+    assert step_time(g, c, lay.with_(overlap_dp=1.0), row.batch).dp_exposed <= base.dp_exposed
+    none = step_time(g, c, lay.with_(recompute="none"), row.batch)
+    assert none.compute < base.compute and none.memory["activations"] > base.memory["activations"]
+
+
+@pytest.mark.parametrize("lay,layers,match", [
+    (Layout(dp=3, tp=8, pp=64), 40, "exceeds the model's 40 layers"),
+    (Layout(dp=7, tp=8, pp=64), 128, "needs 3584 GPUs"),
+    (Layout(dp=6, tp=8, pp=64, micro_batch=7), 128, "not a multiple"),
+    (Layout(dp=6, tp=8, pp=64, ep=2), 128, "mixture-of-experts"),
+    (Layout(dp=6, tp=8, pp=64, micro_batch=0), 128, ">= 1"),
+])
+def test_bad_layouts_are_refused_with_the_fix(lay, layers, match):
+    with pytest.raises(ValueError, match=match):
+        step_time(GPT_1T.with_(layers=layers), pr.selene(3072), lay, 3072)
+
+
+def test_planner_1024_gpus_under_10_s_and_the_answer_fits():
+    g = pr.MEGATRON_TABLE[6].model()
+    t0 = time.perf_counter()
+    cands = search(g, pr.selene(1024), 2048, tokens=3e11, top=5)
+    assert time.perf_counter() - t0 < 10
+    assert [c.step_s for c in cands] == sorted(c.step_s for c in cands)
+    for c in cands:
+        assert c.layout.gpus == 1024 and c.memory_gb <= 80
+        assert c.gpu_hours == pytest.approx(sm.gpu_hours(3e11, 2048 * 2048 / c.step_s, 1024))
+    # The best beats the layout Megatron published for this model on 1536 GPUs, scaled down.
+    pub = throughput(g, pr.selene(1024), Layout(dp=16, tp=8, pp=8, recompute="full"), 2048)
+    assert cands[0].step_s <= pub["step_s"]
+
+
+def test_planner_says_what_does_not_fit():
+    with pytest.raises(ValueError, match="no layout fits.*leanest"):
+        search(GPT_1T, pr.selene(8), 64)
+
+
+def test_mfu_and_gpu_hours():
+    assert sm.mfu(6e9, 1e4, 2, 1e14) == pytest.approx(6e13 / 2e14)
+    assert sm.gpu_hours(3.6e9, 1e6, 8) == pytest.approx(8.0)
+
+
+def _plan(argv):
+    # The plan command alone: the test should not depend on every other command importing.
+    import argparse
+
+    from mpiring.cli import _commands, plan
+
+    assert _commands()["plan"] == "plan"
+    p = argparse.ArgumentParser()
+    plan.add_arguments(p)
+    return plan.run(p.parse_args(argv))
+
+
+def test_cli_check_and_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert _plan(["--preset", "megatron-145b", "--gpus", "1024", "--top", "3",
+                  "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "where the time goes" in text and text.count(" zero") == 3
+    import json
+
+    assert len(json.loads(out.read_text())["layouts"]) == 3
+    assert _plan(["--check"]) == 0
+    assert "ZeRO stage 3" in capsys.readouterr().out
