@@ -39,14 +39,16 @@ class DeferredWeightGradLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, sink):
         ctx.save_for_backward(x, weight)
-        ctx.bias, ctx.sink = bias, sink
+        # The parameters themselves (not the saved copies autograd unpacks), so that
+        # W writes the gradient onto the module's own .grad.
+        ctx.params, ctx.sink = (weight, bias), sink
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        bias = ctx.bias
-        gx = gy @ weight if ctx.needs_input_grad[0] else None
+        x, w_saved = ctx.saved_tensors
+        weight, bias = ctx.params
+        gx = gy @ w_saved if ctx.needs_input_grad[0] else None
 
         def weight_grads():
             g2 = gy.reshape(-1, gy.shape[-1])

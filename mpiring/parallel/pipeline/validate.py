@@ -153,12 +153,12 @@ def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float]
                     del posted[r]
                 pc[r] += 1
                 moved = True
-    _check_pairs(sends, recvs)
     stuck = [r for r, run in enumerate(runs) if pc[r] < len(run)]
     if stuck:
         where = "; ".join(f"rank {r} waits in {' '.join(map(str, runs[r][pc[r]]))}" for r in stuck)
         raise ScheduleError(f"deadlock: {where}. Reorder the sends and receives (a receive "
                             "must be reachable before the peer's matching send blocks)")
+    _check_pairs(sends, recvs)
     return spans
 
 

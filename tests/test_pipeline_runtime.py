@@ -1,0 +1,243 @@
+"""The pipeline runtime against the unsplit model, float64, on K = 1..4 stages.
+
+Every rank builds the whole model from one seed and keeps its stage's layers;
+the reference is the unsplit model run by one process on the same
+micro-batches, with the gradient of the mean of the micro-batch losses.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from mpiring.parallel.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    SchedulePipeDream,
+    ScheduleZeroBubble,
+)
+from mpiring.parallel.pipeline.schedules import build, compute_only
+from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
+from mpiring.tools.train.pipeline import split_gpt
+
+ROWS = 10  # does not divide by 4 or 8: uneven micro-batches
+SCHEDULES = {
+    "gpipe": lambda st, m, lf: ScheduleGPipe(st, m, lf),
+    "gpipe-recompute": lambda st, m, lf: ScheduleGPipe(st, m, lf, recompute=True),
+    "1f1b": lambda st, m, lf: Schedule1F1B(st, m, lf),
+    "zb": lambda st, m, lf: ScheduleZeroBubble(st, m, lf),
+}
+
+
+def mlp(widths=(3, 7, 5, 6, 4, 2), seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers).double()
+
+
+def bounds(n: int, k: int) -> list[tuple[int, int]]:
+    edges = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(n), k)])
+    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+
+
+def data(salt: int = 0):
+    g = torch.Generator().manual_seed(123 + salt)
+    return (torch.randn(ROWS, 3, generator=g, dtype=torch.float64),
+            torch.randn(ROWS, 2, generator=g, dtype=torch.float64))
+
+
+def mse(out, t):
+    return ((out - t) ** 2).mean()
+
+
+def reference(full: nn.Module, x, y, m: int, loss_fn):
+    """Losses, output and grads of the mean of the micro-batch losses, one process."""
+    full.zero_grad()
+    losses = [loss_fn(full(a), b) for a, b in zip(torch.tensor_split(x, m), torch.tensor_split(y, m))]
+    torch.stack(losses).mean().backward()
+    with torch.no_grad():
+        out = full(x)
+    return [v.item() for v in losses], out
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("m", (1, 2, 4, 8))
+def test_schedule_matches_unsplit_model(comm, name, m):
+    full = mlp()
+    # Uneven stages: 10 modules (5 Linear + 5 Tanh) over K stages, array_split bounds.
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = SCHEDULES[name](stage, m, mse)
+    for salt in (0, 1):  # the second step reuses the agreed shapes and the stage state
+        x, y = data(salt)
+        ref_losses, ref_out = reference(full, x, y, m, mse)
+        part.zero_grad()
+        losses: list = []
+        out = sched.step(x if stage.is_first else None, target=y if stage.is_last else None,
+                         losses=losses if stage.is_last else None)
+        if stage.is_last:
+            assert [float(v) for v in losses] == pytest.approx(ref_losses, rel=1e-12)
+            torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        else:
+            assert out is None
+        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
+            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+    assert stage.live_bytes == 0  # every micro-batch's activations released
+
+
+def test_gpt_with_tied_embedding(comm):
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=2, n_heads=2)
+    torch.manual_seed(3)
+    full = GPT(cfg).double()
+    module, tied = split_gpt(full, comm.size, comm.rank)
+    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied)
+    sched = Schedule1F1B(stage, 3, lm_loss)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randint(0, 11, (7, 5), generator=g), torch.randint(0, 11, (7, 5), generator=g)
+    ref_losses, _ = reference(full, x, y, 3, lm_loss)
+    losses: list = []
+    sched.step(x if stage.is_first else None, target=y if stage.is_last else None,
+               losses=losses if stage.is_last else None)
+    if stage.is_last:
+        assert [float(v) for v in losses] == pytest.approx(ref_losses, rel=1e-12)
+    if stage.is_first or stage.is_last:
+        # Both copies of the tied weight carry the whole gradient (input + output use).
+        w = module[0].tok.weight if stage.is_first else module[-1].head.weight
+        torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12)
+    assert all(p.grad is not None for p in module.parameters())
+
+
+def test_zero_bubble_defers_the_weight_gradients(comm):
+    # After B alone, the Linear weights have no gradient yet; W gives them.
+    if comm.size > 1:
+        pytest.skip("checked on one stage, where the program is F B W per micro-batch")
+    part = mlp()[:2]
+    stage = PipelineStage(part, 0, 1, comm)
+    stage.split_backward()
+    x = data()[0]
+    out, loss = stage.forward(0, x, target=torch.zeros(ROWS, 7, dtype=torch.float64),
+                              loss_fn=mse)
+    stage.backward(0, None, split=True)
+    assert part[0].weight.grad is None
+    stage.weight(0)
+    assert part[0].weight.grad is not None and part[0].weight.grad.abs().sum() > 0
+
+
+def _pipedream_reference(parts, x, y, m, lr):
+    """One process plays every stage in the 1F1B order, updating after each backward
+    with the weights its forward used (stashed): the update rule, written out."""
+    p = len(parts)
+    progs = [compute_only(build("pipedream", p, m)[i]) for i in range(p)]
+    xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+    acts, grads, stash, saved = {}, {}, {}, {}
+    pc = [0] * p
+    while any(pc[i] < len(progs[i]) for i in range(p)):
+        for i in range(p):
+            while pc[i] < len(progs[i]):
+                a = progs[i][pc[i]]
+                if a.kind == "F":
+                    if i > 0 and (i - 1, a.mb) not in acts:
+                        break
+                    inp = xs[a.mb] if i == 0 else acts[(i - 1, a.mb)].detach().requires_grad_()
+                    w = {n: t.detach().clone().requires_grad_() for n, t in parts[i].named_parameters()}
+                    out = functional_call(parts[i], w, (inp,))
+                    stash[(i, a.mb)], saved[(i, a.mb)] = w, (inp, out)
+                    acts[(i, a.mb)] = out
+                else:
+                    if i < p - 1 and (i + 1, a.mb) not in grads:
+                        break
+                    inp, out = saved.pop((i, a.mb))
+                    if i == p - 1:
+                        (mse(out, ys[a.mb]) / m).backward()
+                    else:
+                        out.backward(grads[(i + 1, a.mb)])
+                    grads[(i, a.mb)] = inp.grad
+                    with torch.no_grad():
+                        for n, t in parts[i].named_parameters():
+                            t -= lr * stash[(i, a.mb)][n].grad
+                pc[i] += 1
+
+
+def test_pipedream_weight_stashing(comm):
+    m, lr = 4, 0.1
+    full = mlp()
+    b = bounds(len(full), comm.size)
+    parts = [copy.deepcopy(full[lo:hi]) for lo, hi in b]
+    part = copy.deepcopy(parts[comm.rank])
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = SchedulePipeDream(stage, m, mse, optimizer=torch.optim.SGD(part.parameters(), lr=lr))
+    for salt in (0, 1):
+        x, y = data(salt)
+        _pipedream_reference(parts, x, y, m, lr)
+        sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        for mine, ref in zip(part.parameters(), parts[comm.rank].parameters()):
+            torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)
+    # Two steps of m updates each moved every stage's weights.
+    start = full[b[comm.rank][0]:b[comm.rank][1]].parameters()
+    assert any((a - c).abs().max() > 0 for a, c in zip(part.parameters(), start))
+
+
+def test_bad_arguments_raise_on_every_rank(comm):
+    stage = PipelineStage(nn.Identity(), comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 4, mse)
+    x, y = data()
+    with pytest.raises(ValueError, match="fewer than n_microbatches=4"):
+        sched.step(x[:3] if stage.is_first else None, target=y[:3] if stage.is_last else None)
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="only the first stage takes the input"):
+            sched.step(x, target=y if stage.is_last else None)
+        with pytest.raises(ValueError, match="same batch"):
+            sched.step(x if stage.is_first else None, target=y[:7] if stage.is_last else None)
+    with pytest.raises(ValueError, match="stage_index=comm.rank"):
+        PipelineStage(nn.Identity(), (comm.rank + 1) % comm.size if comm.size > 1 else 1,
+                      comm.size, comm)
+
+
+def test_a_stage_that_raises(rank0_subprocess):
+    code = (
+        "import sys, time, torch, mpiring\n"
+        "from torch import nn\n"
+        "from mpiring.parallel.pipeline import PipelineStage, Schedule1F1B\n"
+        "comm = mpiring.init(timeout=4)\n"
+        "class Boom(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        raise RuntimeError('boom in the middle stage')\n"
+        "mod = Boom() if comm.rank == 1 else nn.Linear(3, 3).double()\n"
+        "st = PipelineStage(mod, comm.rank, comm.size, comm)\n"
+        "s = Schedule1F1B(st, 2, lambda o, t: ((o - t) ** 2).mean())\n"
+        "x = torch.zeros(4, 3, dtype=torch.float64)\n"
+        "s.step(x if st.is_first else None, target=x if st.is_last else None)\n"
+    )
+    result = rank0_subprocess(3, ["-c", code], timeout=60)
+    if result is None:
+        return
+    rc, out, seconds = result
+    assert rc != 0, out
+    assert "pipeline stage 1 failed in 1F0" in out and "boom in the middle stage" in out, out
+    assert seconds < 30, out
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb"])
+def test_every_rank_of_the_job(world, name):
+    # The whole test job as one pipeline (an odd 5 in its own launch); m < p included.
+    full = mlp((3, 4, 5, 4, 3, 5, 2))
+    lo, hi = bounds(len(full), world.size)[world.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, world.rank, world.size, world)
+    for m in (2, 7):
+        sched = SCHEDULES[name](stage, m, mse)
+        x, y = data(m)
+        reference(full, x, y, m, mse)
+        part.zero_grad()
+        sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
+            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)

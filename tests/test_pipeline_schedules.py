@@ -1,0 +1,149 @@
+"""Pipeline schedules as data, without MPI: generators, validator, simulated bubble, diagram.
+
+Pure functions: every rank of a test job runs them alike (no communication).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mpiring.parallel.pipeline import diagram
+from mpiring.parallel.pipeline.actions import Action, format_schedule, parse, parse_schedule
+from mpiring.parallel.pipeline.schedules import GENERATORS, build, compute_only
+from mpiring.parallel.pipeline.validate import (
+    ScheduleError,
+    bubble,
+    check,
+    idle_time,
+    in_flight,
+    simulate,
+    unit_costs,
+)
+
+STAGES = (1, 2, 3, 4, 5)
+MICRO = (1, 2, 3, 4, 8, 16)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICRO)
+def test_every_schedule_is_valid_and_complete(name, p, m):
+    sched = build(name, p, m)
+    check(sched, m)
+    for i, prog in enumerate(sched):
+        comp = compute_only(prog)
+        assert sorted(a.mb for a in comp if a.kind == "F") == list(range(m))
+        assert sorted(a.mb for a in comp if a.kind == "B") == list(range(m))
+        ws = [a.mb for a in comp if a.kind == "W"]
+        assert sorted(ws) == (list(range(m)) if name == "zb" else [])
+        assert all(a.stage == i for a in prog)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICRO)
+def test_bubble_is_the_formula(name, p, m):
+    # Equal F and B (a whole backward), the lecture's assumption: (p-1)/(m+p-1).
+    for costs in (unit_costs(1, 1, 1), unit_costs(1, 2, 0), unit_costs(2, 1, 1)):
+        spans = simulate(build(name, p, m), costs)
+        for frac in bubble(spans):
+            assert frac == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p", (2, 3, 4, 5))
+@pytest.mark.parametrize("m", (5, 8, 16))
+def test_zero_bubble_is_a_third_of_1f1b(p, m):
+    costs = unit_costs(1, 1, 1)
+    zb = idle_time(simulate(build("zb", p, m), costs))
+    ofb = idle_time(simulate(build("1f1b", p, m), costs))
+    for a, b in zip(zb, ofb):
+        assert a == pytest.approx((p - 1) * (1 + 1 - 1))   # (p-1)(F+B-W)
+        assert b == pytest.approx((p - 1) * 3)             # (p-1)(F+B+W)
+        assert a <= b / 3 + 1e-9
+    # As a fraction of the ideal compute m(F+B+W) (the zero-bubble README's rate): B/3.
+    assert max(zb) / (3 * m) == pytest.approx(((p - 1) / m) / 3)
+
+
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICRO)
+def test_activations_in_flight(p, m):
+    for i in range(p):
+        assert in_flight(build("gpipe", p, m)[i]) == m
+        assert in_flight(build("1f1b", p, m)[i]) == min(p - i, m)
+    # ZB-H1: never more than 1F1B's peak (stage 0's).
+    assert max(in_flight(x) for x in build("zb", p, m)) == min(p, m)
+
+
+def test_action_strings_round_trip():
+    sched = build("zb", 3, 4)
+    assert parse_schedule(format_schedule(sched)) == sched
+    assert str(Action(2, "F", 0)) == "2F0" and parse("1SEND_B3") == Action(1, "SEND_B", 3)
+    assert parse("1SEND_B3").peer == 0 and parse("1RECV_B3").peer == 2
+    with pytest.raises(ValueError, match="STAGE KIND MB"):
+        parse("F1")
+    with pytest.raises(ValueError, match="unknown action kind"):
+        Action(0, "X", 0)
+
+
+def _swap(rows: list[str], r: int, a: str, b: str) -> list[str]:
+    toks = rows[r].split()
+    i, j = toks.index(a), toks.index(b)
+    toks[i], toks[j] = toks[j], toks[i]
+    return rows[:r] + [" ".join(toks)] + rows[r + 1:]
+
+
+def test_validator_refuses_broken_schedules():
+    rows = format_schedule(build("1f1b", 2, 2))
+    # B before its F.
+    bad = _swap(rows, 0, "0F1", "0B1")
+    with pytest.raises(ScheduleError, match="needs 0F1 earlier"):
+        check(parse_schedule(bad), 2)
+    # W before its B.
+    zrows = format_schedule(build("zb", 2, 2))
+    with pytest.raises(ScheduleError, match="needs 1B0 earlier"):
+        check(parse_schedule(_swap(zrows, 1, "1B0", "1W0")), 2)
+    # A send with no receive: the last stage drops one RECV_F (and its F with it).
+    dropped = [rows[0], rows[1].replace("1RECV_F1 ", "")]
+    with pytest.raises(ScheduleError, match="needs 1RECV_F1"):
+        check(parse_schedule(dropped), 2)
+    # Messages in an order the receiver does not expect.
+    crossed = _swap(rows, 0, "0SEND_F0", "0SEND_F1")
+    with pytest.raises(ScheduleError):
+        check(parse_schedule(crossed), 2)
+    # Micro-batch out of range, a stage on the wrong rank.
+    with pytest.raises(ScheduleError, match="out of range"):
+        check(parse_schedule(rows), 1)
+    with pytest.raises(ScheduleError, match="runs on rank"):
+        check(parse_schedule([rows[1], rows[0]]), 2)
+
+
+def test_validator_finds_a_deadlock():
+    # Both stages wait for each other: stage 0 receives B0 before it sends F0's output.
+    rows = ["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"]
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits in 0RECV_B0"):
+        simulate(parse_schedule(rows))
+    # Posted together in one group, the same two messages are fine.
+    ok = ["0F0 0RECV_B0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"]
+    simulate(parse_schedule(ok), rendezvous=True)
+
+
+def test_rendezvous_model_is_stricter():
+    # Each rank sends, computes, then receives what the other sent. With MPI's
+    # isend the sends never hold anyone up; where a send completes only once it
+    # is received (NCCL), each rank waits in its send for the other's receive.
+    prog = parse_schedule(["0SEND_F0 0F1 0RECV_B0", "1SEND_B0 1F1 1RECV_F0"])
+    simulate(prog)
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits in 0SEND_F0"):
+        simulate(prog, rendezvous=True)
+
+
+def test_diagram_draws_the_lecture():
+    text = diagram.draw_schedule(build("gpipe", 3, 3), w=0)
+    lines = text.splitlines()
+    assert lines[0].startswith("设备 1: [F1][F2][F3]")
+    assert lines[1].startswith("设备 2:     [F1][F2][F3]")
+    assert lines[2].startswith("设备 3:         [F1][F2][F3][B1][B2][B3]")
+    for line in lines:
+        assert line.endswith("bubble 40%")  # (p-1)/(m+p-1) = 2/5
+    zb = diagram.draw_schedule(build("zb", 2, 4)).splitlines()
+    assert "[W1]" in zb[0] and "[B1]" in zb[1]
