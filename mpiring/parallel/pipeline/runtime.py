@@ -238,7 +238,7 @@ class PipelineSchedule:
         for p in st.tied_parameters:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            st.tied_comm.all_reduce(p.grad)
+            st.tied_comm.all_reduce(p.grad.detach())  # in place, on the same storage
 
     # --- what the schedules change -------------------------------------------------
     recompute = False
