@@ -1,0 +1,254 @@
+"""The ZeroRedundancyOptimizer: checks, the gradient reduction, and the step.
+
+Its layout (``layout``), state dicts (``state``) and DDP hook (``ddp``) live
+beside it; the package docstring tells the whole story.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from mpiring.parallel.zero.ddp import FollowDDP, _reduce_scatter_hook
+from mpiring.parallel.zero.layout import ShardLayout
+from mpiring.parallel.zero.state import ShardedState
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+
+def _describe_param(p: torch.Tensor) -> str:
+    return f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')} {p.device.type}"
+
+
+class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.Optimizer):
+    """A data-parallel optimizer whose state is sharded over the ranks (ZeRO stage 1 or 2).
+
+    Use it instead of wrapping the model in DDP: after ``loss.backward()`` on each
+    rank's own data, ``step()`` averages the gradients over the ranks, updates
+    this rank's shard and gathers the updated parameters everywhere, so every
+    replica stays identical, as with DDP plus ``optimizer_class``::
+
+        comm = mpiring.init()
+        opt = mpiring.ZeroRedundancyOptimizer(model.parameters(), comm,
+                                              optimizer_class=torch.optim.AdamW, lr=3e-4)
+        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+
+    Args:
+        params: parameters or parameter groups (dicts), as for any torch optimizer.
+        comm: the ``mpiring.Communicator`` over the data-parallel ranks.
+        optimizer_class: the inner optimizer, run on this rank's shard (any
+            ``torch.optim.Optimizer`` whose state is per element or scalar:
+            SGD, Adam, AdamW, Adagrad, RMSprop, ...).
+        stage: 2 (reduce-scatter the gradients) or 1 (all-reduce them; ``p.grad``
+            then holds the mean over ranks after ``step``).
+        broadcast_params: copy rank 0's parameters to every rank at
+            construction, so that replicas start equal (as DDP does).
+        ddp: an ``mpiring.DistributedDataParallel`` wrapping the model. Stage 2
+            then reduce-scatters each DDP bucket on the reducer's communication
+            thread as soon as backward fills it (a comm hook; overlapped with
+            the rest of backward), with the shards laid out like the buckets
+            (DDP's first synced backward is all-reduced instead: DDP rebuilds
+            its buckets after it, and the first step lays the shards out like
+            the rebuilt ones);
+            stage 1 takes DDP's averaged gradients as they are. ``no_sync``
+            works as with DDP: step after the synced backward.
+        **defaults: hyperparameters for ``optimizer_class`` (lr, betas, ...).
+
+    Raises:
+        TypeError: a bad ``comm``, ``optimizer_class`` or parameter (sparse,
+            not floating point).
+        ValueError: a bad ``stage``, no parameters, or ranks that passed
+            different parameters (the message names the first difference).
+
+    After ``step``, parameters are identical on every rank. With stage 2,
+    ``p.grad`` is left as this rank's local gradient (only the shard's mean is
+    ever formed; with ``ddp``, only this rank's shard of ``p.grad`` is the mean,
+    the rest holds partial sums); with stage 1 it is the mean over ranks.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], comm,
+                 optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 stage: int = 2, *, broadcast_params: bool = True, ddp=None,
+                 **defaults: Any):
+        self._initialized = False
+        error: Exception | None = None
+        try:
+            if not all(hasattr(comm, a) for a in ("reduce_scatter", "all_gather", "rank", "size")):
+                raise TypeError(f"comm must be an mpiring.Communicator (mpiring.init()), "
+                                f"got {type(comm).__name__}")
+            if not (isinstance(optimizer_class, type)
+                    and issubclass(optimizer_class, torch.optim.Optimizer)):
+                raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as "
+                                f"torch.optim.AdamW, got {optimizer_class!r}")
+            if stage not in (1, 2):
+                raise ValueError(f"stage={stage!r}: use 1 (shard the optimizer state) or 2 "
+                                 "(also reduce-scatter the gradients)")
+            if ddp is not None and not (hasattr(ddp, "register_comm_hook")
+                                        and hasattr(ddp, "reducer")):
+                raise TypeError(f"ddp must be an mpiring.DistributedDataParallel, got "
+                                f"{type(ddp).__name__}")
+            if ddp is not None and ddp.comm.size != comm.size:
+                raise ValueError(f"ddp runs on {ddp.comm.size} ranks, comm has {comm.size}: "
+                                 "pass the communicator the DDP model was built with")
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if error is not None and not hasattr(comm, "control"):
+            raise error  # no communicator to agree through
+        super().__init__(params, defaults)
+        self.comm = comm
+        self.stage = int(stage) if error is None else 2
+        self.optimizer_class = optimizer_class
+        self._all_params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._shapes = [p.shape for p in self._all_params]
+        self._group_of: list[int] = [g for g, grp in enumerate(self.param_groups)
+                                     for _ in grp["params"]]
+        if error is None:
+            error = self._check_params()
+        self._agree(error)  # every rank raises (or none does) before a byte moves
+
+        self.rank: int = comm.rank
+        self.world_size: int = comm.size
+        self._consolidated: dict[str, Any] | None = None
+        self._consolidated_at = -1
+        self._steps = 0
+        self._ddp = ddp
+        self._ddp_iteration = -1   # DDP's synced backward count at the last step
+        # bucket -> (ids of its params, all-reduced rather than reduce-scattered), from the hook
+        self._reduced: dict[int, tuple[tuple[int, ...], bool]] = {}
+        self.relayouts = 0         # times the shards followed a DDP bucket rebuild
+        self._segments = self._build_segments(self._layout())
+        if broadcast_params:
+            for seg in self._segments:
+                comm.broadcast(seg.flat_param, root=0)
+        self.optim = self._make_inner_optimizer()
+        # The inner optimizer filled in its defaults (betas, eps, ...): show them here too.
+        self._sync_groups(self.optim.param_groups, self.param_groups)
+        if ddp is not None and self.stage == 2:
+            ddp.register_comm_hook(self, _reduce_scatter_hook)
+        self._initialized = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group before construction ends; afterwards the flat layout is fixed."""
+        if getattr(self, "_initialized", False):
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer lays its parameters out in flat buffers at construction: "
+                "pass every parameter group to the constructor instead of add_param_group()")
+        super().add_param_group(param_group)
+
+    def _check_params(self) -> Exception | None:
+        if not self._all_params:
+            return ValueError("ZeroRedundancyOptimizer got no parameters: pass model.parameters()")
+        for i, p in enumerate(self._all_params):
+            if p.is_sparse:
+                return TypeError(f"parameter {i} is sparse: the flat ring buffers hold dense "
+                                 "tensors only; use a dense parameter")
+            if not p.is_floating_point():
+                return TypeError(f"parameter {i} has dtype {p.dtype}: gradients are averaged, "
+                                 "which needs a floating-point dtype")
+        return None
+
+    def _agree(self, error: Exception | None) -> None:
+        """Raise on every rank if any rank failed its checks or passed different parameters."""
+        desc = (None if error is None else f"{type(error).__name__}: {error}",
+                self.stage, self.optimizer_class.__name__,
+                [len(g["params"]) for g in self.param_groups],
+                [_describe_param(p) for p in self._all_params])
+        # JSON through the control channel, never pickle.
+        table = self.comm.control.allgather_json(desc) if self.comm.size > 1 else [desc]
+        if error is not None:
+            raise error
+        bad = [r for r, d in enumerate(table) if d[0] is not None]
+        if bad:
+            raise ValueError(f"ZeroRedundancyOptimizer: rank(s) {', '.join(f'r{r}' for r in bad)} "
+                             f"rejected their arguments ({table[bad[0]][0]}); no rank went on")
+        mine = table[0]
+        for r, d in enumerate(table):
+            for what, a, b in (("stage", mine[1], d[1]), ("optimizer_class", mine[2], d[2]),
+                               ("parameters per group", mine[3], d[3])):
+                if a != b:
+                    raise ValueError(f"ZeroRedundancyOptimizer: {what} differs: r0={a} r{r}={b}; "
+                                     "every rank must build the same optimizer")
+            for i, (a, b) in enumerate(zip(mine[4], d[4])):
+                if a != b:
+                    raise ValueError(f"ZeroRedundancyOptimizer: parameter {i} differs: r0 has {a}, "
+                                     f"r{r} has {b}; every rank must pass the same model")
+
+    def _has_grad(self) -> list[bool]:
+        """Per parameter: does any rank have a gradient? (None on every rank: skip it, as torch does.)"""
+        flags = [int(p.grad is not None) for p in self._all_params]
+        if self.comm.size > 1:
+            flags = self.comm.control.allgather_array(flags).max(axis=0).tolist()
+        return [bool(f) for f in flags]
+
+    def _reduce_gradients(self) -> None:
+        k = self.comm.size
+        for seg in self._segments:
+            flat = seg.flat_grad
+            if seg.external:
+                # DDP reduced these (the whole mean, or our chunk of each bucket):
+                # the inner optimizer reads this rank's slices of p.grad in place.
+                for pc in seg.pieces:
+                    g = self._all_params[pc.index].grad
+                    if g is None:  # no gradient here but on another rank: a zero one
+                        pc.grad = torch.zeros_like(pc.view)
+                    else:
+                        pc.grad = g.detach().reshape(-1)[pc.start:pc.stop]
+                continue
+            for i, off in zip(seg.indices, seg.offsets):
+                p = self._all_params[i]
+                dst = flat[off:off + p.numel()]
+                if p.grad is None:
+                    dst.zero_()
+                elif p.grad.is_sparse:
+                    raise TypeError(f"parameter {i} has a sparse gradient: ZeRO reduces dense "
+                                    "flat buffers; use a dense embedding (sparse=False)")
+                else:
+                    dst.copy_(p.grad.reshape(-1))
+            if k > 1:
+                # Divide before summing: K float16/bfloat16 gradients can overflow
+                # their sum, K gradients divided by K cannot.
+                flat.div_(k)
+                if self.stage == 2:
+                    self.comm.reduce_scatter(flat, op="sum")
+                else:
+                    self.comm.all_reduce(flat, op="sum")
+            if self.stage == 1:
+                # Stage 1 promises the DDP contract: p.grad is the mean over ranks.
+                for i, off in zip(seg.indices, seg.offsets):
+                    p = self._all_params[i]
+                    if p.grad is not None:
+                        p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Average the gradients, update this rank's shard, gather the parameters.
+
+        A collective: every rank must call it. ``closure`` (re-evaluates the
+        model and calls backward) runs first, before the gradients are reduced.
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._rebind()
+        if self._ddp is not None:
+            self._follow_ddp()
+        has_grad = self._has_grad()
+        self._reduce_gradients()
+        for pc in self._pieces():
+            pc.view.grad = pc.grad if has_grad[pc.index] else None
+        # Learning-rate schedulers change self.param_groups: pass that on.
+        self._sync_groups(self.param_groups, self.optim.param_groups)
+        self.optim.step(**kwargs)
+        for seg in self._segments:
+            if seg.external:  # let zero_grad() free p.grad: drop our slices of it
+                for pc in seg.pieces:
+                    pc.view.grad = pc.grad = None
+            self.comm.all_gather(seg.flat_param)
+        self._steps += 1
+        return loss
