@@ -8,12 +8,14 @@ must keep the replicated residual stream identical on every rank of the group.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_tensor_parallel import TIGHT, tp  # noqa: F401  (the tp fixture: K1..K4, world)
 
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 from mpiring.tools.models.gpt_tp import TensorParallelGPT
+from mpiring.tools.train.loop import TrainConfig, TrainJob, train
 
 # 37 tokens, 3 heads of 8, 96 MLP columns, 7-token windows: little divides by 2, 3 or 4,
 # and 4 ranks leave one without a head.
@@ -21,9 +23,9 @@ CFG = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_layers=2, n_heads=3, dro
 T, B = 7, 3
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, t: int = T) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(50 + step)
-    seq = torch.randint(0, CFG.vocab_size, (B, T + 1), generator=g)
+    seq = torch.randint(0, CFG.vocab_size, (B, t + 1), generator=g)
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -33,13 +35,14 @@ def pair(comm, **options):
     return full, TensorParallelGPT.from_full(full, comm, **options)
 
 
+@pytest.mark.parametrize("t", [T, 8], ids=["t7", "t8"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_three_steps_equal_the_full_gpt(tp, sp):  # noqa: F811
+def test_three_steps_equal_the_full_gpt(tp, sp, t):  # noqa: F811
     full, model = pair(tp, sequence_parallel=sp)
     assert model.num_params() <= full.num_params()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (full, model)]
     for step in range(3):
-        x, y = batch(step)
+        x, y = batch(step, t)
         for o in opts:
             o.zero_grad()
         want = lm_loss(full(x), y)
@@ -93,3 +96,39 @@ def test_dropout_keeps_the_replicated_stream_identical(tp):  # noqa: F811
         tp.all_gather(everyone)
         for r in range(tp.size):
             assert torch.equal(everyone[r], everyone[0]), f"block {i}: r{r}'s residual stream differs"
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_train_tp2_dp2_equals_ddp_on_2_ranks(world, subcomms, sp):
+    """``train --tp 2`` on 4 ranks: the same losses as plain DDP on 2 (float32, close)."""
+    if world.size != 4:
+        pytest.skip("needs a 4-rank job: tp=2 x dp=2 against dp=2")
+    data = (np.arange(40_000) * 7919 % 241).astype(np.uint8)
+    common = dict(steps=3, batch_size=2, preset="tiny", seq_len=16, log_every=1, val_batches=1,
+                  lr=3e-3)
+    job = TrainJob(world, TrainConfig(tp=2, sequence_parallel=sp, **common),
+                   train_data=data, val_data=data[:4000])
+    assert (job.tp_comm.size, job.data_comm.size) == (2, 2)
+    assert job.tp_comm.rank == world.rank % 2 and job.data_comm.rank == world.rank // 2
+    got = train(job)
+    job.close()
+    if subcomms[2] is not None:
+        ref_job = TrainJob(subcomms[2], TrainConfig(**common), train_data=data,
+                           val_data=data[:4000])
+        want = train(ref_job)
+        ref_job.close()
+        np.testing.assert_allclose(got.losses, want.losses, rtol=2e-5)
+        np.testing.assert_allclose(got.val_loss, want.val_loss, rtol=2e-5)
+    world.barrier()
+
+
+def test_train_refuses_a_tp_that_does_not_divide(world):
+    if world.size % 3 == 0:
+        pytest.skip("3 divides this job")
+    data = np.zeros(4000, dtype=np.uint8)
+    with pytest.raises(ValueError, match="does not divide"):
+        TrainJob(world, TrainConfig(tp=3, preset="tiny", seq_len=16), train_data=data,
+                 val_data=data)
+    with pytest.raises(ValueError, match="mode ddp or naive"):
+        TrainConfig(tp=2, mode="ps").validate()

@@ -31,6 +31,7 @@ from mpiring.parallel.tensor import (
 )
 
 SEQ, BATCH = 7, 2
+SEQS = [7, 8]  # tokens: an uneven and an even split over 2 and 4 ranks
 SHAPES = [(13, 17), (5, 3)]  # (in, out): uneven everywhere; 3 outputs leave rank 3 of 4 empty
 TIGHT = dict(rtol=1e-11, atol=1e-12)
 
@@ -139,7 +140,8 @@ def test_feature_gather_and_split_are_adjoint(tp):
 # --- the layers against the full nn.Linear ---------------------------------------------
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("mode", ["plain", "gather", "sequence"])
-def test_column_parallel_equals_linear(tp, shape, mode):
+@pytest.mark.parametrize("seq", SEQS)
+def test_column_parallel_equals_linear(tp, seq, shape, mode):
     fin, fout = shape
     ref = nn.Linear(fin, fout).double()
     with torch.no_grad():
@@ -147,21 +149,21 @@ def test_column_parallel_equals_linear(tp, shape, mode):
         ref.bias.copy_(full(fout, seed=2))
     layer = ColumnParallelLinear.from_full(ref, tp, gather_output=mode == "gather",
                                            sequence_parallel=mode == "sequence")
-    x = full(SEQ, BATCH, fin, seed=3).requires_grad_()
-    w = full(SEQ, BATCH, fout, seed=4)
+    x = full(seq, BATCH, fin, seed=3).requires_grad_()
+    w = full(seq, BATCH, fout, seed=4)
     y = ref(x)
     (y * w).sum().backward()
 
     mine = layer.ranges
-    xin = (x.detach()[rows(tp, SEQ)] if mode == "sequence" else x.detach()).clone().requires_grad_()
-    out = layer(xin, seq_len=SEQ) if mode == "sequence" else layer(xin)
+    xin = (x.detach()[rows(tp, seq)] if mode == "sequence" else x.detach()).clone().requires_grad_()
+    out = layer(xin, seq_len=seq) if mode == "sequence" else layer(xin)
     if mode == "gather":
         close(out.detach(), y.detach(), "gathered output")
         (out * w).sum().backward()
     else:
         close(out.detach(), cols(y.detach(), mine), "this rank's output columns")
         (out * cols(w, mine)).sum().backward()
-    want_dx = x.grad[rows(tp, SEQ)] if mode == "sequence" else x.grad
+    want_dx = x.grad[rows(tp, seq)] if mode == "sequence" else x.grad
     close(xin.grad, want_dx, "input gradient")
     close(layer.weight.grad, layer.shard("weight", ref.weight.grad), "weight gradient slice")
     close(layer.bias.grad, layer.shard("bias", ref.bias.grad), "bias gradient slice")
@@ -170,7 +172,8 @@ def test_column_parallel_equals_linear(tp, shape, mode):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("mode", ["parallel-input", "full-input", "sequence"])
-def test_row_parallel_equals_linear(tp, shape, mode):
+@pytest.mark.parametrize("seq", SEQS)
+def test_row_parallel_equals_linear(tp, seq, shape, mode):
     fout, fin = shape  # the row layer splits its inputs: 17 and 3 of them
     ref = nn.Linear(fin, fout).double()
     with torch.no_grad():
@@ -178,8 +181,8 @@ def test_row_parallel_equals_linear(tp, shape, mode):
         ref.bias.copy_(full(fout, seed=6))
     layer = RowParallelLinear.from_full(ref, tp, input_is_parallel=mode != "full-input",
                                         sequence_parallel=mode == "sequence")
-    x = full(SEQ, BATCH, fin, seed=7).requires_grad_()
-    w = full(SEQ, BATCH, fout, seed=8)
+    x = full(seq, BATCH, fin, seed=7).requires_grad_()
+    w = full(seq, BATCH, fout, seed=8)
     y = ref(x)
     (y * w).sum().backward()
 
@@ -187,8 +190,8 @@ def test_row_parallel_equals_linear(tp, shape, mode):
     xin = (x.detach() if mode == "full-input" else cols(x.detach(), mine)).clone().requires_grad_()
     out = layer(xin)
     if mode == "sequence":
-        close(out.detach(), y.detach()[rows(tp, SEQ)], "this rank's output rows")
-        (out * w[rows(tp, SEQ)]).sum().backward()
+        close(out.detach(), y.detach()[rows(tp, seq)], "this rank's output rows")
+        (out * w[rows(tp, seq)]).sum().backward()
     else:
         close(out.detach(), y.detach(), "reduced output")
         (out * w).sum().backward()
@@ -210,17 +213,18 @@ def test_heads_split_whole_in_fused_blocks(tp):
 
 @pytest.mark.parametrize("vocab", [37, 3])
 @pytest.mark.parametrize("sequence", [False, True], ids=["plain", "sequence"])
-def test_vocab_parallel_embedding_equals_embedding(tp, vocab, sequence):
+@pytest.mark.parametrize("seq", SEQS)
+def test_vocab_parallel_embedding_equals_embedding(tp, seq, vocab, sequence):
     ref = nn.Embedding(vocab, 6).double()
     with torch.no_grad():
         ref.weight.copy_(full(vocab, 6, seed=10))
     layer = VocabParallelEmbedding.from_full(ref, tp, sequence_parallel=sequence)
-    ids = (torch.arange(SEQ * BATCH).view(SEQ, BATCH) * 5 + 2) % vocab
-    w = full(SEQ, BATCH, 6, seed=11)
+    ids = (torch.arange(seq * BATCH).view(seq, BATCH) * 5 + 2) % vocab
+    w = full(seq, BATCH, 6, seed=11)
     y = ref(ids)
     (y * w).sum().backward()
     out = layer(ids)
-    part = rows(tp, SEQ) if sequence else slice(None)
+    part = rows(tp, seq) if sequence else slice(None)
     close(out.detach(), y.detach()[part], "embedding")
     (out * w[part]).sum().backward()
     close(layer.weight.grad, layer.shard("weight", ref.weight.grad), "this rank's rows' gradient")

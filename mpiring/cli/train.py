@@ -2,6 +2,7 @@
 
     mpiexec -n 4 python -m mpiring train --mode ddp --steps 50
     mpiexec -n 4 python -m mpiring train --mode naive --preset comm --steps 20
+    mpiexec -n 4 python -m mpiring train --tp 2 --steps 20   # 2-way tensor x 2-way data parallel
 
 Every rank reads the same byte-level corpus (rank 0 reads, all receive), trains
 on its shard (a distributed sampler), and rank 0 prints a progress bar, the loss
@@ -66,6 +67,11 @@ def add_arguments(p) -> None:
     p.add_argument("--powersgd-rank", type=int, default=1, help="powersgd: approximation rank (default 1)")
     p.add_argument("--hook-start", type=int, default=10,
                    help="topk/powersgd: plain AllReduce for the first N steps (default 10)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: the GPT split over groups of N adjacent ranks "
+                        "(Megatron's column/row layers), DDP over the world / N groups (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp > 1: split the sequence too outside the column/row layers")
     add_checkpoint_arguments(p)  # --checkpoint-dir/-every/-keep, --resume, --check-replicas
     add_backend_arguments(p)
 
@@ -83,7 +89,8 @@ def config_from_args(args):
         val_batches=args.val_batches, log_every=args.log_every,
         optimizer=args.optimizer, fused_adamw=not args.no_fused_adamw,
         comm_hook=args.comm_hook, topk_ratio=args.topk_ratio,
-        powersgd_rank=args.powersgd_rank, hook_start=args.hook_start)
+        powersgd_rank=args.powersgd_rank, hook_start=args.hook_start,
+        tp=args.tp, sequence_parallel=args.sequence_parallel)
 
 
 class ProgressBar:
@@ -137,6 +144,9 @@ def run(args) -> int:
     try:
         cfg.validate()
         callbacks = callbacks_from_args(args)
+        if cfg.tp > 1 and callbacks:
+            raise ValueError("checkpoints and the replica check expect every rank to hold the "
+                             "whole model: leave them out with --tp > 1")
     except ValueError as exc:
         print(f"mpiring train: {exc}", file=sys.stderr)
         return 2
@@ -151,11 +161,14 @@ def run(args) -> int:
         device = torch.device("cpu")
     job = TrainJob(comm, cfg, device=device)
     n_params = job.model.num_params()
-    tokens = comm.size * cfg.batch_size * job.model_cfg.seq_len
+    dp = job.data_comm.size  # the ranks that read different batches (all of them at --tp 1)
+    tokens = dp * cfg.batch_size * job.model_cfg.seq_len
     if comm.rank == 0:
-        print(f"train: mode={cfg.mode} backend={args.backend} ranks={comm.size} "
+        layout = f" (tp={cfg.tp} x dp={dp}{', sequence parallel' if cfg.sequence_parallel else ''})"
+        print(f"train: mode={cfg.mode} backend={args.backend} ranks={comm.size}"
+              f"{layout if cfg.tp > 1 else ''} "
               f"model={cfg.preset} ({n_params / 1e6:.2f}M params, d={job.model_cfg.d_model}, "
-              f"{job.model_cfg.n_layers} layers) batch {comm.size}x{cfg.batch_size}x"
+              f"{job.model_cfg.n_layers} layers) batch {dp}x{cfg.batch_size}x"
               f"{job.model_cfg.seq_len} tokens, {len(job.train_set)} training windows",
               file=sys.stderr, flush=True)
     bar = ProgressBar(cfg.steps, tokens, enabled=comm.rank == 0 and not args.no_progress)

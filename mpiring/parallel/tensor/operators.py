@@ -94,7 +94,7 @@ def _reduce_scatter(x: torch.Tensor, comm, dim: int, sizes: list[int], algo: str
     comm.reduce_scatter(buf, op="sum", algo=algo)
     # A copy of this rank's slot only: keeping a view would keep all K slots alive,
     # which is the memory sequence parallelism exists to save.
-    return buf[(r + 1) % k, :sizes[(r + 1) % k]].clone().movedim(0, dim) if k > 1 and min(sizes) == width else buf[r, :sizes[r]].clone().movedim(0, dim)
+    return buf[r, :sizes[r]].clone().movedim(0, dim)
 
 
 def _split(x: torch.Tensor, comm, dim: int, sizes: list[int]) -> torch.Tensor:

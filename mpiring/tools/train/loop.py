@@ -69,6 +69,10 @@ class TrainConfig:
     topk_ratio: float = 0.01      # topk: fraction of each bucket sent
     powersgd_rank: int = 1        # powersgd: rank of the approximation
     hook_start: int = 10          # topk, powersgd: plain AllReduce for the first steps
+    # Tensor parallelism (mpiring.tools.train.tensor): groups of tp adjacent ranks,
+    # data parallelism over the world / tp groups.
+    tp: int = 1
+    sequence_parallel: bool = False
 
     def model_config(self) -> GPTConfig:
         if self.preset not in PRESETS:
@@ -89,6 +93,15 @@ class TrainConfig:
             raise ValueError(f"dropout={self.dropout}: use a probability in [0, 1)")
         self.model_config()
         self._validate_zero_and_hook()
+        if self.tp < 1:
+            raise ValueError(f"tp={self.tp}: must be at least 1")
+        if self.tp > 1 and (self.mode not in ("ddp", "naive") or self.optimizer != "adamw"
+                            or self.comm_hook != "none"):
+            raise ValueError(f"tp={self.tp} runs with mpiring's DDP over the data-parallel "
+                             "ranks: use mode ddp or naive, optimizer adamw, no comm hook")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits the sequence over the tensor-parallel "
+                             "group: use it with tp > 1")
 
     def _validate_zero_and_hook(self) -> None:
         from mpiring.parallel.data.comm_hooks import HOOKS
@@ -156,17 +169,32 @@ class TrainJob:
         self.cfg = cfg
         self.device = torch.device(device)
         self.model_cfg = cfg.model_config()
+        # Data parallelism runs over data_comm: the whole world, or the ranks that
+        # share a tensor-parallel rank (each TP group reads one batch together).
+        self.tp_comm, self.data_comm = None, comm
+        if cfg.tp > 1:
+            from mpiring.tools.train.tensor import split_groups
+
+            self.tp_comm, self.data_comm = split_groups(comm, cfg.tp)
         if train_data is None or val_data is None:
             train_data, val_data = shared_corpus(comm, int(cfg.max_data_mb * (1 << 20)))
         self.train_set = Windows(train_data, self.model_cfg.seq_len)
         self.val_set = Windows(val_data, self.model_cfg.seq_len)
-        if len(self.train_set) < comm.size * cfg.batch_size:
+        dp = self.data_comm
+        if len(self.train_set) < dp.size * cfg.batch_size:
             raise ValueError(f"{len(self.train_set)} training windows cannot fill one step of "
-                             f"{comm.size} x {cfg.batch_size}: raise max_data_mb or lower the batch")
-        self.sampler = DistributedSampler(len(self.train_set), comm.size, comm.rank,
+                             f"{dp.size} x {cfg.batch_size}: raise max_data_mb or lower the batch")
+        self.sampler = DistributedSampler(len(self.train_set), dp.size, dp.rank,
                                           shuffle=True, seed=cfg.seed, drop_last=True)
         torch.manual_seed(cfg.seed)
         self.model = GPT(self.model_cfg).to(self.device)
+        self.loss_fn = lm_loss
+        if self.tp_comm is not None:
+            from mpiring.tools.train.tensor import tensor_parallel_model
+
+            self.model = tensor_parallel_model(self.model, self.tp_comm, seed=cfg.seed,
+                                               sequence_parallel=cfg.sequence_parallel)
+            self.loss_fn = self.model.loss  # vocab-parallel: each rank has its logits' share
         self.step = 0                  # optimizer steps done
         self.losses: list[float] = []  # this rank's loss of every step
         self.step_times: list[float] = []
@@ -205,7 +233,7 @@ class TrainJob:
             from mpiring.parallel.data.distributed import DistributedDataParallel
 
             wrapped = DistributedDataParallel(
-                self.model, self.comm, bucket_cap_mb=cfg.bucket_mb,
+                self.model, self.data_comm, bucket_cap_mb=cfg.bucket_mb,
                 first_bucket_mb=cfg.first_bucket_mb, overlap=(mode == "ddp"), algo=cfg.algo,
                 gradient_as_bucket_view=cfg.grad_as_bucket_view)
             self._register_comm_hook(wrapped)
@@ -260,7 +288,7 @@ class TrainJob:
         """Forward, backward (gradients averaged over ranks), update. Returns the local loss."""
         t0 = clock()
         x, y = self.next_batch()
-        loss = lm_loss(self.wrapped(x), y)
+        loss = self.loss_fn(self.wrapped(x), y)
         if self.ps is not None:
             self.ps.zero_grad()
             loss.backward()
@@ -293,7 +321,7 @@ class TrainJob:
     def evaluate(self, batches: int | None = None) -> float:
         """Mean validation loss over ``batches`` batches per rank (collective)."""
         batches = self.cfg.val_batches if batches is None else batches
-        sampler = DistributedSampler(len(self.val_set), self.comm.size, self.comm.rank,
+        sampler = DistributedSampler(len(self.val_set), self.data_comm.size, self.data_comm.rank,
                                      shuffle=False, drop_last=True)
         order = list(sampler)
         b = self.cfg.batch_size
@@ -303,7 +331,7 @@ class TrainJob:
         try:
             for j in range(min(batches, len(order) // b)):
                 x, y = self.val_set.batch(order[j * b:(j + 1) * b], self.device)
-                total[0] += float(lm_loss(self.model(x), y)) * len(x)
+                total[0] += float(self.loss_fn(self.model(x), y)) * len(x)
                 total[1] += len(x)
         finally:
             self.model.train(was_training)
