@@ -194,6 +194,10 @@ class MPIBackend:
         """Start sending ``buf`` (the segmented ring keeps several in flight)."""
         return self.comm.Isend(_bytes(buf), dest=dst, tag=TAG)
 
+    def test(self, req) -> bool:
+        """Whether a request from ``isend`` or ``irecv`` has completed (does not block)."""
+        return req.Test()
+
     def wait_send(self, req, dst: int) -> None:
         act = self.activity
         act.blocked("Wait(Isend)", dst)
@@ -382,3 +386,23 @@ class MPIBackend:
 
     def abort(self, code: int = 1) -> None:
         abort_world(code)
+
+
+_THREAD_LEVELS = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                  MPI.THREAD_SERIALIZED: "SERIALIZED", MPI.THREAD_MULTIPLE: "MULTIPLE"}
+
+
+def describe_mpi() -> dict[str, str]:
+    """mpi4py's version, the MPI library, the standard it implements and the thread level.
+
+    Human-readable lines for ``python -m mpiring info``; local (not collective).
+    """
+    import mpi4py
+
+    level = MPI.Query_thread()
+    return {
+        "mpi4py": getattr(mpi4py, "__version__", "installed"),
+        "MPI library": MPI.Get_library_version().strip().splitlines()[0],
+        "MPI standard": "{}.{}".format(*MPI.Get_version()),
+        "thread level": _THREAD_LEVELS.get(level, str(level)),
+    }

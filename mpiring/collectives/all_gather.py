@@ -36,15 +36,12 @@ def ring_all_gather(be, x, trace, phase: str = "all-gather"):
         return x
     bounds = chunk_bounds(x.size, size)
     left, right = ring_neighbours(rank, size)
+    trace = trace.ring(bounds, x.itemsize, left, right)
     for i in range(size - 1):
         send_chunk, recv_chunk = all_gather_indices(rank, i, size)
         s0, s1 = bounds[send_chunk]
         r0, r1 = bounds[recv_chunk]
         t_start = clock()
         be.sendrecv(x[s0:s1], right, x[r0:r1], left)
-        t_end = clock()
-        trace.step(phase, i, size - 1, send_chunk=send_chunk, dst=right,
-                   recv_chunk=recv_chunk, src=left, bytes_sent=(s1 - s0) * x.itemsize,
-                   bytes_recv=(r1 - r0) * x.itemsize, t_start=t_start, t_recv=t_end,
-                   t_end=t_end)
+        trace.chunk_step(phase, i, size - 1, send_chunk, recv_chunk, t_start, clock())
     return x

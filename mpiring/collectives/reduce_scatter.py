@@ -52,6 +52,7 @@ def ring_reduce_scatter(be, x, op: str, trace, phase: str = "reduce-scatter"):
         # One receive buffer per call (cached by the backend), never one per step;
         # chunk 0 is the largest (array_split puts the extra elements first).
         buffer = be.scratch(x, bounds[0][1] - bounds[0][0])
+        trace = trace.ring(bounds, x.itemsize, left, right)
         for i in range(size - 1):
             send_chunk, recv_chunk = reduce_scatter_indices(rank, i, size)
             s0, s1 = bounds[send_chunk]
@@ -63,10 +64,7 @@ def ring_reduce_scatter(be, x, op: str, trace, phase: str = "reduce-scatter"):
             be.wait(req)
             t_recv = clock()
             reduce(x[r0:r1], incoming)
-            trace.step(phase, i, size - 1, send_chunk=send_chunk, dst=right,
-                       recv_chunk=recv_chunk, src=left, bytes_sent=(s1 - s0) * x.itemsize,
-                       bytes_recv=(r1 - r0) * x.itemsize, t_start=t_start, t_recv=t_recv,
-                       t_end=clock())
+            trace.chunk_step(phase, i, size - 1, send_chunk, recv_chunk, t_start, t_recv)
     lo, hi = bounds[rank]
     finish(op, x[lo:hi], size)
     return lo, hi

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from mpiring.collectives.all_gather import ring_all_gather
 from mpiring.collectives.reduce_scatter import ring_reduce_scatter
-from mpiring.core.chunking import chunk_bounds, ring_neighbours
+from mpiring.core.chunking import chunk_bounds, ring_neighbours, ring_step_indices
 from mpiring.core.ops import finish, reducer
 from mpiring.runtime.trace import clock
 
@@ -116,6 +116,7 @@ def _ring_stream(be, x, op, trace, first: int, stop: int, segment_bytes: int,
         slots = [scratch[i * slot_len:(i + 1) * slot_len] for i in range(window)]
         reduce = reducer(op)
         avg = op == "avg"
+    trace = trace.ring(bounds, x.itemsize, left, right)
     sends = [None] * total  # Isend request per message, by index m = (t - first) * nseg + j
     recvs = [None] * total
     tracing = trace.enabled
@@ -131,20 +132,20 @@ def _ring_stream(be, x, op, trace, first: int, stop: int, segment_bytes: int,
     def post_recv(m: int, now: bool) -> bool:
         t, j = divmod(m, nseg)
         t += first
-        a, b = seg[(rank - t - 2) % size][j]
+        a, b = seg[ring_step_indices(rank, t, size)[1]][j]
         if t < rs_steps:  # ReduceScatter: into a scratch slot, added afterwards
             recvs[m] = be.irecv(slots[m % window][:b - a], left)
             return True
         prev = m - rs_steps * nseg  # our Isend that read this region one lap earlier
         if prev >= 0 and sends[prev] is not None:
-            if not now and not sends[prev].Test():
+            if not now and not be.test(sends[prev]):
                 return False  # post it when it is waited for, not stall on it ahead of time
             be.wait_send(sends[prev], right)
             sends[prev] = None
         recvs[m] = be.irecv(x[a:b], left)  # AllGather: straight into place
         return True
 
-    c = (rank - first - 1) % size  # the first step sends our own chunk
+    c = ring_step_indices(rank, first, size)[0]  # the first step's own chunk
     for j in range(nseg):
         a, b = seg[c][j]
         sends[j] = be.isend(x[a:b], right)
@@ -161,7 +162,7 @@ def _ring_stream(be, x, op, trace, first: int, stop: int, segment_bytes: int,
         recvs[m] = None
         if tracing:
             t_wait += clock() - t0
-        a, b = seg[(rank - t - 2) % size][j]
+        a, b = seg[ring_step_indices(rank, t, size)[1]][j]
         if t < rs_steps:
             reduce(x[a:b], slots[m % window][:b - a])
             if t == rs_steps - 1 and avg:  # chunk finished: divide before it travels on
@@ -169,21 +170,8 @@ def _ring_stream(be, x, op, trace, first: int, stop: int, segment_bytes: int,
         if t + 1 < stop:  # what we just received is what we send at the next step
             sends[m + nseg] = be.isend(x[a:b], right)
         post_until(min(m + window + 1, total))
-        if j == nseg - 1:
-            _record(trace, tracing, rank, size, left, right, t, seg, x.itemsize,
-                    t_step, t_wait)
+        if j == nseg - 1:  # the step's last segment is in: the step is done
+            phase, i = ("reduce-scatter", t) if t < rs_steps else ("all-gather", t - rs_steps)
+            trace.chunk_step(phase, i, rs_steps, *ring_step_indices(rank, t, size),
+                             t_step, t_step + t_wait)
     be.wait_sends([s for s in sends if s is not None], right)
-
-
-def _record(trace, tracing, rank, size, left, right, t, seg, itemsize, t_step, t_wait):
-    rs = t < size - 1
-    phase, i = ("reduce-scatter", t) if rs else ("all-gather", t - (size - 1))
-    if not tracing:  # the watchdog still learns which step finished
-        trace.step(phase, i, size - 1)
-        return
-    send_chunk, recv_chunk = (rank - t - 1) % size, (rank - t - 2) % size
-    sent = seg[send_chunk][-1][1] - seg[send_chunk][0][0]
-    got = seg[recv_chunk][-1][1] - seg[recv_chunk][0][0]
-    trace.step(phase, i, size - 1, send_chunk=send_chunk, dst=right, recv_chunk=recv_chunk,
-               src=left, bytes_sent=sent * itemsize, bytes_recv=got * itemsize,
-               t_start=t_step, t_recv=t_step + t_wait, t_end=clock())

@@ -68,6 +68,20 @@ def all_gather_indices(rank: int, step: int, size: int) -> tuple[int, int]:
     return (rank - step) % size, (rank - step - 1) % size
 
 
+def ring_step_indices(rank: int, step: int, size: int) -> tuple[int, int]:
+    """Chunks sent and received at ``step`` of ReduceScatter followed by AllGather.
+
+    Steps ``0 .. K-2`` are ``reduce_scatter_indices``, steps ``K-1 .. 2K-3`` are
+    ``all_gather_indices`` of ``step - (K-1)``; both are ``send = (rank - step - 1)
+    mod K``, ``recv = (rank - step - 2) mod K``, so the AllGather starts by sending
+    the chunk the ReduceScatter has just finished (the segmented ring streams
+    straight from one into the other).
+    """
+    if step < size - 1:
+        return reduce_scatter_indices(rank, step, size)
+    return all_gather_indices(rank, step - (size - 1), size)
+
+
 def ring_position(rank: int, root: int, size: int) -> int:
     """Distance from ``root`` to ``rank`` going right around the ring (root is 0)."""
     return (rank - root) % size

@@ -64,7 +64,7 @@ def fmt_p2p(rec: dict[str, Any]) -> str:
 class CallTrace:
     """Records the steps of one collective call. The disabled one does nothing."""
 
-    __slots__ = ("tracer", "collective", "call", "algo")
+    __slots__ = ("tracer", "collective", "call", "algo", "bounds", "itemsize", "left", "right")
     enabled = True
 
     def __init__(self, tracer: Tracer, collective: str, call: int, algo: str):
@@ -72,6 +72,22 @@ class CallTrace:
         self.collective = collective
         self.call = call
         self.algo = algo
+
+    def ring(self, bounds, itemsize: int, left: int, right: int) -> CallTrace:
+        """Remember the ring's geometry, so that ``chunk_step`` needs only chunk numbers."""
+        self.bounds, self.itemsize, self.left, self.right = bounds, itemsize, left, right
+        return self
+
+    def chunk_step(self, phase: str, step: int, steps: int, send_chunk: int, recv_chunk: int,
+                   t_start: float, t_recv: float) -> None:
+        """Record one ring step that sent chunk ``send_chunk`` right and received
+        ``recv_chunk`` from the left (bytes from the bounds given to ``ring``)."""
+        s0, s1 = self.bounds[send_chunk]
+        r0, r1 = self.bounds[recv_chunk]
+        self.step(phase, step, steps, send_chunk=send_chunk, dst=self.right,
+                  recv_chunk=recv_chunk, src=self.left, bytes_sent=(s1 - s0) * self.itemsize,
+                  bytes_recv=(r1 - r0) * self.itemsize, t_start=t_start, t_recv=t_recv,
+                  t_end=clock())
 
     def step(self, phase: str, step: int, steps: int, *, send_chunk=None, dst=None,
              recv_chunk=None, src=None, bytes_sent=0, bytes_recv=0,
@@ -95,6 +111,12 @@ class _NullCallTrace(CallTrace):
         pass
 
     def step(self, *args, **kwargs) -> None:
+        return None
+
+    def ring(self, *args) -> CallTrace:
+        return self
+
+    def chunk_step(self, *args) -> None:
         return None
 
 

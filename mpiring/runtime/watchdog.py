@@ -169,6 +169,21 @@ class Activity:
                             recv_chunk=recv_chunk, src=src, bytes_sent=bytes_sent,
                             bytes_recv=bytes_recv, t_start=t_start, t_recv=t_recv, t_end=t_end)
 
+    def ring(self, bounds, itemsize: int, left: int, right: int) -> Activity:
+        """CallTrace interface: the ring's geometry (kept by the trace, when it is on)."""
+        if self.enabled:
+            self.inner.ring(bounds, itemsize, left, right)
+        return self
+
+    def chunk_step(self, phase: str, step: int, steps: int, send_chunk: int, recv_chunk: int,
+                   t_start: float, t_recv: float) -> None:
+        """CallTrace interface: a ring step moved chunk ``send_chunk`` out, ``recv_chunk`` in."""
+        self.phase = phase
+        self.step_done = step
+        self.steps = steps
+        if self.enabled:
+            self.inner.chunk_step(phase, step, steps, send_chunk, recv_chunk, t_start, t_recv)
+
     def blocked(self, what: str, peer: int | None) -> None:
         """A blocking call starts; the backend sets ``since = 0.0`` when it returns."""
         self.what = what
