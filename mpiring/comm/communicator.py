@@ -4,10 +4,10 @@ Every collective goes through the same three steps:
 
 1. ``_prepare``: validate the buffer and arguments locally (TypeError/ValueError
    naming the fix), then, unless checking is off, exchange a small descriptor
-   (collective, count, dtype, op, root, algo, local error) with every rank. If
-   any rank rejected its input or the descriptors differ, *every* rank raises
-   before a byte of data moves: a bad buffer on one rank can never leave the
-   others waiting in a ring step.
+   (collective, count, dtype, op, root, algo, local error) with every rank
+   (``mpiring.comm.agreement``). If any rank rejected its input or the
+   descriptors differ, *every* rank raises before a byte of data moves: a bad
+   buffer on one rank can never leave the others waiting in a ring step.
 2. dispatch to the ring code in ``mpiring.collectives`` or to the backend's
    native collective;
 3. return the caller's object (in place), or for ``reduce_scatter`` the view of
@@ -16,21 +16,18 @@ Every collective goes through the same three steps:
 
 from __future__ import annotations
 
-import functools
 import os
-import zlib
-from typing import Any
 
 import numpy as np
 
 from mpiring import collectives as coll
 from mpiring.backends.gpu import device_plan
 from mpiring.collectives.ring_segmented import SEGMENT_BYTES
+from mpiring.comm.agreement import agree
 from mpiring.comm.p2p import PointToPoint
-from mpiring.core.buffers import DTYPES, Buffer, as_buffer
+from mpiring.core.buffers import Buffer, as_buffer
 from mpiring.core.chunking import chunk_bounds
-from mpiring.core.errors import MismatchError
-from mpiring.core.ops import OPS, check_op
+from mpiring.core.ops import check_op
 from mpiring.runtime.trace import Tracer
 from mpiring.runtime.watchdog import Activity, parse_timeout
 
@@ -45,10 +42,6 @@ ALGOS = {
 # Collectives that reduce (and therefore take an op).
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 
-# "call" last: the call number of this collective on this communicator. It
-# differs when a rank made more or fewer calls than the others (one unchecked).
-_DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks",
-                "segment_bytes", "call")
 #: The collectives whose "auto" or "ring-seg" may run the segmented ring.
 _SEGMENTED = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -217,39 +210,7 @@ class Communicator(PointToPoint):
                 raise error
             return self._enter(buf), call
         segment = self._segment_bytes if collective in _SEGMENTED else None
-        table = self._be.exchange(_descriptor(collective, buf, op, algo, root, chunks, segment,
-                                              call, error))
-        rows = table.tolist()
-        if rows[0][-1] == 0 and rows.count(rows[0]) == len(rows):
-            # Every rank described the same call and none failed: the usual case,
-            # settled with one list comparison (the column-by-column report below
-            # costs more than the exchange itself).
-            return self._enter(buf), call
-        name = f"{collective}#{call}"
-        bad = [r for r in range(self.size) if table[r, -1]]
-        if bad:
-            # Every rank knows that some rank failed, so all can take part in one
-            # more exchange: each error's text as bytes (never pickle), so that
-            # every rank's message says what went wrong where.
-            texts = _peer_errors(self._be, error)
-            if error is not None:
-                raise error
-            raise ValueError(f"{name}: no rank ran the collective because " + "; ".join(
-                f"r{r} rejected its input ({texts[r]})" if texts else f"r{r} rejected its input"
-                for r in bad))
-        differs = []
-        for j, field in enumerate(_DESC_FIELDS):
-            column = table[:, j]
-            if (column != column[0]).any():
-                values = " ".join(f"r{r}={_describe(field, v)}" for r, v in enumerate(column))
-                differs.append(f"{field} differs: {values}")
-                if field == "collective":  # the other fields then mean different things
-                    break
-                if field == "call":
-                    differs[-1] += (f" (a rank made more or fewer {collective} calls on this "
-                                    "communicator than the others)")
-        if differs:
-            raise MismatchError(f"{name}: " + "; ".join(differs))
+        agree(self._be, collective, call, buf, op, algo, root, chunks, segment, error)
         return self._enter(buf), call
 
     # --- collectives ----------------------------------------------------------
@@ -508,72 +469,3 @@ class Communicator(PointToPoint):
 #: Most sizes a Communicator remembers auto's choice and the pipeline's S for
 #: (a training loop repeats a handful; a sweep over many sizes just stops adding).
 _REMEMBER = 4096
-
-
-@functools.lru_cache(maxsize=256)
-def _crc(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
-def _name_code(name: Any) -> int:
-    # Names travel as CRC-32 codes, so collectives or algorithms added to ALGOS
-    # later are compared correctly without a table kept in step with it.
-    return _crc(name) if isinstance(name, str) else -2
-
-
-def _index(options: tuple[str, ...], value: Any) -> int:
-    if value is None:
-        return -1
-    return options.index(value) if isinstance(value, str) and value in options else -2
-
-
-def _int_or(value: Any) -> int:
-    if value is None:
-        return -1
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    return -2
-
-
-def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks, segment,
-                call: int, error: Exception | None) -> np.ndarray:
-    """The call as int64s, in ``_DESC_FIELDS`` order plus an error flag; never raises."""
-    return np.array([
-        _name_code(collective),
-        buf.count if buf is not None else -1,
-        DTYPES.index(buf.dtype) if buf is not None else -1,
-        _index(OPS, op),
-        _int_or(root),
-        _name_code(algo),
-        _int_or(chunks),
-        _int_or(segment),
-        call,
-        0 if error is None else 1,
-    ], dtype=np.int64)
-
-
-def _peer_errors(be, error: Exception | None, limit: int = 400) -> list[str]:
-    """Every rank's error text (empty where none), exchanged as bytes."""
-    exchange = getattr(be, "exchange_bytes", None)
-    if exchange is None:
-        return []
-    text = "" if error is None else f"{type(error).__name__}: {error}"
-    raw = exchange(text.encode("utf-8", errors="replace")[:limit])
-    return [r.decode("utf-8", errors="replace") for r in raw]
-
-
-def _describe(field: str, value: int) -> str:
-    value = int(value)
-    if value == -1:
-        return "none" if field == "op" else "-"
-    if value == -2:
-        return "invalid"
-    if field in ("collective", "algo"):
-        names = list(ALGOS) if field == "collective" else \
-            list(dict.fromkeys(a for algos in ALGOS.values() for a in (*algos, "auto")))
-        return next((n for n in names if _name_code(n) == value), "?")
-    if field == "dtype":
-        return DTYPES[value]
-    if field == "op":
-        return OPS[value]
-    return str(value)
