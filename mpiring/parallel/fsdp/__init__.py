@@ -1,0 +1,21 @@
+"""Fully sharded data parallelism (ZeRO-3): flat shards, units, the wrapper, full state dicts.
+
+    model = mpiring.FullyShardedDataParallel(model, comm)
+    opt = torch.optim.AdamW(model.parameters())   # the shards
+
+Files: ``flat`` (one unit's flat layout and shard), ``unit`` (gather, free,
+reduce-scatter, the hooks), ``wrap`` (auto_wrap), ``runner`` (the
+communication thread), ``module`` (the wrapper), ``state`` (full state dicts),
+``checkpoint`` (files that load at any number of ranks).
+"""
+
+from mpiring.parallel.fsdp.module import DEFAULT_ALGO, FullyShardedDataParallel, MixedPrecision
+from mpiring.parallel.fsdp.state import (
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_optim_state_dict,
+    load_full_state_dict,
+)
+
+__all__ = ["DEFAULT_ALGO", "FullyShardedDataParallel", "MixedPrecision", "full_optim_state_dict",
+           "full_state_dict", "load_full_optim_state_dict", "load_full_state_dict"]

@@ -1,0 +1,141 @@
+r"""One unit's parameters as one flat buffer, sharded with the ring's chunk bounds.
+
+A unit's parameters are laid out back to back (in module order, a shared
+parameter once) in a flat vector of ``numel`` elements. Rank r keeps chunk r
+of it, ``numpy.array_split`` bounds (``comm.chunk_bounds``), as its *shard*:
+an ``nn.Parameter`` of ``hi - lo`` elements in the parameters' own dtype, the
+only copy that persists and the one the optimizer updates::
+
+    flat   [ w1 ........ | b1 | w2 ......... | b2 ]      numel elements
+    chunks [ r0      | r1      | r2      | r3     ]      first numel % K one longer
+    shard of r1 = flat[lo1:hi1]  (may start or end inside a parameter, may be empty)
+
+The gathered vector is ``full``: a tensor that requires grad, whose storage
+is allocated before a forward or backward needs the parameters and set to zero
+bytes after (``untyped_storage().resize_``). The module's parameters are
+replaced by views of it (``full[off:off+n].view(shape)``), made anew at each
+forward, so autograd sums every view's gradient into one flat ``full.grad``:
+the buffer the ReduceScatter works on. Autograd keeps the views it saved for
+backward; they see the storage again once it is gathered again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpiring.core.chunking import chunk_bounds
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives: ``module.<name>`` is ``full[offset:offset+numel].view(shape)``."""
+
+    module: nn.Module
+    name: str
+    fqn: str          # its name in the unwrapped model's state_dict
+    index: int        # which distinct parameter of the unit (shared ones share it)
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class FlatParam:
+    """The flat layout, the shard and the gathered buffer of one unit.
+
+    Args:
+        places: ``(module, attribute, fqn, parameter)`` for every place a
+            parameter of the unit is registered (a shared one appears several
+            times and is laid out once).
+        rank, size: this rank and the number of ranks the shards spread over.
+        compute_dtype: the dtype of the gathered buffer (the parameters' own,
+            or the mixed-precision ``param_dtype``).
+    """
+
+    def __init__(self, places, rank: int, size: int, compute_dtype: torch.dtype | None = None):
+        self.slots: list[Slot] = []
+        offsets: dict[int, int] = {}
+        index: dict[int, int] = {}
+        tensors: list[torch.Tensor] = []
+        numel = 0
+        for module, name, fqn, p in places:
+            if id(p) not in offsets:
+                offsets[id(p)] = numel
+                index[id(p)] = len(tensors)
+                tensors.append(p)
+                numel += p.numel()
+            self.slots.append(Slot(module, name, fqn, index[id(p)], offsets[id(p)], p.numel(), p.shape))
+        self.numel = numel
+        self.dtype = tensors[0].dtype if tensors else torch.float32
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self.compute_dtype = compute_dtype or self.dtype
+        self.bounds = chunk_bounds(numel, size)
+        self.lo, self.hi = self.bounds[rank]
+        with torch.no_grad():
+            flat = (torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors
+                    else torch.zeros(0, dtype=self.dtype, device=self.device))
+        self.initial = flat  # dropped by the unit once every rank has its shard
+        self.shard = nn.Parameter(flat[self.lo:self.hi].clone())
+        self.full = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
+        self.full.requires_grad_(True)
+        self.free()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the gathered buffer holds memory now."""
+        return self.full.untyped_storage().nbytes() > 0
+
+    def alloc(self) -> None:
+        """Give the gathered buffer its memory back (contents undefined)."""
+        nbytes = self.numel * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+
+    def free(self) -> None:
+        """Release the gathered buffer's memory; views keep their shape, not their bytes."""
+        self.full.untyped_storage().resize_(0)
+
+    def fill_own_chunk(self) -> torch.Tensor:
+        """Copy this rank's shard (cast to the compute dtype) into its chunk of ``full``.
+
+        Returns the buffer for the AllGather (``full`` without its autograd identity).
+        """
+        buf = self.full.detach()
+        # The copy must not bump the version autograd saved: the views it keeps
+        # for backward are meant to see the data gathered again.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+            buf[self.lo:self.hi].copy_(self.shard.detach())
+        return buf
+
+    def set_views(self) -> None:
+        """Point every module attribute at its view of ``full`` (new views: new graph nodes)."""
+        for s in self.slots:
+            view = self.full[s.offset:s.offset + s.numel].view(s.shape)
+            # A plain attribute, not a Parameter: the module reads it in forward,
+            # and parameters() no longer sees it (the shards are the parameters).
+            setattr(s.module, s.name, view)
+
+    def unregister(self) -> None:
+        """Remove the original parameters from their modules (the shard replaces them)."""
+        for s in self.slots:
+            s.module._parameters.pop(s.name, None)
+            # None until the first gather sets the views (a view needs the bytes).
+            setattr(s.module, s.name, None)
+
+    def pieces(self, rank: int | None = None):
+        """``(slot, start, stop)`` for the part ``[start, stop)`` of each parameter in a shard.
+
+        ``start`` and ``stop`` are offsets within the parameter; the piece sits at
+        ``start + slot.offset - lo`` in the shard. Shared parameters come once.
+        """
+        lo, hi = (self.lo, self.hi) if rank is None else self.bounds[rank]
+        seen = set()
+        for s in self.slots:
+            if s.index in seen:
+                continue
+            seen.add(s.index)
+            start, stop = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if start < stop:
+                yield s, start - s.offset, stop - s.offset

@@ -1,0 +1,304 @@
+r"""``FullyShardedDataParallel``: ZeRO-3 over mpiring's ring AllGather and ReduceScatter.
+
+Each rank keeps 1/K of every parameter, of its gradient and (through the
+optimizer, which sees only the shards) of the optimizer state. Per unit::
+
+    shard (1/K) --AllGather--> full --forward--> free
+                --AllGather--> full --backward--> full grad --ReduceScatter/K--> shard.grad
+
+Model-state bytes per rank, with Psi parameters, AdamW and K ranks (the ZeRO
+paper's stage 3, here with every state in the parameters' dtype of b bytes):
+``(b + b + 2b) Psi / K`` (parameter, gradient, two moments), plus the gathered
+parameters of the units in flight (the current one and one prefetched; the
+root's stay until its backward).
+
+Collectives run on a communication thread with its own ``comm.dup()``: the
+next unit's AllGather is queued while the current unit computes, and each
+unit's ReduceScatter while backward goes on; ``loss.backward()`` returns once
+every shard's gradient is in ``shard.grad``.
+
+Every rank must run the units in the same order (the same model and control
+flow), as with any FSDP: the gathers are issued in that order. A unit takes
+part in every synced backward; one that got no gradient on a rank reduces
+zeros there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpiring.parallel.fsdp.flat import FlatParam
+from mpiring.parallel.fsdp.runner import CommRunner
+from mpiring.parallel.fsdp.unit import Unit
+from mpiring.parallel.fsdp.wrap import Policy, assign_parameters, choose_units
+
+#: The collectives' default algorithm: the segmented ring bounds the receive
+#: buffer to a few segments whatever the unit's size.
+DEFAULT_ALGO = "ring-seg"
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in ``param_dtype`` (gathered copies of full-precision shards).
+
+    Args:
+        param_dtype: dtype of the gathered parameters (torch.bfloat16 or float16).
+        reduce_dtype: dtype the gradients are reduce-scattered in (default
+            ``param_dtype``; torch.float32 sums more exactly).
+        cast_forward_inputs: cast floating-point inputs of the model to
+            ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+def _mixed(mp) -> MixedPrecision | None:
+    if mp is None or isinstance(mp, MixedPrecision):
+        return mp
+    if isinstance(mp, torch.dtype):
+        return MixedPrecision(param_dtype=mp)
+    raise TypeError(f"mixed_precision={mp!r}: pass a torch dtype (torch.bfloat16) or "
+                    "mpiring.parallel.fsdp.MixedPrecision(param_dtype=..., reduce_dtype=...)")
+
+
+def _cast(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a model's parameters, gradients and optimizer state over the ranks (ZeRO-3).
+
+    ::
+
+        model = mpiring.FullyShardedDataParallel(GPT(cfg), comm)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)   # the shards
+        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+
+    Args:
+        module: the model (its parameters are taken over: use the wrapper).
+        comm: the Communicator over the data-parallel ranks.
+        auto_wrap: which submodules are units (``mpiring.parallel.fsdp.wrap``):
+            "blocks" (default: each child of a ModuleList/Sequential), a
+            callable, a tuple of classes, a list of submodules, or None.
+        reshard_after_forward: free each unit's gathered parameters after its
+            forward and gather them again for backward (ZeRO-3, 1.5x DDP's
+            bytes on the wire), or keep them until backward (DDP's bytes, more
+            memory). The root unit always stays until its backward.
+        mixed_precision: None, a dtype, or a ``MixedPrecision``.
+        algo: the ring algorithm for AllGather and ReduceScatter ("ring-seg"
+            or "ring"; any of ``Communicator.all_gather``'s).
+        sync_module_states: start every rank from rank 0's parameters and buffers.
+
+    Raises:
+        TypeError, ValueError: bad arguments, parameters of mixed dtypes in one
+            unit, a parameter shared by two units, or ranks whose models differ;
+            raised on every rank before any parameter moves.
+    """
+
+    def __init__(self, module: nn.Module, comm, *, auto_wrap: Policy = "blocks",
+                 reshard_after_forward: bool = True, mixed_precision=None,
+                 algo: str = DEFAULT_ALGO, sync_module_states: bool = True):
+        super().__init__()
+        error, places, mp, units = None, [], None, []
+        try:
+            if not all(hasattr(comm, a) for a in ("all_gather", "reduce_scatter", "dup", "size")):
+                raise TypeError(f"comm must be an mpiring.Communicator (mpiring.init()), "
+                                f"got {type(comm).__name__}")
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            mp = _mixed(mixed_precision)
+            if mp is not None and not mp.param_dtype.is_floating_point:
+                raise TypeError(f"mixed_precision param_dtype={mp.param_dtype}: use a floating "
+                                "dtype such as torch.bfloat16")
+            units = choose_units(module, auto_wrap)
+            places, shared = assign_parameters(module, units)
+            if shared:
+                raise ValueError(f"parameter(s) {shared[:3]} are shared by two units: wrap the "
+                                 "modules that share a parameter in one unit (or leave them to "
+                                 "the root) with auto_wrap")
+            error = self._check_places(places)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        self._agree(comm, error, places)
+        self.comm, self.mixed_precision, self.algo = comm, mp, algo
+        self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
+        self.sync = True
+        self._keys = list(module.state_dict().keys())
+        self.module = module
+        # Its own communicator, made on every rank in the same order: the
+        # thread's collectives never match a message of the main thread's.
+        self.thread_comm = comm.dup()
+        cpu = all(p.device.type == "cpu" for grp in places for (*_, p) in grp)
+        if comm.backend == "mpi" and cpu:
+            self.thread_comm.idle = "sleep"  # leave the cores to the unit that computes
+        # On a GPU the thread would need the streams synchronised: run inline there.
+        self.runner = CommRunner(f"mpiring-fsdp-r{comm.rank}", threaded=cpu)
+        self.units: list[Unit] = []
+        for i, grp in enumerate(places):
+            flat = FlatParam(grp, comm.rank, comm.size, mp.param_dtype if mp else None)
+            if sync_module_states and comm.size > 1 and flat.numel:
+                comm.broadcast(flat.initial, root=0)
+                flat.shard.data.copy_(flat.initial[flat.lo:flat.hi])
+            flat.initial = None
+            flat.unregister()
+            self.units.append(Unit(i, module if i == 0 else units[i - 1], flat, self,
+                                   bool(reshard_after_forward)))
+        if sync_module_states and comm.size > 1:
+            for b in module.buffers():
+                comm.broadcast(b.data, root=0)
+        self.shards = nn.ParameterList([u.flat.shard for u in self.units])
+        self._handles = []
+        for u in self.units[1:]:
+            self._handles.append(u.module.register_forward_pre_hook(
+                lambda m, args, u=u: u.pre_forward()))
+            self._handles.append(u.module.register_forward_hook(
+                lambda m, args, out, u=u: u.post_forward(out)))
+        self._order: list[Unit] = []
+        self._recording = False
+        self._in_backward = False
+
+    @staticmethod
+    def _check_places(places) -> Exception | None:
+        for i, grp in enumerate(places):
+            kinds = {(p.dtype, p.device) for (*_, p) in grp}
+            if len(kinds) > 1:
+                return TypeError(f"unit {i} mixes parameter dtypes/devices {sorted(map(str, kinds))}:"
+                                 " cast the model to one dtype, or wrap the parts apart")
+            for _, _, fqn, p in grp:
+                if not p.is_floating_point() or not p.requires_grad:
+                    return TypeError(f"parameter {fqn} ({p.dtype}, requires_grad="
+                                     f"{p.requires_grad}): FSDP shards trainable floating-point "
+                                     "parameters; make it a buffer instead")
+        return None
+
+    @staticmethod
+    def _agree(comm, error, places) -> None:
+        """Raise on every rank if any rank failed or holds a different model."""
+        desc = [None if error is None else f"{type(error).__name__}: {error}",
+                [[sum(p.numel() for p in {id(p): p for *_, p in g}.values()),
+                  str(g[0][3].dtype) if g else ""] for g in places]]
+        table = comm.control.allgather_json(desc) if comm.size > 1 else [desc]
+        if error is not None:
+            raise error
+        bad = [r for r, d in enumerate(table) if d[0] is not None]
+        if bad:
+            raise ValueError(f"FullyShardedDataParallel: rank(s) {bad} rejected their arguments "
+                             f"({table[bad[0]][0]}); no rank went on")
+        for r, d in enumerate(table):
+            if d[1] != table[0][1]:
+                raise ValueError(f"FullyShardedDataParallel: the units differ between ranks "
+                                 f"(r0: {table[0][1]}, r{r}: {d[1]} as [numel, dtype]): build "
+                                 "the same model with the same auto_wrap on every rank")
+
+    # --- forward and backward ----------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        root = self.units[0]
+        self._recording = not self._order
+        root.pre_forward()
+        mp = self.mixed_precision
+        if mp is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast(args, mp.param_dtype), _cast(kwargs, mp.param_dtype)
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._recording = False
+        return root.post_forward(out)
+
+    def _on_pre_forward(self, unit: Unit) -> None:
+        if self._recording and unit.position is None:
+            unit.position = len(self._order)
+            self._order.append(unit)
+        elif unit.position is not None and unit.position + 1 < len(self._order):
+            # Prefetch: the next unit's AllGather runs while this one computes.
+            self._order[unit.position + 1].unshard()
+
+    def _prefetch_backward(self, unit: Unit) -> None:
+        if unit.position is not None and unit.position >= 1:
+            self._order[unit.position - 1].unshard()
+
+    def _on_backward_start(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def _finalize(self) -> None:
+        try:
+            if self.sync:
+                for u in self.units:  # unit order: the same on every rank
+                    if not u.reduced:
+                        u.reduce(None)
+            self.runner.wait_all()
+        finally:
+            for u in self.units:
+                u.end_backward()
+            self._in_backward = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients locally; the next synced backward reduces them all."""
+        before, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = before
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the shards' gradients and the unsharded ones no_sync kept."""
+        super().zero_grad(set_to_none=set_to_none)
+        for u in self.units:
+            u.acc = None
+
+    # --- gradients and state ---------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the shards' gradients so that their global norm is at most ``max_norm``.
+
+        The norm is over every rank's shard (one scalar all-reduce), so it equals
+        ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Returns it.
+        """
+        self.runner.wait_all()
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        p = float(norm_type)
+        if math.isinf(p):
+            local = max((g.detach().abs().max().item() for g in grads if g.numel()), default=0.0)
+            total = self.comm.control.allreduce_scalar(float(local), "max")
+        else:
+            local = sum(g.detach().double().abs().pow(p).sum().item() for g in grads)
+            total = self.comm.control.allreduce_scalar(float(local), "sum") ** (1.0 / p)
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.detach().mul_(coef)
+        return torch.tensor(total, dtype=torch.float64)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unwrapped model's ``state_dict`` (same keys), on every rank (collective)."""
+        from mpiring.parallel.fsdp.state import full_state_dict
+
+        return full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Keep this rank's shard of a full state dict (no communication)."""
+        from mpiring.parallel.fsdp.state import load_full_state_dict
+
+        load_full_state_dict(self, state_dict)
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread."""
+        for h in self._handles:
+            h.remove()
+        for u in self.units:
+            u.remove_hooks()
+        self.runner.close()

@@ -1,0 +1,152 @@
+"""Full (unsharded) state dicts of a sharded model and of its optimizer.
+
+A full state dict does not depend on the number of ranks: saved at K ranks it
+loads at any other K (each rank keeps its own chunk), or into the plain model.
+
+* ``full_state_dict``: each unit's flat parameters are put back together with
+  the ring AllGather (one unit at a time), then cut into the model's own keys.
+* ``full_optim_state_dict``: the same for every per-element optimizer state
+  (AdamW's ``exp_avg``, ``exp_avg_sq``), keyed by parameter name, so it is
+  independent of the layout too; scalar state (``step``) is the same on
+  every rank and travels as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _gather_flat(fsdp, unit, shard_values: torch.Tensor) -> torch.Tensor:
+    """The full flat vector of ``unit`` from every rank's ``shard_values`` (collective)."""
+    f = unit.flat
+    buf = torch.zeros(f.numel, dtype=shard_values.dtype, device=f.device)
+    buf[f.lo:f.hi].copy_(shard_values.detach())
+    comm = fsdp.thread_comm
+    if comm.size > 1 and f.numel:
+        # On the communication thread, behind anything still queued there.
+        fsdp.runner.result(fsdp.runner.submit(
+            lambda: comm.all_gather(buf, algo=fsdp.algo, check=False)))
+    return buf
+
+
+def full_state_dict(fsdp) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state_dict on every rank: same keys, full tensors."""
+    fsdp.runner.wait_all()
+    values: dict[str, torch.Tensor] = {}
+    for u in fsdp.units:
+        buf = _gather_flat(fsdp, u, u.flat.shard)
+        for s in u.flat.slots:
+            values[s.fqn] = buf[s.offset:s.offset + s.numel].view(s.shape).clone()
+    buffers = fsdp.module.state_dict()  # what is left in the module: its buffers
+    return {k: values[k] if k in values else buffers[k] for k in fsdp._keys}
+
+
+def _check_keys(expected, got, what: str) -> None:
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    if missing or unexpected:
+        raise KeyError(f"{what} does not match the model: missing {missing[:5]}, unexpected "
+                       f"{unexpected[:5]}; load a state dict saved from the same model")
+
+
+def load_full_state_dict(fsdp, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's chunk of every parameter (and every buffer) from a full state dict."""
+    _check_keys(fsdp._keys, state_dict, "the state dict")
+    fsdp.runner.wait_all()
+    with torch.no_grad():
+        for u in fsdp.units:
+            f = u.flat
+            for s in f.slots:
+                if tuple(state_dict[s.fqn].shape) != tuple(s.shape):
+                    raise ValueError(f"{s.fqn}: the state dict has shape "
+                                     f"{tuple(state_dict[s.fqn].shape)}, the model "
+                                     f"{tuple(s.shape)}")
+            for s, a, b in f.pieces():
+                at = s.offset + a - f.lo
+                f.shard[at:at + b - a].copy_(state_dict[s.fqn].reshape(-1)[a:b])
+        params = {s.fqn for u in fsdp.units for s in u.flat.slots}
+        fsdp.module.load_state_dict({k: v for k, v in state_dict.items() if k not in params},
+                                    strict=True)
+
+
+def full_optim_state_dict(fsdp, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state for the unsharded model, keyed by parameter name (collective).
+
+    Returns:
+        ``{"state": {fqn: {key: full tensor or scalar}}, "param_groups":
+        [hyperparameters without "params"], "per_element": [keys with one value
+        per parameter element]}``. Every rank gets it.
+    """
+    fsdp.runner.wait_all()
+    # Which per-element keys exist, agreed on every rank: a rank with an empty
+    # shard has state tensors of zero elements, which look like scalars.
+    keys = sorted({k for st in optimizer.state.values() for k, v in st.items()
+                   if torch.is_tensor(v) and v.dim() == 1 and k != "step"})
+    if fsdp.comm.size > 1:
+        keys = sorted({k for t in fsdp.comm.control.allgather_json(keys) for k in t})
+    out: dict[str, dict[str, Any]] = {}
+    for u in fsdp.units:
+        shard = u.flat.shard
+        st = optimizer.state.get(shard, {})
+        scalars = {k: v for k, v in st.items() if k not in keys}
+        if fsdp.comm.size > 1:  # rank 0's step count (every rank holds the same one)
+            scalars = _scalars_from_wire(fsdp.comm.control.bcast_json(_scalars_to_wire(scalars)))
+        full = {}
+        for k in keys:
+            mine = st.get(k, torch.zeros(shard.numel(), dtype=shard.dtype))
+            full[k] = _gather_flat(fsdp, u, mine.reshape(-1))
+        for s in u.flat.slots:
+            if s.fqn in out or not (full or scalars):
+                continue
+            entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()}
+            for k, buf in full.items():
+                entry[k] = buf[s.offset:s.offset + s.numel].view(s.shape).clone()
+            out[s.fqn] = entry
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": out, "param_groups": groups, "per_element": keys}
+
+
+def _scalars_to_wire(scalars: dict[str, Any]) -> dict[str, Any]:
+    return {k: {"tensor": v.item(), "dtype": str(v.dtype).replace("torch.", "")}
+            if torch.is_tensor(v) else v for k, v in scalars.items()}
+
+
+def _scalars_from_wire(wire: dict[str, Any]) -> dict[str, Any]:
+    def back(v):
+        if isinstance(v, dict) and "tensor" in v:
+            dtype = getattr(torch, v["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"a peer sent an unknown dtype {v['dtype']!r}")
+            return torch.tensor(v["tensor"], dtype=dtype)
+        return v
+    return {k: back(v) for k, v in wire.items()}
+
+
+def load_full_optim_state_dict(fsdp, optimizer: torch.optim.Optimizer,
+                               state: dict[str, Any]) -> None:
+    """Give ``optimizer`` (over ``fsdp.parameters()``) this rank's part of a full state."""
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the optimizer state has {len(state['param_groups'])} parameter "
+                         f"groups, this optimizer {len(optimizer.param_groups)}")
+    for mine, saved in zip(optimizer.param_groups, state["param_groups"]):
+        mine.update({k: v for k, v in saved.items() if k != "params"})
+    with torch.no_grad():
+        for u in fsdp.units:
+            f = u.flat
+            entries = [state["state"].get(s.fqn) for s in f.slots]
+            first = next((e for e in entries if e), None)
+            if first is None:
+                continue
+            new: dict[str, Any] = {}
+            for k, v in first.items():
+                if k not in state["per_element"]:
+                    new[k] = v.clone() if torch.is_tensor(v) else v
+                    continue
+                buf = torch.zeros(f.hi - f.lo, dtype=v.dtype, device=f.device)
+                for s, a, b in f.pieces():
+                    at = s.offset + a - f.lo
+                    buf[at:at + b - a].copy_(state["state"][s.fqn][k].reshape(-1)[a:b])
+                new[k] = buf
+            optimizer.state[f.shard] = new

@@ -1,0 +1,180 @@
+r"""One fully sharded unit: gather before it runs, free after, reduce-scatter its gradient.
+
+The lecture's ZeRO-3 step for one unit (a block of the model), on K ranks::
+
+    forward:   AllGather (ring) shards -> full parameters     (pre-forward hook)
+               compute the unit
+               free the full parameters                       (post-forward hook)
+    backward:  AllGather (ring) again                         (hook on the output's grad)
+               compute the unit's backward -> full gradient
+               free the full parameters; ReduceScatter (ring,
+               averaged) -> this rank's shard of the mean      (hook on full.grad)
+
+Each rank sends 3(K-1)/K of the unit per step (two AllGathers and one
+ReduceScatter), 1.5x DDP's AllReduce: the price of holding 1/K of everything.
+
+States (after DeepSpeed's ZeroParamStatus): ``SHARDED`` (only the shard has
+bytes), ``INFLIGHT`` (the gather is queued on the communication thread, or
+running), ``GATHERED`` (``full`` holds every parameter). The owner prefetches:
+a unit's gather is queued while the unit before it (forward) or after it
+(backward) computes, and the main thread waits only for that one gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpiring.parallel.fsdp.flat import FlatParam
+from mpiring.parallel.fsdp.runner import CommRunner
+
+SHARDED, INFLIGHT, GATHERED = "sharded", "inflight", "gathered"
+
+
+def output_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor that requires grad inside nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in output_tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in output_tensors(o)]
+    return []
+
+
+class Unit:
+    """The shard, the gathered buffer and the hooks of one wrapped module.
+
+    Args:
+        index: position in the owner's unit list (the root is 0).
+        module: the wrapped module (the root: the whole model).
+        flat: its parameters' flat layout.
+        owner: the ``FullyShardedDataParallel`` (communicator, thread, policy).
+        reshard_after_forward: free the gathered parameters after forward
+            (ZeRO-3) or keep them until backward (fewer gathers, more memory).
+    """
+
+    def __init__(self, index: int, module: torch.nn.Module, flat: FlatParam, owner,
+                 reshard_after_forward: bool):
+        self.index = index
+        self.module = module
+        self.flat = flat
+        self.owner = owner
+        self.reshard_after_forward = reshard_after_forward
+        self.status = SHARDED
+        self.position: int | None = None   # in the forward order (recorded once)
+        self.pre_backward_done = False
+        self.reduced = False               # its gradient was handed over in this backward
+        self.acc: torch.Tensor | None = None  # full gradient kept under no_sync
+        self._gather = None
+        self._hook = flat.full.register_post_accumulate_grad_hook(self._post_backward)
+
+    # --- parameters: gather and free ----------------------------------------------
+    def unshard(self) -> None:
+        """Queue the AllGather of the full parameters (no-op unless SHARDED)."""
+        if self.status != SHARDED:
+            return
+        self.flat.alloc()
+        buf = self.flat.fill_own_chunk()
+        comm, algo = self.owner.thread_comm, self.owner.algo
+        if comm.size == 1 or self.flat.numel == 0:
+            self.status = GATHERED
+            return
+        self.status = INFLIGHT
+        # The ring's chunk r is rank r's shard: the same array_split bounds.
+        self._gather = self.owner.runner.submit(
+            lambda: comm.all_gather(buf, algo=algo, check=False))
+
+    def wait(self) -> None:
+        """Block until the queued AllGather has filled ``full``."""
+        if self.status == INFLIGHT:
+            fut, self._gather = self._gather, None
+            self.status = GATHERED  # set first: a failed gather must not be waited on twice
+            CommRunner.result(fut)
+
+    def reshard(self) -> None:
+        """Free the full parameters (after any gather in flight has landed)."""
+        self.wait()
+        if self.status == GATHERED:
+            self.flat.free()
+            self.status = SHARDED
+
+    # --- hooks ------------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self.unshard()
+        self.wait()
+        self.flat.set_views()
+        self.owner._on_pre_forward(self)
+
+    def post_forward(self, output):
+        grad = torch.is_grad_enabled()
+        if not grad or (self.reshard_after_forward and self.index != 0):
+            # The root stays gathered: its backward comes first, right away.
+            self.reshard()
+        if grad:
+            for t in output_tensors(output):
+                t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad):
+        if not self.pre_backward_done:
+            self.pre_backward_done = True
+            self.owner._on_backward_start()
+            self.unshard()
+            self.wait()
+            self.owner._prefetch_backward(self)
+        return None
+
+    def _post_backward(self, full: torch.Tensor) -> None:
+        # Autograd has summed every view's gradient into full.grad: the unit's
+        # backward is over. Take the gradient away from autograd and free the
+        # parameters before the ReduceScatter (which needs only the gradient).
+        grad, full.grad = full.grad, None
+        self.reshard()
+        if grad is not None:
+            self.reduce(grad.reshape(-1))
+
+    # --- gradients ---------------------------------------------------------------------
+    def reduce(self, grad: torch.Tensor | None) -> None:
+        """ReduceScatter (averaged) ``grad`` + what no_sync kept into ``shard.grad``.
+
+        ``grad=None`` reduces zeros: a unit that got no gradient on this rank
+        still takes part, so that every rank issues the same collectives.
+        """
+        self.reduced = True
+        f, owner = self.flat, self.owner
+        rd = owner.reduce_dtype or f.compute_dtype
+        buf = (grad.to(rd).contiguous() if grad is not None
+               else torch.zeros(f.numel, dtype=rd, device=f.device))
+        if self.acc is not None:
+            buf = buf + self.acc
+        if not owner.sync:  # no_sync: keep the unsharded sum for the synced backward
+            self.acc = buf
+            return
+        self.acc = None
+        if f.numel == 0:
+            return
+        comm, algo, shard = owner.thread_comm, owner.algo, f.shard
+        lo, hi = f.lo, f.hi
+
+        def reduce_scatter() -> None:
+            if comm.size > 1:
+                # Divide BEFORE the sum, as DDP does: K low-precision gradients can
+                # overflow where K gradients divided by K cannot.
+                buf.div_(comm.size)
+                comm.reduce_scatter(buf, op="sum", algo=algo, check=False)
+            mine = buf[lo:hi].to(shard.dtype, copy=True)
+            if shard.grad is None:
+                shard.grad = mine
+            else:
+                shard.grad.add_(mine)
+
+        owner.runner.submit(reduce_scatter)
+
+    def end_backward(self) -> None:
+        """Back to SHARDED and ready for the next iteration."""
+        self.reshard()
+        self.pre_backward_done = False
+        self.reduced = False
+
+    def remove_hooks(self) -> None:
+        self._hook.remove()

@@ -1,0 +1,100 @@
+"""Which submodules become units (``auto_wrap``) and which parameters each one owns.
+
+A unit is gathered as one piece, so its size sets the memory of the gathered
+parameters: by default every block of the model is one (each child of an
+``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers, an MLP's
+layers), and whatever is left (embeddings, final norm, head) belongs to the
+root unit. Units do not nest: a chosen module's children are not visited.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+Policy = str | Callable[[nn.Module], bool] | Sequence | None
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def choose_units(module: nn.Module, auto_wrap: Policy = "blocks") -> list[nn.Module]:
+    """The submodules to wrap as units, in module order (the root is not in the list).
+
+    Args:
+        module: the model.
+        auto_wrap: ``"blocks"`` (each child of a ModuleList or Sequential that has
+            parameters), a callable ``f(submodule) -> bool``, a tuple of module
+            classes, a list of the submodules themselves, or None (one unit:
+            the whole model).
+
+    Raises:
+        TypeError: ``auto_wrap`` is none of these.
+        ValueError: a listed module is not a submodule of ``module``.
+    """
+    if auto_wrap is None or auto_wrap is False:
+        return []
+    if isinstance(auto_wrap, (list,)) and all(isinstance(m, nn.Module) for m in auto_wrap):
+        inside = {id(m) for m in module.modules()}
+        outside = [type(m).__name__ for m in auto_wrap if id(m) not in inside or m is module]
+        if outside:
+            raise ValueError(f"auto_wrap lists module(s) {outside} that are not submodules of the "
+                             "model: list the model's own submodules (not the model itself)")
+        chosen = {id(m) for m in auto_wrap}
+        return [m for m in module.modules() if id(m) in chosen]
+    if auto_wrap == "blocks":
+        def pick(m: nn.Module, parent: nn.Module) -> bool:
+            return isinstance(parent, (nn.ModuleList, nn.Sequential)) and _has_params(m)
+    elif isinstance(auto_wrap, tuple) and all(isinstance(c, type) for c in auto_wrap):
+        def pick(m: nn.Module, parent: nn.Module) -> bool:
+            return isinstance(m, auto_wrap)
+    elif callable(auto_wrap):
+        def pick(m: nn.Module, parent: nn.Module) -> bool:
+            return bool(auto_wrap(m))
+    else:
+        raise TypeError(f"auto_wrap={auto_wrap!r}: use 'blocks', a callable(module) -> bool, a "
+                        "tuple of module classes, a list of submodules, or None")
+    units: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            # A container has no forward of its own to hook: look inside it.
+            if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and pick(child, parent):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return units
+
+
+def assign_parameters(module: nn.Module, units: list[nn.Module]):
+    """Every place a parameter is registered, grouped by unit (0 = the root).
+
+    Returns:
+        ``(places, shared)``: ``places[u]`` lists ``(submodule, attribute, fqn,
+        parameter)`` for unit u (units numbered 1.. in the order of ``units``),
+        ``shared`` the names of parameters registered in two different units
+        (they cannot be gathered as part of one).
+    """
+    prefix_of = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if any(m is u for u in units):
+            prefix_of.setdefault(id(m), name)
+    unit_prefixes = [(prefix_of[id(u)], i + 1) for i, u in enumerate(units)]
+    places: list[list] = [[] for _ in range(len(units) + 1)]
+    owner: dict[int, tuple[int, str]] = {}
+    shared: list[str] = []
+    for name, m in module.named_modules(remove_duplicate=False):
+        u = next((i for p, i in unit_prefixes if name == p or name.startswith(p + ".")), 0)
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{name}.{attr}" if name else attr
+            first = owner.setdefault(id(p), (u, fqn))
+            if first[0] != u:
+                shared.append(f"{first[1]} / {fqn}")
+            places[u].append((m, attr, fqn, p))
+    return places, shared

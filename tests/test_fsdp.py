@@ -1,0 +1,300 @@
+"""FullyShardedDataParallel (ZeRO-3): equal to one process on the global batch, and to DDP.
+
+The reference trains the same model on the whole global batch in one process
+(AdamW, float64), without any collective. FSDP on K ranks, each on its 1/K of
+the batch with mean losses, must give the same parameters up to floating-point
+order. Units have sizes that do not divide K (and one of 2 elements, so that
+some ranks hold empty shards).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import mpiring  # noqa: E402
+from mpiring.parallel.fsdp import (  # noqa: E402
+    FullyShardedDataParallel,
+    MixedPrecision,
+    full_optim_state_dict,
+    load_full_optim_state_dict,
+)
+
+GLOBAL = 60  # divisible by 1..5
+STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor([0.9, 0.1]))
+
+    def forward(self, x):
+        return x * self.p[0] + self.p[1]
+
+
+class Net(nn.Module):
+    """Root unit (inp, out: 146 elements), then units of 336, 2 and 174 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 13)
+        self.blocks = nn.ModuleList([Block(13, 11), Scale(), Block(13, 5)])
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return Net().double()
+
+
+def batch(step, n=GLOBAL):
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(n, 7, generator=g, dtype=torch.float64),
+            torch.randn(n, 3, generator=g, dtype=torch.float64))
+
+
+def mine(t, comm):
+    per = t.shape[0] // comm.size
+    return t[comm.rank * per:(comm.rank + 1) * per]
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def reference(steps, clip=None, micro=1):
+    """One process on the whole global batch, plain torch: the twin FSDP must equal."""
+    model = make_model()
+    opt, losses, norms = train(model, None, steps, clip=clip, micro=micro)
+    return model, losses, norms
+
+
+def train(model, comm, steps, clip=None, micro=1, opt=None):
+    """``steps`` AdamW steps of ``micro`` micro-batches; ``comm=None``: the global batch."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    losses, norms = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for m in range(micro):
+            x, y = batch(s * micro + m)
+            if comm is None:
+                loss = loss_fn(model, x, y)
+                loss.backward()
+                total += loss.item()
+                continue
+            ctx = model.no_sync() if m < micro - 1 and hasattr(model, "no_sync") else _null()
+            with ctx:
+                loss = loss_fn(model, mine(x, comm), mine(y, comm))
+                loss.backward()
+            total += comm.control.allreduce_scalar(loss.item()) / comm.size
+        losses.append(total)
+        if clip is not None:
+            norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if comm is None
+                    else model.clip_grad_norm_(clip))
+            norms.append(float(norm))
+        opt.step()
+    return opt, losses, norms
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def assert_state_close(full, ref_model, rtol=1e-7, atol=1e-8):
+    ref = ref_model.state_dict()
+    assert list(full) == list(ref)
+    for k, v in ref.items():
+        torch.testing.assert_close(full[k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def check_equals_one_process(comm, reshard):
+    model = FullyShardedDataParallel(make_model(), comm, reshard_after_forward=reshard)
+    opt, losses, _ = train(model, comm, STEPS)
+    ref, ref_losses, _ = reference(STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)
+    assert_state_close(model.full_state_dict(), ref)
+    # Sharded: the root and three blocks, each split with array_split bounds.
+    sizes = [u.flat.numel for u in model.units]
+    assert sizes == [146, 336, 2, 174]
+    for u, n in zip(model.units, sizes):
+        assert u.flat.shard.numel() == len(np.array_split(np.arange(n), comm.size)[comm.rank])
+        assert not u.flat.allocated  # freed after backward
+    shard = sum(p.numel() for p in model.parameters())
+    moments = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k != "step")
+    assert moments == 2 * shard
+    assert comm.control.allreduce_scalar(shard) == sum(sizes)
+    model.close()
+
+
+@pytest.mark.parametrize("reshard", (True, False), ids=("reshard", "keep"))
+def test_fsdp_equals_one_process(comm, reshard):
+    check_equals_one_process(comm, reshard)
+
+
+def test_fsdp_equals_one_process_whole_world(world):
+    check_equals_one_process(world, True)  # run with -n 5 for an odd world
+
+
+def test_fsdp_matches_ddp(comm):
+    fsdp = FullyShardedDataParallel(make_model(), comm)
+    ddp_model = make_model()
+    ddp = mpiring.DistributedDataParallel(ddp_model, comm)
+    _, f_losses, _ = train(fsdp, comm, STEPS)
+    _, d_losses, _ = train(ddp, comm, STEPS)
+    np.testing.assert_allclose(f_losses, d_losses, rtol=1e-9)
+    assert_state_close(fsdp.full_state_dict(), ddp_model)
+    ddp.close()
+    fsdp.close()
+
+
+def test_no_sync_accumulates_unsharded_gradients(comm):
+    model = FullyShardedDataParallel(make_model(), comm)
+    x, y = batch(0)
+    with model.no_sync():
+        loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+    assert all(p.grad is None for p in model.parameters())  # nothing reduced yet
+    assert model.units[1].acc is not None and model.units[1].acc.numel() == 336
+    model.zero_grad()
+    _, losses, _ = train(model, comm, 2, micro=3)
+    ref, ref_losses, _ = reference(2, micro=3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)
+    assert_state_close(model.full_state_dict(), ref)
+    model.close()
+
+
+@pytest.mark.parametrize("norm_type", (2.0, float("inf")))
+def test_clip_grad_norm_uses_the_global_norm(comm, norm_type):
+    model = FullyShardedDataParallel(make_model(), comm)
+    clip = 0.5
+    if norm_type == 2.0:
+        _, _, norms = train(model, comm, STEPS, clip=clip)
+        ref, _, ref_norms = reference(STEPS, clip=clip)
+        assert min(ref_norms) > clip  # the clipping really acted
+        np.testing.assert_allclose(norms, ref_norms, rtol=1e-9)
+        assert_state_close(model.full_state_dict(), ref)
+    else:
+        x, y = batch(0)
+        loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+        ref = make_model()
+        loss_fn(ref, x, y).backward()
+        want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=norm_type))
+        got = float(model.clip_grad_norm_(1e-3, norm_type=norm_type))
+        assert got == pytest.approx(want, rel=1e-12)
+    model.close()
+
+
+@pytest.mark.parametrize("reduce_dtype", (torch.float32, torch.bfloat16))
+def test_mixed_precision_computes_in_bfloat16(comm, reduce_dtype):
+    torch.manual_seed(0)
+    base = Net()  # float32 master weights
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    model = FullyShardedDataParallel(base, comm, mixed_precision=mp)
+    seen = []
+    base.blocks[0].fc1.register_forward_hook(lambda m, a, o: seen.append((m.weight.dtype, o.dtype)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        out = model(mine(x, comm).float())
+        ((out.float() - mine(y, comm).float()) ** 2).mean().backward()
+        opt.step()
+    assert seen[0] == (torch.bfloat16, torch.bfloat16)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in model.parameters() if p.grad is not None)
+    # Against the float64 reference with the same steps: bfloat16's 8 bits.
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for s in range(STEPS):
+        x, y = batch(s)
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        ref_opt.step()
+    full = model.full_state_dict()
+    for k, v in ref.state_dict().items():
+        assert full[k].dtype == torch.float32
+        torch.testing.assert_close(full[k].double(), v, rtol=0.05, atol=0.02, msg=k)
+    model.close()
+
+
+def test_full_state_dict_keys_and_tied_weights(comm):
+    from mpiring.tools.models.gpt import GPT, PRESETS
+
+    torch.manual_seed(0)
+    cfg = PRESETS["tiny"].with_(n_layers=2, d_model=16, n_heads=2, seq_len=8)
+    ref = GPT(cfg).double()
+    model = FullyShardedDataParallel(GPT(cfg).double(), comm)  # same seed? reload below
+    model.load_full_state_dict(ref.state_dict())
+    assert [u.module for u in model.units[1:]] == list(model.module.blocks)
+    idx = torch.arange(4 * comm.size * 8).remainder(cfg.vocab_size).view(4 * comm.size, 8)
+    out = model(mine(idx, comm))
+    torch.testing.assert_close(out, ref(mine(idx, comm)), rtol=1e-10, atol=1e-12)
+    out.sum().backward()
+    full = model.full_state_dict()
+    assert list(full) == list(ref.state_dict())  # both names of the tied weight
+    assert full["tok.weight"].data_ptr() != full["head.weight"].data_ptr()
+    torch.testing.assert_close(full["head.weight"], full["tok.weight"])
+    model.close()
+
+
+def test_checkpoint_moves_between_world_sizes(comm, world):
+    # Train 2 steps on K ranks, save the full model and optimizer state, load
+    # them on one rank (a split of this communicator), train one more step:
+    # equal to three uninterrupted steps in one process.
+    model = FullyShardedDataParallel(make_model(), comm)
+    opt, _, _ = train(model, comm, 2)
+    sd, osd = model.full_state_dict(), full_optim_state_dict(model, opt)
+    model.close()
+    alone = comm.split(comm.rank, key=0)
+    one = FullyShardedDataParallel(make_model(seed=5), alone)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=0.05, weight_decay=0.1)
+    one.load_full_state_dict(sd)
+    load_full_optim_state_dict(one, one_opt, osd)
+    x, y = batch(2)
+    one_opt.zero_grad()
+    loss_fn(one, x, y).backward()
+    one_opt.step()
+    ref, _, _ = reference(3)
+    assert_state_close(one.full_state_dict(), ref)
+    one.close()
+
+
+def test_bad_model_raises_on_every_rank(comm):
+    net = make_model()
+    net.blocks[0].fc1.float()  # one unit with two dtypes
+    with pytest.raises(TypeError, match="mixes parameter dtypes"):
+        FullyShardedDataParallel(net, comm)
+    if comm.size > 1:
+        net = make_model()
+        if comm.rank == 1:
+            net.blocks[2] = Block(13, 6)  # rank 1's model differs
+        with pytest.raises(ValueError, match="differ|rejected"):
+            FullyShardedDataParallel(net, comm)
+    with pytest.raises(TypeError, match="auto_wrap"):
+        FullyShardedDataParallel(make_model(), comm, auto_wrap=3)
+    comm.barrier()
