@@ -74,10 +74,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if store is not None or pg_options is not None:
         raise ValueError("init_process_group: store= and pg_options= are torch's rendezvous and "
                          "ProcessGroup options; mpiring's ranks come from MPI: leave them None")
-    import mpiring
+    from mpiring.comm.start import init
 
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    comm = mpiring.init(backend=BACKEND_NAMES[name], timeout=seconds)
+    comm = init(backend=BACKEND_NAMES[name], timeout=seconds)
     if device_id is not None:
         _check_device(comm, device_id)
     _check_agrees(comm, world_size, rank)
