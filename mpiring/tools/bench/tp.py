@@ -1,0 +1,166 @@
+"""Tensor-parallel step times: one block on 1 rank, on mpiring's TP, on torch's TP over gloo.
+
+Each measurement is forward plus backward of one block on ``tokens`` tokens:
+
+* ``mlp``: Linear(d, 4d), GELU, Linear(4d, d) (a Transformer MLP block);
+* ``layer``: one block of the project's GPT (attention and MLP, d/64 heads).
+
+Modes: ``single`` (the full block on rank 0 while the others wait without
+spinning), ``mpiring`` (ColumnParallelLinear/RowParallelLinear, or the
+TensorParallelBlock, over all ranks with ``algo``) and ``torch`` (the same
+MLP under ``torch.distributed.tensor.parallel``'s ColwiseParallel and
+RowwiseParallel over gloo; MLP only: the GPT block's fused QKV split does not
+map onto torch's plain column split). mpiring's communication share is the
+time spent inside its collectives, measured by a timing proxy around the
+Communicator; weight memory is this rank's parameter bytes (gradients are the
+same again).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mpiring.tools.models.gpt import Block, GPTConfig
+from mpiring.tools.models.gpt_tp import TensorParallelBlock
+
+clock = time.perf_counter
+MODES = ("single", "mpiring", "torch")
+BLOCKS = ("mlp", "layer")
+
+
+class TimedComm:
+    """A Communicator whose collectives add their wall time to ``seconds``."""
+
+    def __init__(self, comm):
+        self._comm, self.seconds = comm, 0.0
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if name not in ("all_reduce", "all_gather", "reduce_scatter"):
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += clock() - t0
+        return timed
+
+
+@dataclass
+class TPBenchConfig:
+    widths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])
+    blocks: list[str] = field(default_factory=lambda: list(BLOCKS))
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    tokens: int = 256
+    steps: int = 5
+    warmup: int = 1
+    algo: str = "ring"
+
+
+def _mlp(d: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="none"), nn.Linear(4 * d, d))
+
+
+def _build(block: str, mode: str, d: int, tokens: int, comm, timed: TimedComm, algo: str):
+    """(module, input, forward) for one measurement; the same full weights in every mode."""
+    torch.manual_seed(0)
+    full = _mlp(d) if block == "mlp" else Block(GPTConfig(d_model=d, n_heads=max(1, d // 64),
+                                                          seq_len=64))
+    seq = 64 if block == "layer" else 1
+    x = torch.randn(seq, max(1, tokens // seq), d)  # sequence-first, as the TP block takes it
+    if mode == "single":
+        if block == "layer":
+            return full, x.transpose(0, 1).contiguous(), full
+        return full, x, full
+    if mode == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (comm.size,))
+        model = parallelize_module(full, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return model, x, model
+    if block == "mlp":
+        from mpiring.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+        fc = ColumnParallelLinear.from_full(full[0], timed, algo=algo)
+        out = RowParallelLinear.from_full(full[2], timed, algo=algo)
+        model = nn.ModuleList([fc, out])
+        return model, x, lambda z: out(F.gelu(fc(z)))
+    from mpiring.parallel.tensor import RNGStreams
+
+    cfg = GPTConfig(d_model=d, n_heads=max(1, d // 64), seq_len=64)
+    model = TensorParallelBlock(full, cfg, timed, False, algo, RNGStreams(0, comm.rank), 0.0)
+    return model, x, lambda z: model(z, z.shape[0])
+
+
+def _wait(comm) -> None:
+    control = getattr(comm, "control", None)
+    if control is not None:
+        control.barrier(poll_s=0.002)  # a waiting rank must not spin on a shared core
+    else:
+        comm.barrier()
+
+
+def measure(comm, cfg: TPBenchConfig, block: str, mode: str, d: int) -> dict | None:
+    """One row: median step time (the slowest rank's), comm share and weight memory per rank."""
+    timed = TimedComm(comm)
+    active = mode != "single" or comm.rank == 0
+    times, comm_s = [], []
+    if active:
+        model, x, fwd = _build(block, mode, d, cfg.tokens, comm, timed, cfg.algo)
+    for i in range(cfg.warmup + cfg.steps):
+        _wait(comm)
+        if not active:
+            continue
+        timed.seconds = 0.0
+        t0 = clock()
+        y = fwd(x)
+        y.float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        if i >= cfg.warmup:
+            times.append(clock() - t0)
+            comm_s.append(timed.seconds)
+    _wait(comm)
+    if not active:
+        return None
+    weight = 0
+    for p in model.parameters():
+        local = getattr(p, "to_local", None)
+        weight += (local() if local else p).numel() * p.element_size()
+    step = statistics.median(times)
+    return {"block": block, "mode": mode, "width": d, "ranks": 1 if mode == "single" else comm.size,
+            "tokens": cfg.tokens, "step_ms": step * 1e3,
+            "comm_share": (statistics.median(comm_s) / step) if mode == "mpiring" else None,
+            "weight_mib": weight / 2**20}
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: one line per block and width, the modes side by side."""
+    by = {(r["block"], r["width"], r["mode"]): r for r in rows}
+    lines = ["| block | width | 1 rank ms | mpiring TP ms | torch TP ms | speedup vs 1 rank "
+             "| mpiring / torch | comm share | weight MiB/rank (1 rank) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for block, width in sorted({(r["block"], r["width"]) for r in rows}):
+        one, ours, theirs = (by.get((block, width, m)) for m in MODES)
+
+        def ms(r):
+            return f"{r['step_ms']:.1f}" if r else "-"
+        speed = f"{one['step_ms'] / ours['step_ms']:.2f}x" if one and ours else "-"
+        vs = f"{ours['step_ms'] / theirs['step_ms']:.2f}x" if ours and theirs else "-"
+        share = f"{ours['comm_share']:.0%}" if ours and ours["comm_share"] is not None else "-"
+        mem = (f"{ours['weight_mib']:.1f} ({one['weight_mib']:.1f})" if ours and one else "-")
+        lines.append(f"| {block} | {width} | {ms(one)} | {ms(ours)} | {ms(theirs)} | {speed} "
+                     f"| {vs} | {share} | {mem} |")
+    return "\n".join(lines)
