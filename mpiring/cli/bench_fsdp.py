@@ -1,0 +1,97 @@
+"""FSDP (ZeRO-3) against DDP: model-state memory per rank with the ZeRO formula, and step time.
+
+    mpiexec -n 2 python -m mpiring bench-fsdp --memory fsdp     # one setup per launch (RSS)
+    mpiexec -n 2 python -m mpiring bench-fsdp --memory ddp
+    mpiexec -n 2 python -m mpiring bench-fsdp --time ddp,fsdp,torch-fsdp,torch-zero
+
+``--memory SETUP`` trains a few steps and prints the model state each rank
+holds (parameters, gradients, AdamW moments: counted from the tensors), the
+ZeRO paper's prediction beside it (16 Psi for DDP, 16 Psi / K for stage 3 with
+float32 states), the largest gathered parameters FSDP held at once, and the
+peak RSS. ``--time`` alternates the setups' steps in one process and prints
+each median step time and its ratio to the first setup. A torch setup that
+cannot be built here (torch's FSDP on the CPU) is reported with its error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mpiring.cli import add_backend_arguments
+
+MIB = float(1 << 20)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--memory", metavar="SETUP", default=None,
+                   help="ddp or fsdp: count one setup's model state and peak RSS")
+    p.add_argument("--time", metavar="LIST", default=None,
+                   help="comma list of ddp, fsdp, torch-fsdp, torch-zero: alternate their steps")
+    p.add_argument("--preset", default="comm", help="GPT preset (default comm, 12.8M params)")
+    p.add_argument("--steps", type=int, default=6, help="steps per setup (default 6)")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank (default 2)")
+    p.add_argument("--json", metavar="FILE", default=None, help="append the result as JSON")
+    add_backend_arguments(p)
+
+
+def run(args) -> int:
+    import mpiring
+    from mpiring.tools.bench.fsdp import SETUPS, measure_memory, measure_time
+    from mpiring.tools.models.gpt import PRESETS
+
+    if (args.memory is None) == (args.time is None):
+        print("bench-fsdp: give --memory SETUP or --time LIST", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in (args.time or args.memory).split(",") if n.strip()]
+    if not names or any(n not in SETUPS for n in names) or (args.memory and len(names) != 1):
+        print(f"bench-fsdp: unknown setup in {names}: use {', '.join(SETUPS)} (--memory: one)",
+              file=sys.stderr)
+        return 2
+    if args.preset not in PRESETS:
+        print(f"bench-fsdp: --preset {args.preset!r}: use one of {', '.join(PRESETS)}",
+              file=sys.stderr)
+        return 2
+    cfg = PRESETS[args.preset]
+    comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
+    if args.memory:
+        row = measure_memory(comm, names[0], cfg, steps=args.steps, batch_size=args.batch_size)
+        rows = comm.control.allgather_json(row) if comm.size > 1 else [row]
+        out = {**row, **{k: max(r[k] for r in rows)
+                         for k in ("state_bytes", "gathered_peak", "rss_peak", "rss_before")}}
+        if comm.rank == 0:
+            formula = out["zero3_formula"] if out["setup"] == "fsdp" else out["ddp_formula"]
+            print(f"bench-fsdp --memory: setup={out['setup']} ranks={comm.size} preset="
+                  f"{args.preset} Psi={out['psi'] / 1e6:.2f}M: model state "
+                  f"{out['state_bytes'] / MIB:.1f} MiB/rank (formula {formula / MIB:.1f} MiB; "
+                  f"DDP 16 Psi = {out['ddp_formula'] / MIB:.1f} MiB, ratio "
+                  f"{out['state_bytes'] / out['ddp_formula']:.3f}), gathered at once "
+                  f"{out['gathered_peak'] / MIB:.1f} MiB, peak RSS {out['rss_peak'] / MIB:.0f} "
+                  f"MiB (before {out['rss_before'] / MIB:.0f})", flush=True)
+    else:
+        pg = None
+        if any(n.startswith("torch") for n in names):
+            import torch
+
+            from mpiring.tools.train.torch_pg import init_torch_process_group
+
+            pg = init_torch_process_group(comm, torch.device("cpu"))
+        times, errors = measure_time(comm, names, cfg, steps=args.steps,
+                                     batch_size=args.batch_size, pg=pg)
+        out = {"ranks": comm.size, "preset": args.preset, "step_s": times, "errors": errors}
+        if comm.rank == 0:
+            first = next((n for n in names if n in times), None)
+            parts = ", ".join(f"{n} {times[n] * 1e3:.0f} ms ({times[n] / times[first]:.2f}x)"
+                              for n in names if n in times)
+            print(f"bench-fsdp --time: ranks={comm.size} preset={args.preset}, steps alternated, "
+                  f"median step: {parts}", flush=True)
+            for n, e in errors.items():
+                print(f"bench-fsdp --time: {n} did not run here: {e}", flush=True)
+        if pg is not None:
+            from mpiring.tools.train.torch_pg import destroy_torch_process_group
+
+            destroy_torch_process_group(comm)
+    if comm.rank == 0 and args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(out) + "\n")
+    return 0
