@@ -9,6 +9,8 @@ some ranks hold empty shards).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -262,7 +264,7 @@ def test_full_state_dict_keys_and_tied_weights(comm):
     model.close()
 
 
-def test_checkpoint_moves_between_world_sizes(comm, world):
+def test_checkpoint_moves_between_world_sizes(comm, tmp_path_factory):
     # Train 2 steps on K ranks, save the full model and optimizer state, load
     # them on one rank (a split of this communicator), train one more step:
     # equal to three uninterrupted steps in one process.
@@ -270,6 +272,16 @@ def test_checkpoint_moves_between_world_sizes(comm, world):
     opt, _, _ = train(model, comm, 2)
     sd, osd = model.full_state_dict(), full_optim_state_dict(model, opt)
     model.close()
+    # Through a file, written atomically by rank 0 and read by every rank.
+    from mpiring.parallel.checkpoint import load_checkpoint, save_checkpoint, training_state
+
+    directory = comm.control.bcast_json(str(tmp_path_factory.mktemp("fsdp")) if comm.rank == 0
+                                        else None)
+    if comm.rank == 0:
+        save_checkpoint(directory, training_state(2, extra={"model": sd, "optim": osd}))
+    comm.barrier()
+    saved = load_checkpoint(os.path.join(directory, "ckpt-000000002.pt"))["extra"]
+    sd, osd = saved["model"], saved["optim"]
     alone = comm.split(comm.rank, key=0)
     one = FullyShardedDataParallel(make_model(seed=5), alone)
     one_opt = torch.optim.AdamW(one.parameters(), lr=0.05, weight_decay=0.1)
