@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 from mpiring.backends import control as wire  # noqa: E402
 from mpiring.parallel import checkpoint as ck  # noqa: E402
 from mpiring.tools.train.checkpointing import (  # noqa: E402
-    CRASH_ENV,
     Checkpointer,
     ReplicaCheck,
     ResumeError,
@@ -87,15 +86,16 @@ def test_killed_and_resumed_run_ends_bit_identical(world, rank0_subprocess, tmp_
         assert rc == 0, out
         assert sorted(os.listdir(whole)) == [ck.checkpoint_name(STEPS)], out
 
-    monkeypatch.setenv(CRASH_ENV, "after-step:5")
-    rc, out, secs = rank0_subprocess(RANKS, TRAIN + every, timeout=150) or (0, "", 0)
+    crashing = ["tests/scripts/train_crashing.py"]
+    rc, out, secs = rank0_subprocess(RANKS, crashing + ["after-step:5"] + TRAIN[2:] + every,
+                                     timeout=150) or (0, "", 0)
     if world.rank == 0:
         assert rc != 0 and "killing myself at step 5" in out, out
         assert "checkpoint: step 4" in out and "checkpoint: step 6" not in out, out
         assert sorted(os.listdir(broken)) == [ck.checkpoint_name(2), ck.checkpoint_name(4)]
 
-    monkeypatch.setenv(CRASH_ENV, "in-write:6")
-    rc, out, secs = rank0_subprocess(RANKS, TRAIN + every + ["--resume"], timeout=150) or (0, "", 0)
+    rc, out, secs = rank0_subprocess(RANKS, crashing + ["in-write:6"] + TRAIN[2:] + every
+                                     + ["--resume"], timeout=150) or (0, "", 0)
     if world.rank == 0:
         assert rc != 0 and "resume: step 4 from" in out and "killing myself at step 6" in out, out
         names = sorted(os.listdir(broken))
@@ -104,7 +104,6 @@ def test_killed_and_resumed_run_ends_bit_identical(world, rank0_subprocess, tmp_
         assert names[1:] == [ck.checkpoint_name(2), ck.checkpoint_name(4)], names
         assert ck.latest_checkpoint(broken).endswith(ck.checkpoint_name(4))
 
-    monkeypatch.delenv(CRASH_ENV)
     rc, out, secs = rank0_subprocess(RANKS, TRAIN + every + ["--resume"], timeout=150) or (0, "", 0)
     if world.rank == 0:
         assert rc == 0 and "resume: step 4 from" in out, out

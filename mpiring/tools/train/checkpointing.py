@@ -25,29 +25,21 @@ Resuming: rank 0 picks the newest complete checkpoint and broadcasts its step
 every rank, as on a shared file system) and restores its own RNG states and
 loss history; a failure on any rank raises on every rank.
 
-Test hook: ``MPIRING_TEST_CRASH=after-step:S`` makes rank 0 SIGKILL itself at
-the end of step S (after any checkpoint of that step), and
-``MPIRING_TEST_CRASH=in-write:S`` between writing the temporary file of step
-S's checkpoint and renaming it.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
 from mpiring.backends import control as wire
 from mpiring.parallel import checkpoint as ck
 
-CRASH_ENV = "MPIRING_TEST_CRASH"
 # Flags that may change between a run and its resumption without changing the
 # training itself.
 _HARMLESS = ("steps", "log_every", "val_batches")
@@ -97,22 +89,6 @@ def set_rng_state_json(text: str) -> None:
     ck.set_rng_state(state)
 
 
-def _crash_plan() -> tuple[str, int] | None:
-    text = os.environ.get(CRASH_ENV, "")
-    if not text:
-        return None
-    kind, _, step = text.partition(":")
-    if kind not in ("after-step", "in-write") or not step.isdigit():
-        raise ValueError(f"{CRASH_ENV}={text!r}: use after-step:S or in-write:S")
-    return kind, int(step)
-
-
-def _die(step: int, *_args: Any) -> None:
-    sys.stderr.write(f"[r0] {CRASH_ENV}: killing myself at step {step} (t={time.time():.3f})\n")
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _quiet_wait(comm) -> None:
     # Rank 0 may take a while to write; the others must not spin a core meanwhile
     # (MPICH busy-polls in blocking calls, and ranks share cores).
@@ -151,7 +127,6 @@ class Checkpointer:
         self.resume = resume
         self.keep = keep
         self.verbose = verbose
-        self.crash = _crash_plan()
         self.resumed_from: int | None = None   # the step resumed from, if any
         self.saved: list[tuple[int, float]] = []  # (step, seconds) of every write
 
@@ -163,8 +138,6 @@ class Checkpointer:
     def on_step_end(self, job) -> None:
         if (self.every is not None and job.step % self.every == 0) or job.step == job.cfg.steps:
             self.save(job)
-        if self.crash == ("after-step", job.step) and job.comm.rank == 0:
-            _die(job.step)
 
     # --- saving -----------------------------------------------------------------------
     def save(self, job) -> str:
@@ -197,13 +170,7 @@ class Checkpointer:
                 },
             }
             try:
-                if self.crash == ("in-write", job.step):
-                    # Dies after the temporary file is written and fsynced, before
-                    # the rename: exactly the crash the atomic write must survive.
-                    with mock.patch.object(ck.os, "replace", functools.partial(_die, job.step)):
-                        ck.save_checkpoint(self.directory, state, keep=self.keep)
-                else:
-                    ck.save_checkpoint(self.directory, state, keep=self.keep)
+                ck.save_checkpoint(self.directory, state, keep=self.keep)
             except Exception as exc:  # every rank must hear of it, or they would go on
                 error = f"{type(exc).__name__}: {exc}"
         _quiet_wait(comm)
@@ -230,14 +197,14 @@ class Checkpointer:
             ResumeError: on every rank, if any rank could not load or restore it.
         """
         comm = job.comm
-        step = np.array([-1], dtype=np.int64)
+        step = [-1]
         if comm.rank == 0:
             path = ck.latest_checkpoint(self.directory)
             if path is not None:
                 step[0] = int(os.path.basename(path).removeprefix("ckpt-").removesuffix(".pt"))
         # Rank 0 decides which file: ranks listing the directory at different
         # moments (a write in flight) could otherwise pick different ones.
-        getattr(comm, "mpi_comm", comm).Bcast(step, root=0)
+        step = comm.control.bcast_json(step, root=0)
         if step[0] < 0:
             if self.verbose and comm.rank == 0:
                 sys.stderr.write(f"resume: no checkpoint in {self.directory}, starting at step 0\n")
