@@ -203,8 +203,9 @@ def test_idle_mode_from_the_environment(monkeypatch):
     monkeypatch.setenv("MPIRING_IDLE", "nap")
     with pytest.raises(ValueError, match="spin, yield, sleep"):
         _idle_mode(1)
-    monkeypatch.delenv("MPIRING_IDLE")
-    monkeypatch.setenv("MPIRING_YIELD", "1")
+    monkeypatch.setenv("MPIRING_IDLE", "yield")
     assert _idle_mode(1) == "yield"
-    monkeypatch.setenv("MPIRING_YIELD", "0")
+    monkeypatch.setenv("MPIRING_IDLE", "spin")
     assert _idle_mode(10 ** 6) == "spin"
+    monkeypatch.delenv("MPIRING_IDLE")
+    assert _idle_mode(10 ** 6) == "yield"  # more ranks than cores: give the core away

@@ -9,23 +9,13 @@ from contextlib import nullcontext
 import numpy as np
 from mpi4py import MPI
 
+from mpiring.backends import MAX_TAG, P2P_TAG0, TAG  # noqa: F401 - MAX_TAG: the tags' bound
 from mpiring.backends.control import Control
 from mpiring.backends.gpu import device_ready, empty_like_device
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.ops import finish
 from mpiring.runtime.trace import flush_all
 from mpiring.runtime.watchdog import Activity
-
-# One tag for all ring traffic: collectives on a communicator are issued in the
-# same order on every rank and MPI never overtakes messages between two ranks
-# with the same tag, so the steps cannot be confused.
-TAG = 7
-# The public point-to-point calls map the user's tag t to two MPI tags above the
-# ring's, one for the message's descriptor and one for its data, so that neither
-# can match the other nor a ring step.
-P2P_TAG0 = TAG + 1
-#: The largest user tag: MPI guarantees tags up to 32767.
-MAX_TAG = (32767 - P2P_TAG0) // 2
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 
@@ -36,7 +26,8 @@ def _bytes(a):
     Point-to-point moves raw bytes: every dtype (bfloat16 included, which has no
     MPI datatype) travels the same way and mpi4py needs no type lookup. A host
     array goes as the buffer spec ``[a, MPI.BYTE]``, not as a uint8 view of it:
-    making the view cost 0.2 us per message, which the ring pays twice a step.
+    making a view is a new array object per message, which the ring would pay
+    twice a step.
     """
     if isinstance(a, np.ndarray):
         return [a, MPI.BYTE]
@@ -82,10 +73,7 @@ def _idle_wait_all(reqs, idle: str) -> None:
 
 
 def _oversubscribed(local_size: int) -> bool:
-    """More ranks on this host than cores this process may run on (``MPIRING_YIELD`` overrides)."""
-    flag = os.environ.get("MPIRING_YIELD", "").strip().lower()
-    if flag in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        return flag in ("1", "true", "yes", "on")
+    """More ranks on this host than cores this process may run on."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from mpiring.backends import MAX_TAG
 from mpiring.backends.gpu import from_host, host_dtype, to_host
-from mpiring.backends.mpi import MAX_TAG
 from mpiring.core.buffers import DTYPES, Buffer, as_buffer
 from mpiring.core.errors import MismatchError
 from mpiring.runtime.trace import clock

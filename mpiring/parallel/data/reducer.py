@@ -163,7 +163,7 @@ class Reducer:
             ``comm.control.barrier(poll_s=QUIET_POLL_S)``, which sleeps instead of
             spinning (MPICH busy-polls inside blocking calls, and a rank that spins
             while its peers still compute takes their core); default: on the MPI
-            backend with CPU buckets, unless ``MPIRING_QUIET_WAIT=0``.
+            backend with CPU buckets.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], comm=None, *,
@@ -205,12 +205,11 @@ class Reducer:
                          for i, p in enumerate(self.params)]
         self._build(order=None)
         if (overlap and comm.backend == "mpi" and not self.buckets[0].flat.is_cuda
-                and os.environ.get("MPIRING_DDP_SLEEP", "1") != "0"):
+                and not os.environ.get("MPIRING_IDLE")):
             # The comm thread shares the cores with backward: waiting for a peer by
             # spinning (MPICH's way) or yielding would take CPU from the backward it
-            # overlaps, so it sleeps between polls (2 ranks on 2 cores, GPT "comm":
-            # 145 -> 140 ms per step in side-by-side runs, near their noise; see
-            # mpiring/backends/mpi.py IDLE_MODES). MPIRING_DDP_SLEEP=0 turns it off.
+            # overlaps, so it sleeps between polls (mpiring/backends/mpi.py
+            # IDLE_MODES). An MPIRING_IDLE of the user's choice applies here too.
             self._bucket_comm.idle = "sleep"
         self._expect = False
         self._reset_iteration()
@@ -436,8 +435,7 @@ class Reducer:
         comm, algo = self._bucket_comm, self.algo
         quiet = self.quiet_wait
         if quiet is None:
-            quiet = (comm.backend == "mpi" and not bucket.flat.is_cuda and comm.size > 1
-                     and os.environ.get("MPIRING_QUIET_WAIT", "1") != "0")
+            quiet = comm.backend == "mpi" and not bucket.flat.is_cuda and comm.size > 1
         hook = self._comm_hook
         if hook is not None:
             hook_args = (bucket.index, bucket.flat, bucket.numel,
