@@ -47,13 +47,12 @@ from mpiring.core.chunking import chunk_bounds, ring_neighbours, ring_step_indic
 from mpiring.core.ops import finish, reducer
 from mpiring.runtime.trace import clock
 
-#: Default segment size. Measured on a 2-core machine with 2-4 ranks: every
-#: segment is one rendezvous (MPICH's single-copy path: ready-to-send, the
-#: receiver copies, acknowledgement), and each needs the peer to be scheduled,
-#: which costs far more than the cache misses that small, cache-sized segments
-#: would save (256 KiB segments ran 1.5-2x slower than 4 MiB ones). So segments
-#: are large: messages up to 8 MiB travel in one piece per step; larger ones
-#: still stream, step t+1 starting while step t is being received.
+#: Default segment size. Every segment is one rendezvous (MPICH's single-copy
+#: path: ready-to-send, the receiver copies, acknowledgement), and each needs the
+#: peer to be scheduled, which can cost more than the cache misses that small,
+#: cache-sized segments save (docs/design-notes.md). So segments are large:
+#: messages up to 8 MiB travel in one piece per step; larger ones still stream,
+#: step t+1 starting while step t is being received.
 SEGMENT_BYTES = 4 << 20
 #: Receives posted ahead of the one being reduced (2 = double buffering).
 WINDOW = 2

@@ -18,8 +18,8 @@ def chunk_bounds(n: int, k: int) -> tuple[tuple[int, int], ...]:
     most one and a buffer with fewer elements than ranks gets empty tail chunks.
 
     Remembered per ``(n, k)``: a training loop or a benchmark repeats its sizes,
-    and working the bounds out again took 0.3 us of a 4 KiB ring AllReduce's 14
-    (the remembered ones 0.1 us). So the result is a tuple, shared by every caller.
+    and for small messages working the bounds out again is a visible share of
+    the call. So the result is a tuple, shared by every caller.
 
     Returns:
         ``k`` pairs ``(start, stop)`` covering ``range(n)`` in order.
@@ -87,11 +87,11 @@ def ring_position(rank: int, root: int, size: int) -> int:
     return (rank - root) % size
 
 
-#: Per-message latency (s) and bandwidth (B/s) of a pipelined ring step, fitted on
-#: a 2-core development machine with 3 and 4 ranks to the streamed pipeline
-#: (``python -m mpiring tune -c broadcast`` refits them per layout: alpha 97 and
-#: 122 us, beta 6.8 and 7.1 GB/s). The latency is large because ranks share
-#: cores: a chunk handed on waits until the next rank is scheduled.
+#: Per-message latency (s) and bandwidth (B/s) of a pipelined ring step: the
+#: built-in values, fitted where ranks shared cores (a chunk handed on waits
+#: until the next rank is scheduled, hence the large latency; see
+#: docs/design-notes.md). ``python -m mpiring tune -c broadcast`` refits them
+#: for your layout.
 PIPELINE_ALPHA = 1.1e-4
 PIPELINE_BETA = 7.0e9
 

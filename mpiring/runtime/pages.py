@@ -3,10 +3,9 @@
 MPICH moves a large message between two processes of one host with a single
 copy: the receiver reads the sender's memory (``process_vm_readv``, "CMA"),
 the kernel looking up and pinning the sender's pages as it goes, and the ring's
-additions then stream through the same buffers. The page size shows: on a
-2-core host, 2 ranks, ring AllReduce of three buckets of 4, 29 and 17 MB
-(the DDP bench's GPT "comm"), buffers from ``torch.empty`` (4 KiB pages) took
-9.8 ms and the same buffers on 2 MiB pages 6.7 ms, side by side in one run.
+additions then stream through the same buffers. The page size shows: with 2
+MiB pages the kernel looks up and pins 512 times fewer pages per message than
+with torch's 4 KiB ones (docs/design-notes.md has the measurement).
 NumPy already asks for huge pages for its large arrays (``madvise``); torch's
 CPU allocator does not (unless ``THP_MEM_ALLOC_ENABLE=1`` is set).
 
@@ -104,9 +103,7 @@ def steady_malloc(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int 
     until the first such block is freed: glibc then raises its threshold to
     that block's size. So whether every step's gradients and optimizer
     temporaries page-fault in again (zeroed by the kernel) depends on what the
-    process freed before. On the DDP bench's GPT "comm" (2 ranks, 2 cores) the
-    same compute-alone step took 127-161 ms in a process that had not freed a
-    large block and 104-106 ms with the thresholds fixed here, side by side.
+    process freed before, and step times with it (docs/design-notes.md).
 
     ``mpiring train``, ``bench-ddp``, ``zero-bench`` and ``hook-curves`` call
     this at start, so that every mode they compare runs with the same

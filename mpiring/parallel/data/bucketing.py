@@ -29,10 +29,10 @@ DEFAULT_FIRST_BUCKET_MB = 1.0
 #: The buckets' AllReduce by default: the lecture's ring cut into segments
 #: (``ring-seg``), on the reducer's own communicator with 1 MiB segments.
 DEFAULT_BUCKET_ALGO = "ring-seg"
-#: Segment size of the buckets' segmented ring. Measured side by side (2 and 4
-#: ranks on 2 cores, the DDP bench's buckets of 4, 29 and 17 MB on huge pages):
-#: 1-2 MiB segments ran 1.07-1.24x the lecture's ring and 4 MiB ones 1.05-1.16x,
-#: and the receive buffer is 2 MiB instead of a chunk (14 MiB on 2 ranks).
+#: Segment size of the buckets' segmented ring: small enough that the receive
+#: buffer is two segments (2 MiB) instead of a chunk of the largest bucket,
+#: large enough that each segment's rendezvous is paid rarely
+#: (docs/design-notes.md has the comparison).
 BUCKET_SEGMENT_BYTES = 1 << 20
 
 

@@ -123,9 +123,8 @@ def fused_adamw_available(device: torch.device | str) -> bool:
     """Whether ``torch.optim.AdamW(fused=True)`` runs on ``device`` with this torch.
 
     The fused kernel updates every parameter in one pass per tensor instead of
-    a dozen elementwise ops: on the CPU, for the comm preset's 12.8M
-    parameters, one thread, a step took 10 ms against 27-59 ms. Where the
-    kernel is missing (an older torch, another device) the plain AdamW runs.
+    a dozen elementwise ops (docs/design-notes.md). Where the kernel is missing
+    (an older torch, another device) the plain AdamW runs.
     """
     try:
         p = torch.zeros(1, device=device, requires_grad=True)
