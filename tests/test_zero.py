@@ -323,3 +323,20 @@ def test_training_job_zero2_and_zero1_with_fp16_hook_follow_adamw(world, subcomm
         job.close()
     np.testing.assert_allclose(curves["zero2"], curves["adamw"], rtol=1e-5)
     np.testing.assert_allclose(curves["zero1-fp16"], curves["adamw"], rtol=2e-3)
+
+
+def test_comm_defaults_to_the_process_group(world):
+    import mpiring.comm.default as default
+
+    model = torch.nn.Linear(3, 2)
+    before = default._default
+    default._default = None
+    try:
+        with pytest.raises(ValueError, match=r"ZeroRedundancyOptimizer: no communicator: call "
+                                             r"mpiring.init_process_group\(\)"):
+            ZeroRedundancyOptimizer(model.parameters())
+        default._default = world
+        opt = ZeroRedundancyOptimizer(model.parameters(), lr=0.1)
+        assert opt.comm is world
+    finally:
+        default._default = before

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from mpiring.comm.default import resolve
 from mpiring.parallel.zero.ddp import FollowDDP, _reduce_scatter_hook
 from mpiring.parallel.zero.layout import ShardLayout
 from mpiring.parallel.zero.state import ShardedState
@@ -37,7 +38,8 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
 
     Args:
         params: parameters or parameter groups (dicts), as for any torch optimizer.
-        comm: the ``mpiring.Communicator`` over the data-parallel ranks.
+        comm: the ``mpiring.Communicator`` over the data-parallel ranks (default:
+            the DDP model's, else the one ``mpiring.init_process_group()`` made).
         optimizer_class: the inner optimizer, run on this rank's shard (any
             ``torch.optim.Optimizer`` whose state is per element or scalar:
             SGD, Adam, AdamW, Adagrad, RMSprop, ...).
@@ -68,11 +70,13 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
     the rest holds partial sums); with stage 1 it is the mean over ranks.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], comm,
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], comm=None,
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  stage: int = 2, *, broadcast_params: bool = True, ddp=None,
                  **defaults: Any):
         self._initialized = False
+        if comm is None:  # torch's habit: the default process group (or DDP's)
+            comm = ddp.comm if ddp is not None else resolve(None, "ZeroRedundancyOptimizer")
         error: Exception | None = None
         try:
             if not all(hasattr(comm, a) for a in ("reduce_scatter", "all_gather", "rank", "size")):
