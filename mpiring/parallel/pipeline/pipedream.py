@@ -27,6 +27,7 @@ class SchedulePipeDream(PipelineSchedule):
 
     name = "pipedream"
     stash = True
+    allows_ddp = False  # refused on every rank by PipelineSchedule's agreement
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None, *,
                  optimizer, scale_grads: bool = True):

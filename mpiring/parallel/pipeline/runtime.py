@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from mpiring.parallel.pipeline import data_parallel
 from mpiring.parallel.pipeline.actions import (
     RECV_B,
     RECV_F,
@@ -84,7 +85,8 @@ class PipelineSchedule:
         self.stage, self.n_microbatches, self.loss_fn = stage, n_microbatches, loss_fn
         if actions is None:
             actions = build(self.name, stage.num_stages, n_microbatches)
-        mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None]
+        mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None,
+                stage.ddp is not None]
         table = stage.comm.control.allgather_json(mine) if stage.comm.size > 1 else [mine]
         if any(row[:3] != table[0][:3] for row in table):
             raise ValueError(f"{type(self).__name__}: the ranks built different schedules "
@@ -92,12 +94,22 @@ class PipelineSchedule:
                              "same one on every rank")
         if not table[-1][3]:
             raise ValueError(f"{type(self).__name__}: give loss_fn on the last stage")
+        if any(row[4] for row in table) and not self.allows_ddp:
+            raise ValueError(f"{type(self).__name__} steps each stage's optimizer after every "
+                             "micro-batch, so its replicas would need a reduction per micro-batch: "
+                             "give it unwrapped stages (no DistributedDataParallel), or use "
+                             "Schedule1F1B or ScheduleZeroBubble with data parallelism")
         self.simulated = check(actions, n_microbatches)  # ScheduleError on every rank alike
         self.actions = actions
         self._groups = groups(actions[stage.stage_index])
         self._split = {a.mb for a in actions[stage.stage_index] if a.kind == W}
         if self._split:
             stage.split_backward()
+        backwards = [a.mb for a in actions[stage.stage_index] if a.kind == B]
+        self._last_b = backwards[-1] if backwards else -1
+        # With a split backward W writes .grad outside autograd, where DDP's hooks do
+        # not see it: such a stage reduces after its last action (data_parallel).
+        self._sync_in_b = stage.ddp is not None and not self._split
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
         self._meta: dict[int, tuple] = {}
         self._meta_sent: set[int] = set()
@@ -128,6 +140,8 @@ class PipelineSchedule:
         self._xs = list(torch.tensor_split(x, m)) if st.is_first else None
         self._ts = list(torch.tensor_split(target, m)) if st.is_last else None
         st.reset()
+        if st.ddp is not None:
+            data_parallel.start_step(st.ddp)
         self._recv: dict[tuple[str, int], torch.Tensor] = {}
         self._send: dict[tuple[str, int], torch.Tensor] = {}
         self._outs: dict[int, torch.Tensor] = {}
@@ -150,6 +164,8 @@ class PipelineSchedule:
                     f"deadline ({st.comm.timeout:g} s)") from exc
         for req in sends:
             req.wait()
+        if st.ddp is not None and not self._sync_in_b:
+            data_parallel.reduce_now(st.ddp)
         self._reduce_tied()
         if losses is not None and st.is_last:
             losses.extend(self._losses[k] for k in range(m))
@@ -190,7 +206,8 @@ class PipelineSchedule:
                 self._send[("F", a.mb)] = out.detach().contiguous()
         elif a.kind == B:
             grad = None if st.is_last else self._recv.pop(("B", a.mb))
-            gin = st.backward(a.mb, grad, split=a.mb in self._split)
+            gin = st.backward(a.mb, grad, split=a.mb in self._split,
+                              sync=self._sync_in_b and a.mb == self._last_b)
             if not st.is_first:
                 self._send[("B", a.mb)] = gin.contiguous()
             self.after_backward(a.mb)
@@ -243,6 +260,7 @@ class PipelineSchedule:
     # --- what the schedules change -------------------------------------------------
     recompute = False
     stash = False
+    allows_ddp = True
 
     def after_backward(self, mb: int) -> None:
         """Called after each micro-batch's B (PipeDream updates the weights here)."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from mpiring.parallel.pipeline import split_backward
+from mpiring.parallel.pipeline import data_parallel, split_backward
 
 
 class PipelineStage:
@@ -29,7 +29,10 @@ class PipelineStage:
 
     Args:
         submodule: this stage's layers; its forward takes the previous stage's
-            output (the first stage: the step's input micro-batch).
+            output (the first stage: the step's input micro-batch). Wrapped in
+            ``DistributedDataParallel`` over the stage's data-parallel group, the
+            replicas' gradients are averaged at the end of each step
+            (``data_parallel``); the stage runs the wrapped layers itself.
         stage_index: this stage's number, 0 .. num_stages - 1; must be ``comm.rank``.
         num_stages: the number of stages; must be ``comm.size``.
         comm: the pipeline's communicator (one rank per stage, in order).
@@ -49,7 +52,9 @@ class PipelineStage:
                 "tied": [list(p.shape) for p in tied]}
         table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
         _check_layout(table, comm.size)
-        self.module = submodule
+        # DDP only reduces: running its forward would arm the reducer for every
+        # micro-batch, while the schedule decides which backward syncs.
+        self.module, self.ddp = data_parallel.unwrap(submodule)
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         # A communicator of its own: the schedule's tags cannot meet the caller's messages.
@@ -134,9 +139,12 @@ class PipelineStage:
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_bytes)
 
     # --- B and W --------------------------------------------------------------
-    def backward(self, mb: int, grad: torch.Tensor | None, *, split: bool = False
-                 ) -> torch.Tensor | None:
+    def backward(self, mb: int, grad: torch.Tensor | None, *, split: bool = False,
+                 sync: bool = False) -> torch.Tensor | None:
         """Micro-batch ``mb``'s backward (input gradient, and the weights' unless ``split``).
+
+        ``sync`` (with a DDP-wrapped stage): this backward also reduces the
+        gradients accumulated so far over the data-parallel replicas.
 
         Returns the gradient for the previous stage (None on the first stage).
         """
@@ -153,6 +161,8 @@ class PipelineStage:
                 out = loss_fn(out, target) * scale
         if self._sink is not None:
             self._sink.queue = self._wq.setdefault(mb, []) if split else None
+        if sync and self.ddp is not None:
+            data_parallel.arm(self.ddp, out)
         try:
             torch.autograd.backward(out, None if self.is_last else grad)
         finally:

@@ -11,8 +11,13 @@ take the same optimizer step and stay equal. PipeDream updates each stage on
 its own, so there the two copies are untied (they start equal and then train
 apart).
 
-    stage, sched = build_pipeline(comm, cfg, "1f1b", n_microbatches=8)
-    loss = train_step(sched, optimizer, x, y)      # x on stage 0, y on the last
+    stage, sched, opt = build_pipeline(comm, cfg, "1f1b", n_microbatches=8)
+    loss = train_step(sched, opt, x, y)            # x on stage 0, y on the last
+
+With ``pp`` smaller than the world, the ranks form a pp x dp grid: stage =
+rank // dp (each stage's dp replicas side by side, Megatron's order), and each
+stage's replicas average their gradients with DistributedDataParallel over
+``grid.dp``; each pipeline takes its own share of the batch.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 from mpiring.core.chunking import chunk_bounds
+from mpiring.parallel.data import DistributedDataParallel
 from mpiring.parallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
@@ -30,6 +36,7 @@ from mpiring.parallel.pipeline import (
     SchedulePipeDream,
     ScheduleZeroBubble,
 )
+from mpiring.parallel.pipeline.data_parallel import stage_grid
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
@@ -85,26 +92,32 @@ def split_gpt(model: GPT, num_stages: int, stage_index: int) -> tuple[nn.Sequent
     return module, tied
 
 
-def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *, seed: int = 0,
-                   dtype: torch.dtype = torch.float32, lr: float = 3e-4, recompute: bool = False):
-    """This rank's stage of a GPT over ``comm`` (one stage per rank), its schedule and optimizer.
+def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
+                   pp: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   lr: float = 3e-4, recompute: bool = False):
+    """This rank's stage of a GPT, its schedule and optimizer.
 
     Every rank builds the whole model from ``seed`` (so the stages start from one
-    model) and keeps its part. Returns ``(stage, sched, optimizer)``.
+    model) and keeps its part. ``pp`` stages (default: one per rank of ``comm``);
+    the world / pp replicas of each stage reduce with DDP. Returns
+    ``(stage, sched, optimizer)``; ``sched.grid`` holds the groups (``stage_grid``).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    grid = stage_grid(comm, comm.size if pp is None else pp)
     torch.manual_seed(seed)
     full = GPT(cfg).to(dtype)
-    module, tied = split_gpt(full, comm.size, comm.rank)
+    module, tied = split_gpt(full, grid.pp_size, grid.pp_rank)
     if schedule == "pipedream":  # stages update on their own: the two copies go untied
         tied = []
-    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied)
+    layers = module if grid.dp_size == 1 else DistributedDataParallel(module, comm=grid.dp)
+    stage = PipelineStage(layers, grid.pp_rank, grid.pp_size, grid.pp, tied_parameters=tied)
     opt = torch.optim.AdamW(module.parameters(), lr=lr)
     kwargs = {"optimizer": opt} if schedule == "pipedream" else {}
     if schedule == "gpipe":
         kwargs["recompute"] = recompute
     sched = SCHEDULES[schedule](stage, n_microbatches, lm_loss, **kwargs)
+    sched.grid = grid
     return stage, sched, opt
 
 

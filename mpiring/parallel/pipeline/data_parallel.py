@@ -1,0 +1,96 @@
+"""Pipeline x data parallelism: each stage's replicas reduce their gradients with mpiring's DDP.
+
+A grid of pp stages times dp replicas (``mpiring.ProcessGrid(comm, pp=P)``:
+stage = rank // dp, the dp replicas of one stage side by side, Megatron's
+order) runs dp pipelines at once, each on its own share of the batch. Stage
+s of every pipeline wraps its layers in ``DistributedDataParallel`` over its
+data-parallel group (``grid.dp``) and hands the wrapper to ``PipelineStage``::
+
+    grid = stage_grid(comm, pp=2)          # or mpiring.ProcessGrid(comm, pp=2)
+    ddp = mpiring.DistributedDataParallel(layers, comm=grid.dp)
+    stage = mpiring.PipelineStage(ddp, grid.pp_rank, grid.pp_size, grid.pp)
+
+The stage runs the unwrapped layers; DDP only reduces. Like torch.distributed.
+pipelining, every micro-batch but the last accumulates into ``.grad`` locally
+(DDP's ``no_sync``: the reducer stays disarmed), and the reducer is armed just
+before the last micro-batch's backward, so its buckets go out while that
+backward still runs (``overlap``) and the step ends with every ``.grad`` the
+mean over the replicas of the gradient of the mean micro-batch loss.
+
+Zero bubble splits the backward: W writes the Linear weights' ``.grad``
+directly (``split_backward``), outside autograd, so DDP's post-accumulate hooks
+never fire for them, and the last W's come after the last B. There the
+reduction runs after the stage's last action instead (``reduce_now``): one
+backward through the parameters themselves with zero gradients, which fires
+every hook in one autograd pass, so DDP's own buckets reduce the accumulated
+gradients, without overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpiring.parallel.grid import ProcessGrid, grid_coords
+
+
+@dataclass
+class StageGrid:
+    """This rank's place in a pp x dp grid and its two communicators."""
+
+    pp: object
+    dp: object
+    pp_rank: int
+    dp_rank: int
+    pp_size: int
+    dp_size: int
+
+
+def stage_grid(comm, pp: int) -> StageGrid:
+    """The pipeline (``.pp``) and data-parallel (``.dp``) groups of ``ProcessGrid(comm, pp=pp)``.
+
+    Stage = rank // dp: the dp replicas of a stage are neighbours. The layout is
+    checked on every rank by ``ProcessGrid``; the groups are split here by their
+    definition (same stage: one dp group; same replica: one pipeline), because
+    ``ProcessGrid.dp`` groups the ranks of one replica instead (its dp colour
+    uses dp_rank where pp_rank belongs).
+    """
+    grid = ProcessGrid(comm, pp=pp)  # the layout checks, on every rank alike
+    dp = grid.dp_size
+    _, dp_rank, pp_rank = grid_coords(comm.rank, 1, dp)
+    dp_comm = comm.split(pp_rank, key=comm.rank)
+    pp_comm = comm.split(dp_rank, key=comm.rank)
+    return StageGrid(pp_comm, dp_comm, pp_rank, dp_rank, pp, dp)
+
+
+def unwrap(submodule: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    """``(layers to run, DDP wrapper or None)`` for a stage's submodule."""
+    from mpiring.parallel.data.distributed import DistributedDataParallel
+
+    if isinstance(submodule, DistributedDataParallel):
+        return submodule.module, submodule
+    return submodule, None
+
+
+def start_step(ddp) -> None:
+    """What DDP does before a synced forward (bucket rebuild, buffer broadcast): once a step."""
+    ddp.sync_before_backward()
+
+
+def arm(ddp, outputs) -> None:
+    """Let the next backward (of ``outputs``) reduce the accumulated gradients, bucket by bucket."""
+    ddp.reducer.prepare_for_backward(outputs, True)
+
+
+def reduce_now(ddp) -> None:
+    """Reduce the accumulated ``.grad`` through DDP's buckets now (after the last W).
+
+    ``backward`` on the parameters with zero gradients adds nothing, but it runs
+    each parameter's AccumulateGrad, so the post-accumulate hooks fire in one
+    autograd pass and the reducer's end-of-backward wait returns the means.
+    """
+    params = ddp.reducer.params
+    arm(ddp, params)  # the parameters are the graph: none counts as unused
+    torch.autograd.backward(params, [torch.zeros_like(p) for p in params])

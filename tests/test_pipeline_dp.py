@@ -1,0 +1,172 @@
+"""Pipeline x data parallelism against one process on the global batch, float64.
+
+pp stages times dp replicas (``stage_grid``: stage = rank // dp). Replica d
+gets its own rows of the global batch; after a step every rank's ``.grad``
+must be the mean over the replicas of the gradient of the mean micro-batch
+loss, as one process computes it on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_ddp import Recorder  # a tracer that keeps its records in memory
+from torch import nn
+
+import mpiring
+from mpiring.core.chunking import chunk_bounds
+from mpiring.parallel.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble
+from mpiring.parallel.pipeline.data_parallel import stage_grid
+from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
+from mpiring.tools.train.pipeline import build_pipeline, units
+
+SCHEDULES = {
+    "gpipe": lambda st, m, lf: ScheduleGPipe(st, m, lf),
+    "gpipe-recompute": lambda st, m, lf: ScheduleGPipe(st, m, lf, recompute=True),
+    "1f1b": lambda st, m, lf: Schedule1F1B(st, m, lf),
+    "zb": lambda st, m, lf: ScheduleZeroBubble(st, m, lf),
+}
+LAYOUTS = [(2, 2), (2, 1), (1, 2)]  # (pp, dp)
+
+
+def net() -> nn.Sequential:
+    # A LayerNorm among the Linears: under zero bubble its gradient comes in B
+    # (through autograd), the Linears' in W (outside it).
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(3, 7), nn.Tanh(), nn.LayerNorm(7), nn.Linear(7, 5), nn.Tanh(),
+                         nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def shards(dp: int, salt: int):
+    """Replica d's rows (9 + d of them: the replicas need not hold the same count)."""
+    g = torch.Generator().manual_seed(40 + salt)
+    return [(torch.randn(9 + d, 3, generator=g, dtype=torch.float64),
+             torch.randn(9 + d, 2, generator=g, dtype=torch.float64)) for d in range(dp)]
+
+
+def mse(out, t):
+    return ((out - t) ** 2).mean()
+
+
+def reference(full: nn.Module, data, m: int, loss_fn) -> None:
+    """One process: the mean over replicas of the mean over micro-batches of the loss."""
+    full.zero_grad()
+    total = 0
+    for x, y in data:
+        losses = [loss_fn(full(a), b) for a, b in zip(torch.tensor_split(x, m),
+                                                      torch.tensor_split(y, m))]
+        total = total + torch.stack(losses).mean()
+    (total / len(data)).backward()
+
+
+def grid_of(world, pp: int, dp: int):
+    if pp * dp > world.size:
+        pytest.skip(f"needs {pp * dp} ranks, the job has {world.size}")
+    n = pp * dp
+    sub = world.split(world.rank // n if world.rank < world.size // n * n else None,
+                      key=world.rank)
+    if sub is None:
+        pytest.skip(f"rank {world.rank} is outside the {pp}x{dp} grids")
+    return stage_grid(sub, pp)
+
+
+def stage_bounds(n: int, k: int, i: int) -> tuple[int, int]:
+    return chunk_bounds(n, k)[i]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"pp{t[0]}xdp{t[1]}")
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("m", (1, 4))
+def test_pp_x_dp_matches_one_process(world, layout, name, m):
+    pp, dp = layout
+    grid = grid_of(world, pp, dp)
+    full = net()
+    lo, hi = stage_bounds(len(full), pp, grid.pp_rank)
+    part = copy.deepcopy(full[lo:hi])
+    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp)
+    stage = mpiring.PipelineStage(ddp, grid.pp_rank, pp, grid.pp)
+    sched = SCHEDULES[name](stage, m, mse)
+    try:
+        for salt in (0, 1):  # the second step runs on DDP's rebuilt buckets
+            data = shards(dp, salt)
+            reference(full, data, m, mse)
+            x, y = data[grid.dp_rank]
+            part.zero_grad(set_to_none=True)
+            sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+            for mine, ref in zip(part.parameters(), full[lo:hi].parameters()):
+                torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-10, atol=1e-12)
+        assert ddp.reducer.iteration == 2  # one reduction per step, not one per micro-batch
+    finally:
+        ddp.close()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb"])
+def test_where_the_buckets_go(world, name):
+    # 1F1B: the buckets go out inside the last micro-batch's backward (overlap);
+    # ZB: after the stage's last W, whose gradients autograd's hooks never see.
+    grid = grid_of(world, 2, 2)
+    full = net()
+    lo, hi = stage_bounds(len(full), 2, grid.pp_rank)
+    part = copy.deepcopy(full[lo:hi])
+    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp)
+    stage = mpiring.PipelineStage(ddp, grid.pp_rank, 2, grid.pp)
+    rec = Recorder(world.rank)
+    stage.comm.tracer = ddp.comm.tracer = rec
+    sched = SCHEDULES[name](stage, 3, mse)
+    x, y = shards(2, 0)[grid.dp_rank]
+    sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    ddp.close()
+    events = [r for r in rec.records if r.get("type") == "event"]
+    acts = [e for e in events if e["cat"] == "pipeline"]
+    buckets = [e for e in events if e["name"] == "ddp.all_reduce"]
+    assert buckets
+    last_b = [e for e in acts if e["action"] == "B"][-1]
+    if name == "1f1b":
+        assert last_b["mb"] == 2 and acts[-1] is last_b
+        assert all(last_b["t_start"] <= b["t_start"] <= b["t_end"] <= last_b["t_end"]
+                   for b in buckets)
+    else:
+        assert acts[-1]["action"] == "W"
+        assert all(b["t_start"] >= acts[-1]["t_end"] for b in buckets)
+
+
+def test_gpt_pp_x_dp_with_tied_embedding(world):
+    # The trainer's wiring: ProcessGrid, DDP over grid.dp, the tied embedding summed
+    # between the first and last stage of each pipeline.
+    if world.size < 4:
+        pytest.skip("needs 4 ranks (pp=2 x dp=2)")
+    sub = world.split(0 if world.rank < 4 else None, key=world.rank)
+    if sub is None:
+        pytest.skip("rank outside the 4-rank grid")
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=2, n_heads=2)
+    torch.manual_seed(0)
+    full = GPT(cfg).double()
+    stage, sched, opt = build_pipeline(sub, cfg, "1f1b", 3, pp=2, dtype=torch.float64)
+    grid = sched.grid
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randint(0, 11, (4 + d, 5), generator=g),
+             torch.randint(0, 11, (4 + d, 5), generator=g)) for d in range(2)]
+    reference(full, data, 3, lm_loss)
+    x, y = data[grid.dp_rank]
+    sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    lo, hi = chunk_bounds(len(units(full)), 2)[grid.pp_rank]
+    ref_part = nn.Sequential(*units(full)[lo:hi])  # the same parameters, grads included
+    for (n, mine), ref in zip(stage.module.named_parameters(), ref_part.parameters()):
+        torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-10, atol=1e-12, msg=n)
+    w = stage.tied_parameters[0]
+    torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12)
+    stage.ddp.close()
+
+
+def test_pipedream_refuses_data_parallel_stages(world):
+    grid = grid_of(world, 1, min(world.size, 2))
+    from mpiring.parallel.pipeline import SchedulePipeDream
+
+    part = net()
+    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp)
+    stage = mpiring.PipelineStage(ddp, 0, 1, grid.pp)
+    with pytest.raises(ValueError, match="reduction per micro-batch"):
+        SchedulePipeDream(stage, 2, mse, optimizer=torch.optim.SGD(part.parameters(), lr=0.1))
+    ddp.close()
