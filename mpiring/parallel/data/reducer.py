@@ -39,109 +39,26 @@ raises the same error instead of one rank waiting forever for a bucket.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from mpiring.parallel.data.bucket_layout import BucketLayout, _Bucket
 from mpiring.parallel.data.bucketing import (
     BUCKET_SEGMENT_BYTES,
     DEFAULT_BUCKET_ALGO,
     MIB,
-    bucket_offsets,
-    compute_buckets,
-    order_from_observed,
 )
-from mpiring.runtime import pages
+from mpiring.parallel.data.comm_thread import CommThread
+from mpiring.parallel.data.eager import outside_compile
+from mpiring.parallel.data.end_of_backward import _OK, _TWICE, EndOfBackward
 from mpiring.runtime.trace import clock
-
-_OK = 0
-_MISSING = 1   # a parameter got no gradient and find_unused_parameters is off
-_TWICE = 2     # a parameter reported a gradient after it was already reduced or marked unused
-
-
-class _Bucket:
-    """One flat buffer of gradients, reduced with a single AllReduce."""
-
-    __slots__ = ("index", "params", "offsets", "numel", "flat", "tail", "dtype", "device")
-
-    def __init__(self, index: int, params: list[int], offsets: list[int], numel: int,
-                 flat: torch.Tensor, tail: int | None):
-        self.index = index
-        self.params = params          # global parameter indices, in fill order
-        self.offsets = offsets        # element offset of each parameter in ``flat``
-        self.numel = numel            # gradient elements (without the status tail)
-        self.flat = flat
-        self.tail = tail              # offset of the status tail (last bucket only)
-        self.dtype = flat.dtype
-        self.device = flat.device
-
 
 #: Seconds a rank sleeps between polls while it waits for its peers before a bucket.
 QUIET_POLL_S = 2e-4
 
-# Communication and bucket rebuilds run eagerly even inside torch.compile: traced,
-# they would see fake tensors (no data pointer to hand to MPI). torch's own lazy
-# form imports dynamo on the first call only (``import mpiring`` stays cheap).
-outside_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
-
-
-class CommThread:
-    """A daemon thread that runs submitted closures one at a time, in submission order.
-
-    ``wait()`` blocks until everything submitted so far has run and re-raises
-    the first exception a closure raised. After an exception the remaining
-    closures are skipped (a failed collective leaves the ranks out of step, so
-    issuing more could only hang).
-    """
-
-    def __init__(self, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._submitted = 0
-        self._done = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._submitted += 1
-        self._queue.put(fn)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._queue.get()
-            if fn is None:
-                return
-            try:
-                if self._error is None:
-                    fn()
-            except BaseException as exc:  # handed to the main thread in wait()
-                self._error = exc
-            finally:
-                # Drop the closure before waiting for the next: it holds its bucket,
-                # which after a rebuild would stay alive beside the new ones.
-                fn = None
-                with self._cond:
-                    self._done += 1
-                    self._cond.notify_all()
-
-    def wait(self) -> None:
-        with self._cond:
-            while self._done < self._submitted:
-                self._cond.wait()
-        if self._error is not None:
-            raise RuntimeError(f"communication thread failed: {self._error}") from self._error
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=10)
-
-
-class Reducer:
+class Reducer(BucketLayout, EndOfBackward):
     """Buckets, hooks and the communication schedule for one DDP model.
 
     Args:
@@ -214,86 +131,6 @@ class Reducer:
         self._expect = False
         self._reset_iteration()
 
-    # --- buckets ----------------------------------------------------------------
-    def _build(self, order: Sequence[int] | None) -> None:
-        nbytes = [p.numel() * p.element_size() for p in self.params]
-        keys = [(p.dtype, str(p.device)) for p in self.params]
-        groups = compute_buckets(nbytes, keys, bucket_cap_bytes=self.bucket_cap_bytes,
-                                 first_bucket_bytes=self.first_bucket_bytes, order=order)
-        numels = [p.numel() for p in self.params]
-        tail_len = self.size + len(self.params)
-        self.buckets: list[_Bucket] = []
-        self._where: list[tuple[int, int]] = [(-1, -1)] * len(self.params)
-        for b, group in enumerate(groups):
-            offsets, total = bucket_offsets(group, numels)
-            last = b == len(groups) - 1
-            first = self.params[group[0]]
-            # On huge pages: MPI copies between processes faster (see mpiring.runtime.pages).
-            flat = pages.zeros(total + (tail_len if last else 0), first.dtype, first.device)
-            self.buckets.append(_Bucket(b, group, offsets, total, flat, total if last else None))
-            for i, off in zip(group, offsets):
-                self._where[i] = (b, off)
-        self.bucket_params = [list(b.params) for b in self.buckets]
-        if self.gradient_as_bucket_view:
-            with torch.no_grad():
-                for i, p in enumerate(self.params):
-                    if p.grad is not None:
-                        view = self._view(i)
-                        view.copy_(p.grad)
-                        p.grad = view
-
-    def _view(self, i: int) -> torch.Tensor:
-        b, off = self._where[i]
-        p = self.params[i]
-        return self.buckets[b].flat[off:off + p.numel()].view_as(p)
-
-    @outside_compile
-    def rebuild_if_due(self) -> bool:
-        """Rebuild the buckets once, from rank 0's observed gradient order (collective).
-
-        Called before the forward that follows the first synced backward, on every
-        rank (the DDP wrapper does it). Returns True if the buckets changed.
-        """
-        if not self._rebuild_due:
-            return False
-        self._rebuild_due = False
-        self.rebuilt = True
-        n = len(self.params)
-        # Rank 0's order decides: ranks may see different orders (data-dependent
-        # control flow), and the layout must be identical everywhere.
-        order = torch.tensor(order_from_observed(self._observed, n), dtype=torch.int64)
-        self.comm.broadcast(order, root=0)
-        order_list = order.tolist()
-        if sorted(order_list) != list(range(n)):  # pragma: no cover - defensive
-            raise RuntimeError("bucket rebuild: rank 0 sent an order that is not a permutation")
-        old = self.bucket_params
-        self._build(order=order_list)
-        return self.bucket_params != old
-
-    def layout_state(self) -> dict[str, Any]:
-        """The bucket layout and iteration count, for a checkpoint (plain data).
-
-        A resumed run must reduce with the same buckets as an uninterrupted one:
-        the ring sums each element in an order that depends on where it sits in
-        its bucket, so another layout changes the last bits of the mean.
-        """
-        due = self.rebuilt or self._rebuild_due
-        return {"iteration": self.iteration,
-                "order": order_from_observed(self._observed, len(self.params)) if due else None}
-
-    def load_layout_state(self, state: dict[str, Any]) -> None:
-        """Continue with the layout ``layout_state()`` saved (before the next forward).
-
-        The buckets are rebuilt from the saved order at the next synced forward,
-        by ``rebuild_if_due`` (rank 0's order, as in the run that saved it).
-        """
-        self.iteration = int(state["iteration"])
-        order = state.get("order")
-        if order is not None and not self.rebuilt:
-            self._observed = [int(i) for i in order]
-            self._rebuild_due = True
-
-    # --- per-iteration state ------------------------------------------------------
     def _reset_iteration(self) -> None:
         n = len(self.params)
         self._fired = [False] * n
@@ -333,7 +170,6 @@ class Reducer:
         if tensors and tensors[0].grad_fn is not None:
             tensors[0].register_hook(self._on_output_grad)
 
-    # --- hooks (main thread, during backward) ------------------------------------
     @outside_compile
     def _on_output_grad(self, grad):
         if self._expect:
@@ -478,108 +314,6 @@ class Reducer:
                 status[self.size + i] = 1.0
         bucket.flat[bucket.tail:].copy_(status)
 
-    # --- end of backward (main thread, queued with queue_callback) -----------------
-    def _finalize(self) -> None:
-        t_end_backward = clock()
-        missing = [i for i in range(len(self.params)) if not self._ready[i]]
-        if missing and not self.find_unused_parameters:
-            # Still launch every bucket (zeros in the holes): the other ranks may
-            # already be inside these AllReduces, and only the status tail tells
-            # them to raise instead of waiting for us forever.
-            self._error_code = max(self._error_code, _MISSING)
-        for i in missing:
-            self._mark_ready(i, zero=True)
-        self._launch_ready_buckets()
-        t_wait = clock()
-        try:
-            self._thread.wait()
-        finally:
-            self._started = False
-            self._expect = False
-        t_done = clock()
-        self._exposed_s = t_done - t_wait
-        last = self.buckets[-1]
-        status = last.flat[last.tail:].to(device="cpu", dtype=torch.float64)
-        codes = [int(round(v)) for v in status[:self.size].tolist()]
-        no_grad = [int(round(v)) for v in status[self.size:].tolist()]
-        self._write_trace(t_end_backward, t_wait, t_done)
-        if any(codes):
-            self._raise_status(codes, no_grad)
-        if self.find_unused_parameters:
-            self._finish_unused(no_grad)
-        if self.iteration == 0 and not self.rebuilt and not self.find_unused_parameters:
-            # torch DDP rebuilds only with a static set of used parameters.
-            self._rebuild_due = True
-        self.iteration += 1
-
-    @outside_compile
-    def shadow_backward(self) -> None:
-        """Take part in one synced backward with zero gradients (collective).
-
-        A rank that has run out of inputs under ``DDP.join()`` calls this for
-        each backward the other ranks still run: the same buckets go out in the
-        same order, so their AllReduces complete, and this rank's share of the
-        mean is zero. No parameter is marked fired, so the status tail reports
-        every one as unused here and no error is raised on its account.
-        """
-        if self._started:
-            raise RuntimeError("shadow_backward: a backward is still reducing on this rank")
-        self._reset_iteration()
-        self._expect = True
-        self._started = True
-        self._t_backward = clock()
-        for i in range(len(self.params)):
-            self._mark_ready(i, zero=True)
-        self._finalize()
-
-    def _finish_unused(self, no_grad: list[int]) -> None:
-        # A parameter that got no gradient here but did on another rank takes the
-        # mean (our zeros included); one unused on every rank keeps its .grad
-        # untouched, as in torch DDP.
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if self._fired[i] or no_grad[i] >= self.size:
-                    continue
-                view = self._view(i)
-                if self.gradient_as_bucket_view:
-                    p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-
-    def _raise_status(self, codes: list[int], no_grad: list[int]) -> None:
-        missing_ranks = [r for r, c in enumerate(codes) if c & _MISSING]
-        twice_ranks = [r for r, c in enumerate(codes) if c & _TWICE]
-        if missing_ranks:
-            names = [self.names[i] for i, c in enumerate(no_grad) if c]
-            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-            raise RuntimeError(
-                "DistributedDataParallel: parameter(s) " + shown + " got no gradient in this "
-                f"backward on rank(s) {_ranks(missing_ranks)}, so their buckets could not be "
-                "reduced. If some parameters take no part in the loss in some iterations, pass "
-                "find_unused_parameters=True to DistributedDataParallel; otherwise make every "
-                "parameter contribute to the loss")
-        raise RuntimeError(
-            "DistributedDataParallel: a parameter reported a gradient after it had already been "
-            f"reduced or marked unused (rank(s) {_ranks(twice_ranks)}). Use each forward's "
-            "outputs for the loss, and run one backward per forward")
-
-    def _write_trace(self, t_end_backward: float, t_wait: float, t_done: float) -> None:
-        tracer = self.comm.tracer
-        for rec in self._records:
-            if "t_end" in rec:
-                tracer.event("ddp.all_reduce", "ddp", rec["t_start"], rec["t_end"],
-                             bucket=rec["bucket"], iteration=rec["iteration"], bytes=rec["bytes"],
-                             t_peers=rec["t_peers"],
-                             params=rec["params"], launch=rec["launch"], overlap=self.overlap,
-                             algo=self.algo)
-        tracer.event("ddp.backward", "ddp", self._t_backward or t_end_backward, t_end_backward,
-                     iteration=self.iteration, overlap=self.overlap)
-        tracer.event("ddp.wait", "ddp", t_wait, t_done, iteration=self.iteration,
-                     overlap=self.overlap)
-
-    # --- communication hooks (torch DDP's register_comm_hook; see comm_hooks.py) -----
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce every bucket with ``hook(state, bucket)`` instead of the plain AllReduce.
 
@@ -607,10 +341,6 @@ class Reducer:
             h.remove()
         self._handles = []
         self._thread.close()
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(f"r{r}" for r in ranks)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
