@@ -158,7 +158,7 @@ def test_auto_chooses_alike_on_every_rank_even_from_different_files(comm, tmp_pa
 
     path = tmp_path_factory.mktemp(f"cache_r{comm.rank}")
     monkeypatch.setenv("MPIRING_CACHE", str(path))
-    hosts = autotune.host_layout(comm.mpi_comm, comm.local_rank, comm.local_size)
+    hosts = autotune.host_layout(comm)
     key = autotune.layout_key("mpi", comm.size, hosts)
     picks = ("ring-seg", "recursive-doubling", "ring", "native")
     mine = picks[comm.rank % len(picks)]

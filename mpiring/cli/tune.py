@@ -119,7 +119,7 @@ def tune_communicator(comm, collectives, sizes, reps: int, margin: float):
     """
     from mpiring.comm import autotune
 
-    hosts = autotune.host_layout(comm.mpi_comm, comm.local_rank, comm.local_size)
+    hosts = autotune.host_layout(comm)
     key = autotune.layout_key(comm.backend, comm.size, hosts)
     measured = {}
     for coll in collectives:

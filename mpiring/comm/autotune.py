@@ -36,7 +36,7 @@ Tables live in a JSON file, one entry per backend, world size and host layout
 (ranks per host): ``$MPIRING_CACHE/tune.json``, else
 ``$XDG_CACHE_HOME/mpiring/tune.json``, else ``~/.cache/mpiring/tune.json``.
 Nothing is ever measured implicitly: without an entry, ``auto`` uses the
-built-in tables below, measured on a 2-core development machine; refit with
+built-in tables below (docs/design-notes.md says where they come from); refit with
 ``mpiexec -n K python -m mpiring tune``.
 """
 
@@ -379,27 +379,23 @@ def lookup(backend: str, size: int, hosts: Sequence[int], path: str | None = Non
 
 
 # --- agreeing on one table (collective) ------------------------------------------------
-def host_layout(mpi_comm, local_rank: int, local_size: int) -> list[int]:
-    """Ranks per host, from every rank's (local_rank, local_size). Collective."""
-    from mpiring.backends.control import allgather_array
-
-    info = allgather_array(mpi_comm, [local_rank, local_size])
+def host_layout(comm) -> list[int]:
+    """Ranks per host, from every rank's (local_rank, local_size). Collective over ``comm``."""
+    info = comm.control.allgather_array([comm.local_rank, comm.local_size])
     return [int(n) for lr, n in info if lr == 0]
 
 
 def shared_table(comm) -> AutoTable:
     """Rank 0's table for ``comm``'s layout, on every rank.
 
-    Collective over ``comm``'s MPI communicator (the control plane of both
-    backends): one small allgather and one broadcast, without pickle.
+    Collective over ``comm``'s control channel (MPI on both backends): one
+    small allgather and one broadcast, without pickle.
     """
-    from mpiring.backends.control import bcast_bytes
-
     if comm.size == 1:
         return lookup(comm.backend, 1, [1])
-    hosts = host_layout(comm.mpi_comm, comm.local_rank, comm.local_size)
+    hosts = host_layout(comm)
     data = None
     if comm.rank == 0:
         data = json.dumps(lookup(comm.backend, comm.size, hosts).to_json()).encode()
-    raw = bcast_bytes(comm.mpi_comm, data, root=0)
+    raw = comm.control.bcast_bytes(data, root=0)
     return AutoTable.from_json(json.loads(raw.decode()))
