@@ -130,7 +130,7 @@ def test_time_interleaved_batches_and_rotates(world):
     log: list[str] = []
     calls = [lambda n=n: log.append(n) for n in "abc"]
     resets = [lambda: log.append("|")] * 3
-    times = time_interleaved(world.mpi_comm, calls, resets, iters=4, warmup=1, batch=2)
+    times = time_interleaved(world, calls, resets, iters=4, warmup=1, batch=2)
     assert times.shape == (3, 4) and (times >= 0).all()
     samples = "".join(log).split("|")[1:]
     assert all(len(s) == 2 and len(set(s)) == 1 for s in samples)  # one call, twice in a row

@@ -97,11 +97,11 @@ def run(args) -> int:
               f"backend {comm.backend}; command: mpiexec -n {k} python -m mpiring bench "
               f"{' '.join(sys.argv[2:]) if sys.argv[1:2] == ['bench'] else ''}".rstrip(), file=out)
 
-    bound = measure.memory_bandwidth(comm.mpi_comm, comm.local_size)
+    bound = measure.memory_bandwidth(comm)
     fits, failures = {}, {}
     if args.model or args.sweep_chunks is not None or args.ps is not None:
         fits, failures = measure.fit_pingpong(
-            comm.mpi_comm, max_bytes=max(1 << 20, min(sizes[-1], 16 << 20)))
+            comm, max_bytes=max(1 << 20, min(sizes[-1], 16 << 20)))
     ab = fits.get(args.fit)
     if out:
         print(f"# memory: {bound.describe()} (see the README's Performance section for the bound)",
@@ -139,7 +139,7 @@ def run(args) -> int:
         if args.plot and rank == 0 and study:
             plot_ps(study, args.plot)
     if not studies:
-        gloo = gloo_mod.Gloo(comm.mpi_comm, comm.local_size) if wants_gloo else None
+        gloo = gloo_mod.Gloo(comm) if wants_gloo else None
         cfg = sw.SweepConfig(collectives, algos, sizes, iters=args.iters, warmup=args.warmup,
                              dtype=args.dtype, op=args.op, root=args.root, chunks=args.chunks,
                              model=ab)
@@ -153,7 +153,7 @@ def run(args) -> int:
                 gloo.close()
         # Measure the memory again and keep the best of both: the bound is what the
         # machine can do, and other work on a shared machine only ever lowers it.
-        again = measure.memory_bandwidth(comm.mpi_comm, comm.local_size)
+        again = measure.memory_bandwidth(comm)
         bound = MemoryBound(max(bound.copy_bw, again.copy_bw), max(bound.reduce_bw, again.reduce_bw),
                             bound.cores)
         sw.add_bound(rows, bound)

@@ -66,7 +66,7 @@ def run(args) -> int:
 def _run(args) -> int:
     import mpiring
     from mpiring.comm import autotune
-    from mpiring.tools.bench.measure import quiet_barrier
+    from mpiring.tools.bench.measure import QUIET_POLL_S
 
     collectives = [c.strip() for c in args.collective.split(",") if c.strip()]
     for c in collectives:
@@ -96,7 +96,7 @@ def _run(args) -> int:
                     print(f"# stored under '{table.key}' in {path}", flush=True)
         # Ranks outside the sub-communicator sleep rather than spin: on a machine
         # with fewer cores than ranks a spinning rank would skew the timings.
-        quiet_barrier(comm.mpi_comm)
+        comm.control.barrier(poll_s=QUIET_POLL_S)
     if out and args.dry_run:
         print("# dry run: nothing stored")
     return 0

@@ -189,10 +189,8 @@ KEYS = ("step", "forward", "backward_call", "update", "other", "comm_total", "wa
 
 def _summarise(comm, local: np.ndarray) -> dict[str, float]:
     """Per part: the median over steps of the mean over ranks (the step: of the slowest rank)."""
-    from mpiring.backends.control import allgather_array
-
     steps = local.shape[0]
-    table = allgather_array(comm, local.reshape(-1)).reshape(comm.size, steps, len(KEYS))
+    table = comm.control.allgather_array(local.reshape(-1)).reshape(comm.size, steps, len(KEYS))
     out = {}
     for j, k in enumerate(KEYS):
         col = table[:, :, j]

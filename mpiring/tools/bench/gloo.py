@@ -1,9 +1,10 @@
 """torch.distributed's gloo backend, started from the MPI job: the baseline users would pick.
 
-Rank 0 picks a free TCP port, broadcasts it over MPI as an int, and every rank
-calls ``init_process_group("gloo", init_method="tcp://HOST:PORT")`` with its MPI
-rank and size; no MASTER_ADDR/MASTER_PORT or torchrun is needed. HOST is the
-loopback address when all ranks share one host, else rank 0's host name.
+Rank 0 picks a free TCP port and sends it over the communicator's control
+channel; every rank then calls ``init_process_group("gloo",
+init_method="tcp://HOST:PORT")`` with its rank and size in that communicator;
+no MASTER_ADDR/MASTER_PORT or torchrun is needed. HOST is the loopback address
+when all ranks share one host, else rank 0's host name.
 
 The gloo calls run on the bench's own NumPy buffers through ``torch.from_numpy``
 (zero-copy), so gloo, MPI and the ring see the same memory.
@@ -15,8 +16,6 @@ import os
 import socket
 
 import numpy as np
-
-from mpiring.backends.control import bcast_json
 
 _TORCH_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
 
@@ -37,10 +36,10 @@ def _free_port() -> int:
 
 
 class Gloo:
-    """A gloo process group over the ranks of an MPI communicator (one per process)."""
+    """A gloo process group over the ranks of a Communicator (one per process)."""
 
-    def __init__(self, mpi_comm, local_size: int, timeout_s: float = 120.0):
-        """Start the process group; every rank of ``mpi_comm`` must call this.
+    def __init__(self, comm, timeout_s: float = 120.0):
+        """Start the process group; every rank of ``comm`` must call this.
 
         Raises:
             TypeError: torch is not installed (install the ``torch`` extra).
@@ -53,11 +52,11 @@ class Gloo:
         import torch.distributed as dist
 
         self.dist = dist
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        one_host = local_size == self.size
+        self.rank, self.size = comm.rank, comm.size
+        one_host = comm.local_size == self.size
         port = _free_port() if self.rank == 0 else 0
         host = "127.0.0.1" if one_host else socket.gethostname()
-        port, host = bcast_json(mpi_comm, (port, host), root=0)  # no pickle
+        port, host = comm.control.bcast_json((port, host), root=0)
         if one_host:
             # gloo binds to the interface its host name resolves to; pin it to the
             # loopback so that a machine without a resolvable name still works.

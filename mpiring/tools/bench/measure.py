@@ -16,35 +16,55 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from mpi4py import MPI
 
-from mpiring.backends.control import bcast_json
 from mpiring.core.costmodel import AlphaBeta, MemoryBound, fit_alpha_beta
+from mpiring.runtime.trace import Tracer
 
 clock = time.perf_counter
 
+#: Sleep between polls of ``comm.control.barrier(poll_s=QUIET_POLL_S)``, the barrier
+#: of ranks that sit out a measurement: MPICH's blocking calls spin, and a rank
+#: idling in a plain barrier would steal a core from the ranks being measured
+#: when ranks outnumber cores.
+QUIET_POLL_S = 0.002
 
-def quiet_barrier(mpi_comm: MPI.Comm, poll: float = 0.002) -> None:
-    """A barrier that sleeps while it waits.
 
-    MPICH's blocking calls spin; a rank idling in ``Barrier`` would steal a core
-    from the ranks being measured when ranks outnumber cores.
+def lean_dup(comm):
+    """A dup of ``comm`` for point-to-point baselines: no descriptor check, no trace.
+
+    Its messages carry nothing but the data (``check=False``: no 24-byte
+    descriptor ahead of each one) and write no trace record; nothing else on
+    ``comm`` can match them. Collective.
     """
-    req = mpi_comm.Ibarrier()
-    while not req.Test():
-        time.sleep(poll)
+    lean = comm.dup()
+    lean.check = False
+    lean.tracer = Tracer(comm.rank)  # no directory, no log: off
+    return lean
 
 
-def time_iterations(mpi_comm: MPI.Comm, call: Callable[[], object], *, iters: int,
+def _ring_link(comm):
+    """The point-to-point calls a ring step makes (the backend's ``send``, ``irecv``,
+    ``wait``, ``sendrecv``), on a lean dup of ``comm``. Collective.
+
+    The fitted alpha is meant to be what a ring step pays. The Communicator's
+    public send/recv add a request object, the argument checks and the trace
+    hook to every message: Python work that no ring step does, and that would
+    dominate a small message's time on one host.
+    """
+    return lean_dup(comm)._be
+
+
+def time_iterations(comm, call: Callable[[], object], *, iters: int,
                     warmup: int, reset: Callable[[], object] | None = None) -> np.ndarray:
     """Per-iteration time of the slowest rank, in seconds (``iters`` values).
 
     Every iteration resets the buffers (outside the timed region), lines the
-    ranks up with a barrier, then times ``call`` on each rank; one Allreduce(MAX)
-    at the end turns the local times into the slowest rank's.
+    ranks up with a barrier, then times ``call`` on each rank; one exchange at
+    the end turns the local times into the slowest rank's. Collective over
+    ``comm`` (a Communicator).
     """
     # One call taking turns with nobody: the same loop as time_interleaved.
-    return time_interleaved(mpi_comm, [call], [reset or (lambda: None)],
+    return time_interleaved(comm, [call], [reset or (lambda: None)],
                             iters=iters, warmup=warmup)[0]
 
 
@@ -88,7 +108,7 @@ def balanced_orders(n: int) -> list[list[int]]:
     return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],
+def time_interleaved(comm, calls: Sequence[Callable[[], object]],
                      resets: Sequence[Callable[[], object]], *, iters: int,
                      warmup: int, batch: int = 1) -> np.ndarray:
     """Like ``time_iterations`` for several calls at once, taking turns.
@@ -100,24 +120,24 @@ def time_interleaved(mpi_comm: MPI.Comm, calls: Sequence[Callable[[], object]],
     after the same other one. Each sample is ``batch`` calls back to back (see
     ``batch_for``), divided by ``batch``; the buffers are reset before each
     sample only. Returns an array (calls, iters) of the slowest rank's times
-    per call.
+    per call. Collective over ``comm`` (a Communicator).
     """
+    control = comm.control
     local = np.zeros((len(calls), max(iters, 0)), dtype=np.float64)
     orders = balanced_orders(len(calls))
     for i in range(warmup + iters):
         for j in orders[i % len(orders)]:
             call, reset = calls[j], resets[j]
             reset()
-            mpi_comm.Barrier()
+            control.barrier()  # poll_s=0: the lowest exit skew
             t0 = clock()
             for _ in range(batch):
                 call()
             dt = (clock() - t0) / batch
             if i >= warmup:
                 local[j, i - warmup] = dt
-    slowest = np.empty_like(local)
-    mpi_comm.Allreduce(local, slowest, op=MPI.MAX)
-    return slowest
+    # Every rank's times, then the slowest per sample: an elementwise max over ranks.
+    return control.allgather_array(local.reshape(-1)).max(axis=0).reshape(local.shape)
 
 
 def pingpong_sizes(max_bytes: int = 16 << 20, min_bytes: int = 8, factor: int = 4) -> list[int]:
@@ -134,14 +154,15 @@ def _reps(nbytes: int, reps: int) -> int:
     return reps * 4 if nbytes < (64 << 10) else reps
 
 
-def pingpong(mpi_comm: MPI.Comm, sizes: Sequence[int], reps: int = 5,
+def pingpong(comm, sizes: Sequence[int], reps: int = 5,
              a: int = 0, b: int = 1) -> list[tuple[int, float]]:
     """One-way time between ranks ``a`` and ``b`` (half the median round trip).
 
     The other ranks sleep meanwhile, so this measures the link alone. Every
-    rank returns the same list (broadcast from ``a``).
+    rank returns the same list (broadcast from ``a``). Collective over ``comm``.
     """
-    rank = mpi_comm.Get_rank()
+    link = _ring_link(comm)
+    rank = comm.rank
     results: list[tuple[int, float]] = []
     for n in sizes:
         buf = np.zeros(n, dtype=np.uint8)
@@ -151,41 +172,42 @@ def pingpong(mpi_comm: MPI.Comm, sizes: Sequence[int], reps: int = 5,
             for i in range(_reps(n, reps) + 1):
                 t0 = clock()
                 if rank == a:
-                    mpi_comm.Send(buf, dest=peer, tag=11)
-                    mpi_comm.Recv(buf, source=peer, tag=11)
+                    link.send(buf, peer)
+                    link.wait(link.irecv(buf, peer))
                 else:
-                    mpi_comm.Recv(buf, source=peer, tag=11)
-                    mpi_comm.Send(buf, dest=peer, tag=11)
+                    link.wait(link.irecv(buf, peer))
+                    link.send(buf, peer)
                 if i:  # the first round trip sets up the connection
                     rtts.append(clock() - t0)
-        quiet_barrier(mpi_comm)
+        comm.control.barrier(poll_s=QUIET_POLL_S)
         one_way = float(np.median(rtts)) / 2 if rtts else 0.0
-        results.append((n, float(bcast_json(mpi_comm, one_way, root=a))))
+        results.append((n, float(comm.control.bcast_json(one_way, root=a))))
     return results
 
 
-def ring_exchange(mpi_comm: MPI.Comm, sizes: Sequence[int], reps: int = 5) -> list[tuple[int, float]]:
+def ring_exchange(comm, sizes: Sequence[int], reps: int = 5) -> list[tuple[int, float]]:
     """Time of one ring step: every rank sends n bytes right and receives n from the left.
 
     This is exactly what a ring collective does at each step, with every rank
     busy at once, so it includes what the pair ping-pong leaves out: ranks
     competing for cores and memory bandwidth. Returns the median of the slowest
-    rank's time per size.
+    rank's time per size. Collective over ``comm``.
     """
-    size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    link = _ring_link(comm)
+    size, rank = comm.size, comm.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     results = []
     for n in sizes:
         send = np.zeros(n, dtype=np.uint8)
         recv = np.empty_like(send)
         times = time_iterations(
-            mpi_comm, lambda s=send, r=recv: mpi_comm.Sendrecv(s, right, 12, r, left, 12),
+            comm, lambda s=send, r=recv: link.sendrecv(s, right, r, left),
             iters=_reps(n, reps), warmup=1)
         results.append((n, float(np.median(times))))
     return results
 
 
-def fit_pingpong(mpi_comm: MPI.Comm, max_bytes: int = 16 << 20,
+def fit_pingpong(comm, max_bytes: int = 16 << 20,
                  reps: int = 5) -> tuple[dict[str, AlphaBeta], dict[str, str]]:
     """Fit the alpha-beta model both ways: ``pair`` (ping-pong r0<->r1) and ``ring``.
 
@@ -196,11 +218,11 @@ def fit_pingpong(mpi_comm: MPI.Comm, max_bytes: int = 16 << 20,
     """
     fits: dict[str, AlphaBeta] = {}
     failures: dict[str, str] = {}
-    if mpi_comm.Get_size() < 2:
+    if comm.size < 2:
         return fits, failures
     sizes = pingpong_sizes(max_bytes)
-    for source, points in (("pair", pingpong(mpi_comm, sizes, reps)),
-                           ("ring", ring_exchange(mpi_comm, sizes, reps))):
+    for source, points in (("pair", pingpong(comm, sizes, reps)),
+                           ("ring", ring_exchange(comm, sizes, reps))):
         ns, ts = zip(*points)
         try:
             fits[source] = fit_alpha_beta(ns, ts, source=source)
@@ -209,16 +231,18 @@ def fit_pingpong(mpi_comm: MPI.Comm, max_bytes: int = 16 << 20,
     return fits, failures
 
 
-def memory_bandwidth(mpi_comm: MPI.Comm, local_size: int, nbytes: int = 64 << 20,
+def memory_bandwidth(comm, nbytes: int = 64 << 20,
                      reps: int = 5) -> MemoryBound:
     """Single-core memcpy and add bandwidth, measured on rank 0 while the others sleep.
 
     The buffers (64 MiB) are far larger than the caches, so this is the memory
     system's speed for one core. ``cores`` is how many cores the ranks of one host
     can use at once: min(ranks on the host, CPUs this process may run on).
+    Collective over ``comm``.
     """
+    control = comm.control
     copy_bw = add_bw = 0.0
-    if mpi_comm.Get_rank() == 0:
+    if comm.rank == 0:
         n = nbytes // 4
         a = np.arange(n, dtype=np.float32)
         b = np.zeros_like(a)
@@ -232,11 +256,11 @@ def memory_bandwidth(mpi_comm: MPI.Comm, local_size: int, nbytes: int = 64 << 20
             adds.append(clock() - t0)
         # Best of reps: the machine's capability, not its worst moment.
         copy_bw, add_bw = a.nbytes / min(copies), a.nbytes / min(adds)
-    quiet_barrier(mpi_comm)
-    copy_bw, add_bw = bcast_json(mpi_comm, (copy_bw, add_bw), root=0)
+    control.barrier(poll_s=QUIET_POLL_S)
+    copy_bw, add_bw = control.bcast_json((copy_bw, add_bw), root=0)
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    cores = int(bcast_json(mpi_comm, min(local_size, cpus), root=0))
+    cores = int(control.bcast_json(min(comm.local_size, cpus), root=0))
     return MemoryBound(copy_bw, add_bw, cores)

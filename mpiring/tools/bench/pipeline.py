@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from mpiring.backends.control import allreduce_scalar
 from mpiring.core.costmodel import AlphaBeta, best_chunks, model_fields, pipelined_broadcast
 from mpiring.tools.bench.measure import time_interleaved
 from mpiring.tools.bench.report import make_row
@@ -57,13 +56,13 @@ def chunks_study(comm, nbytes: int, *, dtype: np.dtype | None = None, root: int 
             kwargs["chunks"] = s
         np.copyto(x, src)
         comm.broadcast(x, **kwargs)
-        checked.append((algo, s, kwargs, allreduce_scalar(comm, count_wrong(x, ref, "sum"))))
+        checked.append((algo, s, kwargs, comm.control.allreduce_scalar(count_wrong(x, ref, "sum"))))
     # 2. timed in turns (iteration i runs every S once), so that load from elsewhere
     # on a shared machine cannot favour one S over another
     if progress:
         progress.show(f"broadcast of {nbytes} B: timing {len(checked)} settings")
     times = time_interleaved(
-        comm.mpi_comm, [lambda kw=kw: comm.broadcast(x, check=False, **kw) for _, _, kw, _ in checked],
+        comm, [lambda kw=kw: comm.broadcast(x, check=False, **kw) for _, _, kw, _ in checked],
         [lambda: np.copyto(x, src)] * len(checked), iters=iters, warmup=warmup)
     for (algo, s, _, wrong), t in zip(checked, times):
         seconds = float(np.median(t))

@@ -31,9 +31,7 @@ import tempfile
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from mpiring.backends.control import allgather_array, allreduce_scalar, bcast_json
 from mpiring.core.chunking import default_pipeline_chunks
 from mpiring.core.costmodel import (
     AlphaBeta,
@@ -45,7 +43,7 @@ from mpiring.core.costmodel import (
 )
 from mpiring.core.ops import finish, reducer
 from mpiring.runtime.trace import Tracer, clock
-from mpiring.tools.bench.measure import quiet_barrier, time_interleaved
+from mpiring.tools.bench.measure import QUIET_POLL_S, lean_dup, time_interleaved
 from mpiring.tools.bench.report import make_row
 from mpiring.tools.bench.sweep import count_wrong, rank_data, reference
 
@@ -60,6 +58,11 @@ class StarParameterServer:
     reduces the gradients in the order they arrive, then sends the result to
     every worker. Steps are recorded in the communicator's tracer as collective
     "ps", phases "push" and "pull", one step per worker on the server.
+
+    The messages go over a lean dup of ``comm`` (``measure.lean_dup``): data
+    only, as the ring's own messages, so that the comparison is of the
+    algorithms and not of a descriptor per message. Creating the server is
+    collective over ``comm``.
     """
 
     def __init__(self, comm, root: int = 0):
@@ -67,10 +70,11 @@ class StarParameterServer:
         self.root = root
         self.calls = 0
         self._scratch: np.ndarray | None = None
+        self._p2p = lean_dup(comm)
 
     def sync(self, x: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce ``x`` over all ranks through the server; every rank gets the result."""
-        comm, mpi = self.comm, self.comm.mpi_comm
+        comm, p2p = self.comm, self._p2p
         rank, k, root = comm.rank, comm.size, self.root
         self.calls += 1
         trace = comm.tracer.call("ps", self.calls, "star")
@@ -83,11 +87,11 @@ class StarParameterServer:
         workers = [r for r in range(k) if r != root]
         if rank != root:
             t0 = clock()
-            mpi.Send(raw, dest=root, tag=_PUSH_TAG)
+            p2p.send(raw, root, tag=_PUSH_TAG)
             trace.step("push", 0, 1, send_chunk=0, dst=root, bytes_sent=nbytes,
                        t_start=t0, t_recv=t0, t_end=clock())
             t0 = clock()
-            mpi.Recv(raw, source=root, tag=_PULL_TAG)
+            p2p.recv(raw, root, tag=_PULL_TAG)
             t1 = clock()
             trace.step("pull", 0, 1, recv_chunk=0, src=root, bytes_recv=nbytes,
                        t_start=t0, t_recv=t1, t_end=t1)
@@ -98,9 +102,10 @@ class StarParameterServer:
         bufs = [self._scratch[i * flat.size:(i + 1) * flat.size] for i in range(k - 1)]
         reduce = reducer(op)
         t0 = clock()
-        reqs = [mpi.Irecv(b.view(np.uint8), source=w, tag=_PUSH_TAG) for b, w in zip(bufs, workers)]
+        reqs = [p2p.irecv(b.view(np.uint8), w, tag=_PUSH_TAG) for b, w in zip(bufs, workers)]
+        pending = list(range(k - 1))
         for step in range(k - 1):
-            i = MPI.Request.Waitany(reqs)  # reduce whichever gradient arrived first
+            i = self._wait_any(reqs, pending)  # reduce whichever gradient arrived first
             t_recv = clock()
             reduce(flat, bufs[i])
             t_end = clock()
@@ -109,13 +114,30 @@ class StarParameterServer:
             t0 = t_end
         finish(op, flat, k)
         t0 = clock()
-        sends = [mpi.Isend(raw, dest=w, tag=_PULL_TAG) for w in workers]
-        MPI.Request.Waitall(sends)
+        with p2p.group():  # every send in flight at once, all complete at the block's end
+            for w in workers:
+                p2p.isend(raw, w, tag=_PULL_TAG)
         t1 = clock()
         for step, w in enumerate(workers):
             trace.step("pull", step, k - 1, send_chunk=0, dst=w, bytes_sent=nbytes,
                        t_start=t0, t_recv=t1, t_end=t1)
         return x
+
+    def _wait_any(self, reqs, pending: list[int]) -> int:
+        """The index in ``pending`` of a receive that has completed (removed from it).
+
+        MPI_Waitany's job, polled through ``Request.test()``: a rank that shares
+        its core (the communicator's idle mode is not "spin") gives it away
+        between sweeps, as the backend's own waits do.
+        """
+        pause = None if self._p2p.idle in (None, "spin") else os.sched_yield
+        while True:
+            for i in pending:
+                if reqs[i].test():
+                    pending.remove(i)
+                    return i
+            if pause is not None:
+                pause()
 
 
 def _sync_fn(method: str, comm, server: StarParameterServer, op: str):
@@ -167,24 +189,24 @@ def ps_study(world, nbytes: int, ks: list[int] | None = None, *, iters: int = 10
     ks = ks or list(range(2, world.size + 1))
     count = max(1, nbytes // dtype.itemsize)
     nbytes = count * dtype.itemsize
-    tmp = bcast_json(world, tempfile.mkdtemp(prefix="mpiring-ps-") if rank == 0 else None)
+    tmp = world.control.bcast_json(tempfile.mkdtemp(prefix="mpiring-ps-") if rank == 0 else None)
     rows: list[dict[str, Any]] = []
     try:
         for k in ks:
             sub = world.split(0 if rank < k else None, key=rank)
             if sub is None:
-                quiet_barrier(world.mpi_comm)
+                world.control.barrier(poll_s=QUIET_POLL_S)
                 if progress:
                     progress.update(f"ps K={k}", len(METHODS))
                 continue
             rows.extend(_study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup,
                                      model, rank, progress))
-            quiet_barrier(world.mpi_comm)
+            world.control.barrier(poll_s=QUIET_POLL_S)
     finally:
-        world.mpi_comm.Barrier()
+        world.control.barrier()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    return bcast_json(world, rows if rank == 0 else None, root=0)
+    return world.control.bcast_json(rows if rank == 0 else None, root=0)
 
 
 def _study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup, model, world_rank,
@@ -211,12 +233,12 @@ def _study_one_k(sub, tmp, k, count, nbytes, dtype, op, iters, warmup, model, wo
         path = os.path.join(tmp, f"{name}.jsonl")
         sent, recv = _count_bytes(path)
         os.unlink(path)
-        wrong = allreduce_scalar(sub, count_wrong(x, ref, op))
-        counted.append((method, sync, wrong, allgather_array(sub, [sent, recv])))
+        wrong = sub.control.allreduce_scalar(count_wrong(x, ref, op))
+        counted.append((method, sync, wrong, sub.control.allgather_array([sent, recv])))
     # 2. timed in turns (iteration i runs each method once): fair ratios on a busy machine
     if progress:
         progress.show(f"ps K={k}: timing")
-    times = time_interleaved(sub.mpi_comm, [lambda f=f: f(x, check=False) for _, f, _, _ in counted],
+    times = time_interleaved(sub, [lambda f=f: f(x, check=False) for _, f, _, _ in counted],
                              [lambda: np.copyto(x, src)] * len(counted), iters=iters, warmup=warmup)
     for (method, _, wrong, table), t in zip(counted, times):
         seconds = float(np.median(t))

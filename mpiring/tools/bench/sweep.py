@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from mpiring.backends.control import allreduce_scalar
 from mpiring.comm import communicator as comm_module
 from mpiring.core.buffers import BFLOAT16
 from mpiring.core.chunking import chunk_bounds
@@ -257,7 +256,6 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
     """
     dtype = np_dtype(cfg.dtype)
     k, rank = comm.size, comm.rank
-    mpi = comm.mpi_comm
     rows: list[dict[str, Any]] = []
     skipped: set[tuple[str, str]] = set()
     for coll in cfg.collectives:
@@ -299,7 +297,7 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                 if algo == "native":
                     wrong = count_wrong(got, ref, cfg.op)
                     expected = got.copy()
-                checked.append((algo, case, allreduce_scalar(mpi, int(wrong))))  # no pickle
+                checked.append((algo, case, comm.control.allreduce_scalar(int(wrong))))
             if not checked:
                 continue
             # 2. time them interleaved: iteration i runs every algorithm once, so a
@@ -309,7 +307,7 @@ def run_sweep(comm, cfg: SweepConfig, *, gloo=None, progress=None) -> list[dict[
                               f"{', '.join(a for a, _, _ in checked)}")
             nbytes = count * dtype.itemsize
             batch = batch_for(nbytes)
-            times = time_interleaved(mpi, [c.call for _, c, _ in checked],
+            times = time_interleaved(comm, [c.call for _, c, _ in checked],
                                      [c.reset for _, c, _ in checked],
                                      iters=cfg.iters, warmup=cfg.warmup, batch=batch)
             native_t = next((t for (a, _, _), t in zip(checked, times) if a == "native"), None)
