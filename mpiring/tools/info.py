@@ -16,20 +16,14 @@ def _version(module: str) -> str:
 
 def collect() -> dict[str, str]:
     """A dict of human-readable facts; every probe is guarded so this never raises."""
-    from mpi4py import MPI
-
     import mpiring
+    from mpiring.backends.mpi import describe_mpi
 
-    levels = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
-              MPI.THREAD_SERIALIZED: "SERIALIZED", MPI.THREAD_MULTIPLE: "MULTIPLE"}
     facts = {
         "mpiring": mpiring.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",
         "numpy": _version("numpy"),
-        "mpi4py": _version("mpi4py"),
-        "MPI library": MPI.Get_library_version().strip().splitlines()[0],
-        "MPI standard": "{}.{}".format(*MPI.Get_version()),
-        "thread level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        **describe_mpi(),  # mpi4py, MPI library, MPI standard, thread level
         "torch": _version("torch"),
     }
     try:
