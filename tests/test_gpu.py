@@ -262,3 +262,40 @@ def test_nccl_two_ranks_dup_and_split(nccl2):
     x = cupy.arange(10, dtype=cupy.float32)
     alone.all_reduce(x, algo="native")
     np.testing.assert_array_equal(cupy.asnumpy(x), np.arange(10, dtype=np.float32))
+
+
+# --- point-to-point with device buffers ------------------------------------------------
+def check_p2p(comm, make):
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for n in (0, 1, 1000 + comm.rank * 0, 4099):
+        out = make(np.arange(n, dtype=np.float32) + 100 * comm.rank)
+        got = make(np.full(n, -1, dtype=np.float32))
+        comm.sendrecv(out, right, got, left, tag=n % 7)
+        host = got.get() if hasattr(got, "get") else got.cpu().numpy()
+        np.testing.assert_array_equal(host, np.arange(n, dtype=np.float32) + 100 * left)
+    with comm.group():
+        a = comm.irecv(make(np.zeros(5, np.float32)), left, tag=1)
+        comm.isend(make(np.full(5, comm.rank, np.float32)), right, tag=1)
+    host = a.wait()
+    host = host.get() if hasattr(host, "get") else host.cpu().numpy()
+    assert (host == left).all()
+
+
+def test_p2p_cupy_and_torch_cuda_on_mpi_backend(comm):
+    import torch
+
+    check_p2p(comm, cupy.asarray)
+    check_p2p(comm, lambda a: torch.from_numpy(a).cuda())
+
+
+def test_p2p_on_nccl_one_rank(nccl1):
+    check_p2p(nccl1, cupy.asarray)
+
+
+def test_p2p_on_nccl_two_ranks(nccl2):
+    import torch
+
+    check_p2p(nccl2, cupy.asarray)
+    check_p2p(nccl2, lambda a: torch.from_numpy(a).cuda())
+    with pytest.raises(TypeError, match="moves GPU memory only"):
+        nccl2.send(np.zeros(3, np.float32), 1 - nccl2.rank)

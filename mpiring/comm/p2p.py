@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from mpiring.backends import MAX_TAG
-from mpiring.backends.gpu import from_host, host_dtype, to_host
+from mpiring.backends.gpu import device_ready, from_host, host_dtype, to_host
 from mpiring.core.buffers import DTYPES, Buffer, as_buffer
 from mpiring.core.errors import MismatchError
 from mpiring.runtime.trace import clock
@@ -108,8 +108,13 @@ class PointToPoint:
         req = Request(self, op, buf, peer, tag, self._p2p_calls)
         self._act.begin(op, self._p2p_calls, None)
         array = buf.array
-        if buf.device == "cuda" and not getattr(self._be, "accepts_cuda", False) \
-                and not _cuda_aware():
+        if getattr(self._be, "accepts_cuda", False):
+            # NCCL: device memory only, enqueued on the caller's current CuPy stream,
+            # so it runs after the work that produced the buffer.
+            self._be.check_buffer(buf, op, "p2p", None)
+        elif buf.device == "cuda" and _cuda_aware():
+            device_ready(array)  # MPI reads device memory without looking at any stream
+        elif buf.device == "cuda":
             # The MPI library cannot read device memory: each message goes through a
             # host copy of its own, so that messages in flight never share one.
             array = to_host(array) if op == "send" else np.empty(buf.count,
