@@ -64,26 +64,25 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._module.run(args) or 0)
     except BackendUnavailable as exc:
         # Raised on every rank at once with the same text: one message, no traceback.
-        from mpi4py import MPI
+        from mpiring.backends.mpi import world_rank
 
-        if MPI.COMM_WORLD.Get_rank() == 0:
+        if world_rank() == 0:
             sys.stderr.write(f"python -m mpiring {args.command}: {exc}\n")
         return 2
     except Exception:
         # Any other failure must end every rank, not leave the others waiting in
         # their next collective: print it with the rank, then abort the job.
-        from mpi4py import MPI
+        from mpiring.backends.mpi import abort_world, world_rank, world_size
 
-        world = MPI.COMM_WORLD
-        if world.Get_size() == 1:
+        if world_size() == 1:
             raise
         import traceback
 
         sys.stdout.flush()
-        sys.stderr.write(f"[r{world.Get_rank()}] python -m mpiring {args.command} failed:\n"
+        sys.stderr.write(f"[r{world_rank()}] python -m mpiring {args.command} failed:\n"
                          f"{traceback.format_exc()}")
         sys.stderr.flush()
-        world.Abort(1)
+        abort_world(1)
         return 1
 
 

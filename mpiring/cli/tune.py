@@ -14,7 +14,6 @@ run this, algo="auto" uses built-in tables.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -47,23 +46,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    try:
-        return _run(args)
-    except Exception:  # noqa: BLE001 - a failing rank must end the job, not leave it waiting
-        if world.Get_size() == 1:
-            raise
-        import traceback
-
-        sys.stderr.write(f"[r{world.Get_rank()}] tune failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        world.Abort(1)
-        return 1
-
-
-def _run(args) -> int:
+    # A failure on one rank aborts the whole job: see mpiring.cli.main.
     import mpiring
     from mpiring.comm import autotune
     from mpiring.tools.bench.measure import QUIET_POLL_S
@@ -136,8 +119,6 @@ def tune_communicator(comm, collectives, sizes, reps: int, margin: float):
 
 def time_algos(comm, collective: str, algos, nbytes: int, reps: int) -> dict[str, float]:
     """Median seconds per algorithm for one size (the slowest rank's time each round)."""
-    from mpi4py import MPI
-
     n = max(1, nbytes // 4)
     x = np.empty(n, dtype=np.float32)
     x.fill(0.0)  # real pages (not the lazily mapped zero page); sums stay 0, no denormals
@@ -145,21 +126,18 @@ def time_algos(comm, collective: str, algos, nbytes: int, reps: int) -> dict[str
     kwargs = {"op": "sum"} if collective != "all_gather" else {}
     # Small messages: several calls per timing, so the timer and the barrier do not dominate.
     inner = int(min(50, max(1, (1 << 20) // max(nbytes, 1))))
-    mpi = comm.mpi_comm
+    control = comm.control
     for a in algos:  # warm-up: scratch buffers, pages, the MPI library's paths
         method(x, algo=a, check=False, **kwargs)
     times = {a: [] for a in algos}
-    local = np.zeros(1)
-    slowest = np.zeros(1)
     for _ in range(reps):
         for a in algos:
-            mpi.Barrier()
+            control.barrier()
             t0 = time.perf_counter()
             for _ in range(inner):
                 method(x, algo=a, check=False, **kwargs)
-            local[0] = (time.perf_counter() - t0) / inner
-            mpi.Allreduce(local, slowest, op=MPI.MAX)
-            times[a].append(float(slowest[0]))
+            local = (time.perf_counter() - t0) / inner
+            times[a].append(control.allreduce_scalar(local, "max"))
     return {a: float(np.median(t)) for a, t in times.items()}
 
 
@@ -202,23 +180,18 @@ def tune_pipeline(comm, max_bytes: int, reps: int):
 
 
 def _time_broadcast(comm, nbytes: int, plan, reps: int) -> dict:
-    from mpi4py import MPI
-
     x = np.empty(max(1, nbytes // 4), dtype=np.float32)
     x.fill(1.0)
-    mpi = comm.mpi_comm
+    control = comm.control
     for algo, s in plan:
         comm.broadcast(x, algo=algo, chunks=s, check=False)
     times = {p: [] for p in plan}
-    local, slowest = np.zeros(1), np.zeros(1)
     for _ in range(reps):
         for algo, s in plan:
-            mpi.Barrier()
+            control.barrier()
             t0 = time.perf_counter()
             comm.broadcast(x, algo=algo, chunks=s, check=False)
-            local[0] = time.perf_counter() - t0
-            mpi.Allreduce(local, slowest, op=MPI.MAX)
-            times[(algo, s)].append(float(slowest[0]))
+            times[(algo, s)].append(control.allreduce_scalar(time.perf_counter() - t0, "max"))
     return {p: float(np.median(t)) for p, t in times.items()}
 
 
