@@ -9,6 +9,9 @@ and ``event`` records of other spans (DDP buckets, backward...). From it:
   rank, every ring step nested in its collective call, and the events on the
   same timeline, each kind on its own track;
 * ``plot``: the same timeline as a PNG (matplotlib);
+* ``explain`` of a pipeline run (``mpiring.tools.pipeline_trace``): the lecture's
+  per-device diagram of one step, to scale, with the measured bubble per rank;
+  ``plot`` colours its F, B and W boxes and numbers the micro-batches;
 * ``explain``: the lecture's step diagram as text. Replaying the step records
   (who sent which chunk to whom, in order) shows after every step which chunks
   each rank holds and whose contributions each contains::
@@ -280,6 +283,12 @@ def plot(files: list[TraceFile], path: str, title: str = "",
     from matplotlib.patches import Patch
 
     spans = tracks(files)
+    label = None
+    if has_pipeline(files):  # F, B, W in their colours, numbered, as the lecture draws them
+        from mpiring.tools import pipeline_trace
+
+        label = pipeline_trace.label
+        title = title or pipeline_trace.title(files)
     if window is not None:
         lo, hi = window[0] / 1e3, window[1] / 1e3
         spans = [s for s in spans if s["end"] >= lo and s["start"] <= hi]
@@ -304,6 +313,12 @@ def plot(files: list[TraceFile], path: str, title: str = "",
                            linewidth=0.3)
         elif s["kind"] == "reduce":
             ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors="black", alpha=0.35)
+        elif label is not None and (kind := label(s)) is not None:
+            color, text = kind
+            used[text[0]] = color
+            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors=color, edgecolors="black",
+                           linewidth=0.3)
+            ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=6, clip_on=True)
         else:
             color = cat_colors.setdefault(s["group"], palette[len(cat_colors) % len(palette)])
             used[s["group"]] = color
@@ -337,7 +352,18 @@ def list_calls(files: list[TraceFile]) -> list[tuple[str, int, str, int, int]]:
     for c in calls(files):
         seen.setdefault(c.ident, set()).add(c.rank)
         first[c.ident] = min(first.get(c.ident, c.t_start), c.t_start)
-    return [(*k, len(seen[k])) for k in sorted(seen, key=lambda k: first[k])]
+    rows = [(*k, len(seen[k])) for k in sorted(seen, key=lambda k: first[k])]
+    if has_pipeline(files):  # then the pipeline's steps: ("pipeline", step, schedule, 0, ranks)
+        from mpiring.tools import pipeline_trace
+
+        rows += pipeline_trace.list_steps(files)
+    return rows
+
+
+def has_pipeline(files: list[TraceFile]) -> bool:
+    """True when the trace holds pipeline actions (events of category "pipeline")."""
+    return any(r.get("type") == "event" and r.get("cat") == "pipeline"
+               for f in files for r in f.records)
 
 
 def call_name(collective: str, call: int, nth: int = 0) -> str:
@@ -525,9 +551,16 @@ def explain(files: list[TraceFile], collective: str | None = None, call: int | N
 
     Args:
         files: from ``load``.
-        collective: which collective (default: the first traced call).
-        call: its call number (``all_reduce#3`` is call 3).
+        collective: which collective (default: the first traced call), or
+            "pipeline" (the default when the trace holds a pipeline run): the
+            lecture's diagram of one pipeline step.
+        call: its call number (``all_reduce#3`` is call 3); the step, for "pipeline"
+            (default: the last).
     """
+    if collective == "pipeline" or (collective is None and has_pipeline(files)):
+        from mpiring.tools import pipeline_trace
+
+        return pipeline_trace.explain(files, call)
     (coll, num, algo, nth), ranks, snaps = replay(files, collective, call)
     per_rank = {c.rank: c.steps for c in calls(files) if c.ident == (coll, num, algo, nth)}
     everyone = frozenset(ranks)

@@ -218,7 +218,8 @@ class PipelineSchedule:
         tracer = st.comm.tracer
         if tracer.enabled:
             tracer.event(str(a), "pipeline", t0, t1, action=a.kind, stage=a.stage, mb=a.mb,
-                         schedule=self.name, microbatches=self.n_microbatches)
+                         schedule=self.name, microbatches=self.n_microbatches,
+                         replica=0 if st.ddp is None else st.ddp.comm.rank)
 
     def _communicate(self, run: list[Action], sends: list) -> None:
         comm, recvs = self.stage.comm, []

@@ -215,3 +215,24 @@ def in_flight(program: list[Action]) -> int:
         elif a.kind == W or (a.kind == B and a.mb not in split):
             live -= 1
     return peak
+
+
+def measured_costs(schedule: list[list[Action]], spans: list[list[Span]]
+                   ) -> Callable[[Action, bool], float]:
+    """A ``simulate`` cost from a real run: each stage's mean F, B (split or whole) and W time."""
+    split = {(a.stage, a.mb) for prog in schedule for a in prog if a.kind == W}
+    times: dict[tuple[int, str, bool], list[float]] = defaultdict(list)
+    for row in spans:
+        for s in row:
+            a = s.action
+            times[(a.stage, a.kind, a.kind == B and (a.stage, a.mb) in split)].append(s.end - s.start)
+    means = {k: sum(v) / len(v) for k, v in times.items()}
+
+    def cost(a: Action, sp: bool) -> float:
+        return means.get((a.stage, a.kind, sp if a.kind == B else False), 0.0)
+    return cost
+
+
+def predicted_bubble(schedule: list[list[Action]], spans: list[list[Span]]) -> list[float]:
+    """Per rank: the bubble the schedule predicts with the run's measured mean action times."""
+    return bubble(simulate(schedule, measured_costs(schedule, spans)))

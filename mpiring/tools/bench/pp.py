@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import copy
 import time
-from statistics import mean
 
 import torch
 
 from mpiring.parallel.pipeline.actions import Action
 from mpiring.parallel.pipeline.diagram import draw
-from mpiring.parallel.pipeline.validate import Span, bubble, simulate
+from mpiring.parallel.pipeline.validate import Span, bubble, predicted_bubble
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
@@ -39,22 +38,9 @@ def _gather_spans(comm, spans: list[Span]) -> list[list[Span]]:
     return [[Span(Action(st, k, mb), t0, t1) for st, k, mb, t0, t1 in row] for row in rows]
 
 
-def _predict(name: str, sched, spans: list[list[Span]]) -> float:
-    """The schedule's bubble simulated with each stage's measured mean F, B (split or
-    whole) and W times."""
-    means: dict[tuple[int, str, bool], float] = {}
-    split = {(a.stage, a.mb) for prog in sched.actions for a in prog if a.kind == "W"}
-    for row in spans:
-        for kind in ("F", "B", "W"):
-            for sp in (True, False):
-                ts = [s.end - s.start for s in row if s.action.kind == kind
-                      and ((s.action.stage, s.action.mb) in split) == sp]
-                if ts:
-                    means[(row[0].action.stage, kind, sp)] = mean(ts)
-
-    def cost(a: Action, sp: bool) -> float:
-        return means.get((a.stage, a.kind, sp if a.kind == "B" else False), 0.0)
-    return max(bubble(simulate(sched.actions, cost)))
+def _predict(sched, spans: list[list[Span]]) -> float:
+    """The schedule's bubble simulated with each stage's measured mean F, B and W times."""
+    return max(predicted_bubble(sched.actions, spans))
 
 
 def _run_mpiring(comm, cfg, mode: str, m: int, mb_rows: int, steps: int, warmup: int):
@@ -73,7 +59,7 @@ def _run_mpiring(comm, cfg, mode: str, m: int, mb_rows: int, steps: int, warmup:
     peak = comm.control.allreduce_scalar(int(stage.peak_activation_bytes), "max") \
         if comm.size > 1 else stage.peak_activation_bytes
     return {"mode": mode, "m": m, "step_ms": 1e3 * min(times),
-            "bubble": max(bubble(spans)), "predicted": _predict(name, sched, spans),
+            "bubble": max(bubble(spans)), "predicted": _predict(sched, spans),
             "peak_act_mib": peak / 2**20}, spans
 
 

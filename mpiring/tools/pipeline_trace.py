@@ -1,0 +1,167 @@
+"""A real run's pipeline from its trace: the lecture's diagram, to scale, with the bubble per rank.
+
+The pipeline runtime records each compute action as an event of category
+"pipeline" (``name`` "1F3", ``action``, ``stage``, ``mb``, ``schedule``,
+``microbatches``, ``replica``: the data-parallel replica, 0 without DDP). Here
+the events are cut into steps (a step ends where an action would repeat) and
+grouped into pipelines (one per replica), and one step is drawn::
+
+    pipeline step 5 of 5: 1f1b, 2 stages, 8 micro-batches (replica 0)
+    设备 1: [F1][F2]      [B1    ][F3][B2    ] ...   bubble 22%
+    设备 2:     [F1][B1    ][F2][B2    ]       ...   bubble 17%
+
+The bubble of a rank is its idle share of the step (first start to last end
+over the pipeline's ranks); beside it, the schedule's prediction from the
+step's own mean F, B and W times (``validate.predicted_bubble``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from mpiring.parallel.pipeline.actions import Action
+from mpiring.parallel.pipeline.diagram import draw
+from mpiring.parallel.pipeline.schedules import GENERATORS, build
+from mpiring.parallel.pipeline.validate import Span, bubble, predicted_bubble
+
+CATEGORY = "pipeline"
+KIND_COLORS = {"F": "skyblue", "B": "yellowgreen", "W": "sandybrown"}  # not the ring phases
+
+
+@dataclass
+class Step:
+    """One step of one pipeline: per stage, its rank and measured spans (seconds, aligned)."""
+
+    index: int
+    replica: int
+    schedule: str
+    microbatches: int
+    ranks: list[int]
+    spans: list[list[Span]]
+
+    @property
+    def bubble(self) -> list[float]:
+        return bubble(self.spans)
+
+    @property
+    def predicted(self) -> list[float] | None:
+        """The schedule's bubble per stage with this step's mean action times (None: custom)."""
+        if self.schedule not in GENERATORS:
+            return None
+        return predicted_bubble(build(self.schedule, len(self.spans), self.microbatches),
+                                self.spans)
+
+
+def events(files) -> list[tuple[int, float, dict[str, Any]]]:
+    """Every pipeline event as ``(rank, clock offset, record)``."""
+    return [(f.rank, f.offset, r) for f in files for r in f.records
+            if r.get("type") == "event" and r.get("cat") == CATEGORY]
+
+
+def _split_steps(recs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    out: list[list[dict[str, Any]]] = []
+    seen: set[tuple[str, int]] = set()
+    for r in sorted(recs, key=lambda r: r["t_start"]):
+        key = (r["action"], r["mb"])
+        if not out or key in seen:  # an action repeats: the next step has begun
+            out.append([])
+            seen = set()
+        seen.add(key)
+        out[-1].append(r)
+    return out
+
+
+def steps(files) -> list[Step]:
+    """Every pipeline step in the trace, by replica, then in time order."""
+    by_rank: dict[int, tuple[float, list[dict[str, Any]]]] = {}
+    for rank, offset, rec in events(files):
+        by_rank.setdefault(rank, (offset, []))[1].append(rec)
+    pipelines: dict[int, dict[int, int]] = defaultdict(dict)  # replica -> stage -> rank
+    for rank, (_, recs) in by_rank.items():
+        pipelines[int(recs[0].get("replica", 0))][int(recs[0]["stage"])] = rank
+    out: list[Step] = []
+    for replica in sorted(pipelines):
+        stages = pipelines[replica]
+        ranks = [stages[s] for s in sorted(stages)]
+        per_rank = [_split_steps(by_rank[r][1]) for r in ranks]
+        for k in range(min(len(s) for s in per_rank)):
+            rows = []
+            for r, cut in zip(ranks, per_rank):
+                offset = by_rank[r][0]
+                rows.append([Span(Action(int(e["stage"]), e["action"], int(e["mb"])),
+                                  e["t_start"] + offset, e["t_end"] + offset) for e in cut[k]])
+            first = per_rank[0][k][0]
+            out.append(Step(k + 1, replica, str(first.get("schedule", "custom")),
+                            int(first.get("microbatches", 0)), ranks, rows))
+    return out
+
+
+def has_pipeline(files) -> bool:
+    """True when the trace holds pipeline actions."""
+    return any(True for _ in events(files))
+
+
+def explain(files, step: int | None = None, width: int = 150) -> str:
+    """The lecture's diagram of one pipeline step (default: the last), every replica.
+
+    Raises:
+        ValueError: no pipeline events, or no such step.
+    """
+    found = steps(files)
+    if not found:
+        raise ValueError("the trace has no pipeline actions: record a run of a pipeline "
+                         "schedule with --trace DIR")
+    count = max(s.index for s in found)
+    pick = count if step is None else step
+    chosen = [s for s in found if s.index == pick]
+    if not chosen:
+        raise ValueError(f"no pipeline step {step}: the trace has steps 1..{count}")
+    out = []
+    for s in chosen:
+        t0 = min(row[0].start for row in s.spans if row)
+        t1 = max(row[-1].end for row in s.spans if row)
+        out.append(f"pipeline step {s.index} of {count}: {s.schedule}, {len(s.spans)} stages, "
+                   f"{s.microbatches} micro-batches (replica {s.replica}), "
+                   f"{(t1 - t0) * 1e3:.1f} ms")
+        out.append(draw(s.spans, width=width))
+        predicted = s.predicted
+        for i, (rank, frac) in enumerate(zip(s.ranks, s.bubble)):
+            busy = sum(x.end - x.start for x in s.spans[i])
+            pred = f", predicted {predicted[i]:.1%}" if predicted else ""
+            out.append(f"  stage {i} (r{rank}): bubble {frac:.1%} ({(t1 - t0 - busy) * 1e3:.1f} ms "
+                       f"idle){pred}")
+        out.append("")
+    out.append("predicted: the schedule simulated with this step's mean F, B and W times per "
+               "stage. Another step: --collective pipeline --call N")
+    return "\n".join(out)
+
+
+def list_steps(files) -> list[tuple[str, int, str, int, int]]:
+    """``trace explain --list`` rows: ("pipeline", step, schedule, 0, ranks in all replicas)."""
+    ranks: dict[int, int] = defaultdict(int)
+    names: dict[int, str] = {}
+    for s in steps(files):
+        ranks[s.index] += len(s.spans)
+        names[s.index] = s.schedule
+    return [("pipeline", k, names[k], 0, ranks[k]) for k in sorted(ranks)]
+
+
+def label(span: dict[str, Any]) -> tuple[str, str] | None:
+    """(colour, text) for a pipeline event span of ``timeline.tracks``; None for others."""
+    if span.get("cat") != CATEGORY:
+        return None
+    kind, mb = span["args"].get("action", "F"), span["args"].get("mb", 0)
+    return KIND_COLORS.get(kind, "tab:gray"), f"{kind}{int(mb) + 1}"
+
+
+def title(files) -> str:
+    """A plot title: the last step's schedule and measured bubble per rank."""
+    found = steps(files)
+    if not found:
+        return ""
+    last = [s for s in found if s.index == max(x.index for x in found)]
+    parts = [f"r{r} {b:.0%}" for s in last for r, b in zip(s.ranks, s.bubble)]
+    return (f"pipeline {last[0].schedule}, m={last[0].microbatches}; bubble in the last step: "
+            + ", ".join(parts))
