@@ -477,3 +477,43 @@ def from_host(a, host: np.ndarray) -> None:
     """Copy ``host`` into device array ``a``, complete on return (point-to-point staging)."""
     a.set(host)
     cuda_ops().current_stream().synchronize()
+
+
+# --- the GPU of a rank, for the command-line tools ---------------------------------------
+def usable_devices() -> tuple[int, str | None]:
+    """``(number of CUDA devices, None)``, or ``(0, reason)`` without CuPy or a device;
+    never raises."""
+    cupy, reason = import_cupy()
+    if cupy is None:
+        return 0, reason
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - a missing driver is an answer, not a crash
+        return 0, f"no usable CUDA device ({type(exc).__name__})"
+    return (n, None) if n > 0 else (0, "no CUDA device")
+
+
+def use_device(local_rank: int) -> int:
+    """Make GPU ``local_rank % count`` CuPy's current device (one GPU per rank of a host,
+    round robin); returns its index."""
+    cupy = _cupy_or_raise()
+    index = local_rank % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(index).use()
+    return index
+
+
+def synchronize_device() -> None:
+    """Block until the current device has finished everything queued on it."""
+    _cupy_or_raise().cuda.Device().synchronize()
+
+
+def to_device(host: np.ndarray):
+    """A CuPy copy of ``host`` on the current device."""
+    return _cupy_or_raise().array(host)
+
+
+def _cupy_or_raise():
+    cupy, reason = import_cupy()
+    if cupy is None:
+        raise TypeError(f"{reason}: {GPU_INSTALL_HINT}")
+    return cupy

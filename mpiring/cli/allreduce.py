@@ -23,7 +23,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import mpiring
-    from mpiring.backends.control import allreduce_scalar
     from mpiring.core.buffers import BFLOAT16
     from mpiring.runtime.trace import fmt_bytes
 
@@ -40,7 +39,7 @@ def run(args) -> int:
     ref_algo = "native" if args.dtype != "bfloat16" else "ring"
     comm.all_reduce(expected, op=args.op, algo=ref_algo)
     ok = bool(np.array_equal(to_host(x), to_host(expected)))
-    wrong = allreduce_scalar(comm, 0 if ok else 1)  # no pickle: see mpiring.backends.control
+    wrong = comm.control.allreduce_scalar(0 if ok else 1)
     comm.tracer.close()
 
     times = []
@@ -52,7 +51,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         quiet.all_reduce(y, op=args.op, algo=args.algo)
         sync()  # NCCL returns before the GPU has finished
-        times.append(allreduce_scalar(comm, time.perf_counter() - t0, "max"))
+        times.append(comm.control.allreduce_scalar(time.perf_counter() - t0, "max"))
     t = float(np.median(times)) if times else 0.0
     nbytes = n * dtype.itemsize
     algbw = nbytes / t / 1e9 if t else 0.0
@@ -70,8 +69,8 @@ def _placement(args, comm):
     device = args.device or ("cuda" if args.backend == "nccl" else "cpu")
     if device == "cpu":
         return (lambda a: a.copy()), (lambda a: a), (lambda: None)
-    import cupy
+    from mpiring.backends.gpu import synchronize_device, to_device, to_host, use_device
 
     if args.backend == "mpi":  # NCCL picked its GPU already
-        cupy.cuda.Device(comm.local_rank % cupy.cuda.runtime.getDeviceCount()).use()
-    return cupy.array, cupy.asnumpy, (lambda: cupy.cuda.Device().synchronize())
+        use_device(comm.local_rank)
+    return to_device, to_host, synchronize_device

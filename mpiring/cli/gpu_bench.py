@@ -37,33 +37,29 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from mpi4py import MPI
-
     import mpiring
-    from mpiring.backends.gpu import cuda_aware_mpi, import_cupy
+    from mpiring.backends.gpu import (
+        cuda_aware_mpi,
+        synchronize_device,
+        to_device,
+        usable_devices,
+        use_device,
+    )
 
-    world = MPI.COMM_WORLD
-    rank = world.Get_rank()
+    # The job's ranks, for the barriers and the max of the times (quiet: no trace, no check).
+    world = mpiring.init(backend="mpi", trace="", log="none", check=False)
+    control = world.control
+    rank = world.rank
     say = print if rank == 0 else (lambda *a, **k: None)
-    cupy, reason = import_cupy()
-    ok = cupy is not None
-    if ok:
-        try:
-            ndev = cupy.cuda.runtime.getDeviceCount()
-            ok = ndev > 0
-            reason = "no CUDA device"
-        except Exception as exc:  # noqa: BLE001
-            ok, reason = False, f"no usable CUDA device ({type(exc).__name__})"
-    if world.allreduce(0 if ok else 1, op=MPI.MAX):
+    ndev, reason = usable_devices()
+    if control.allreduce_scalar(0 if ndev else 1, "max"):
         say(f"gpu-bench: no GPU on some rank ({reason}); nothing to measure")
         return 1
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    cupy.cuda.Device(node.Get_rank() % ndev).use()
-    node.Free()
+    use_device(world.local_rank)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     rows: list[dict] = []
-    k = world.Get_size()
+    k = world.size
     say(f"gpu-bench: {k} rank(s), AllReduce float32 sum, median of {args.iters} "
         f"(after {args.warmup} warm-up)")
     say(f"{'backend':<8} {'path':<11} {'algo':<7} {'bytes':>10} {'time_us':>10} "
@@ -74,12 +70,12 @@ def run(args) -> int:
             x = make(nbytes // 4)
             times = []
             for i in range(args.warmup + args.iters):
-                world.Barrier()
+                control.barrier()
                 t0 = time.perf_counter()
                 comm.all_reduce(x, algo=algo, check=False)
                 if path != "host":
-                    cupy.cuda.Device().synchronize()
-                dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                    synchronize_device()
+                dt = control.allreduce_scalar(time.perf_counter() - t0, "max")
                 if i >= args.warmup:
                     times.append(dt)
             t = float(np.median(times))
@@ -92,7 +88,7 @@ def run(args) -> int:
                 f"{algbw:>11.2f} {busbw:>11.2f}")
 
     def on_gpu(n):
-        return cupy.ones(n, dtype=cupy.float32)
+        return to_device(np.ones(n, dtype=np.float32))
 
     if "nccl" in backends:
         try:
