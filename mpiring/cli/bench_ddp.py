@@ -119,13 +119,12 @@ def run(args) -> int:
 def _memory(comm, args) -> int:
     import json
 
-    from mpiring.backends.control import allgather_json
     from mpiring.tools.bench.memory import format_memory_line, measure_setup
 
     row = measure_setup(comm, args.memory, preset=args.preset, batch_size=args.batch_size,
                         steps=args.steps, bucket_mb=args.bucket_mb, algo=args.algo,
                         max_data_mb=args.max_data_mb)
-    rows = allgather_json(comm, row) if comm.size > 1 else [row]
+    rows = comm.control.allgather_json(row) if comm.size > 1 else [row]
     if comm.rank == 0:
         worst = max(rows, key=lambda r: r["growth"])
         row = {**worst, "rss_peak": max(r["rss_peak"] for r in rows)}

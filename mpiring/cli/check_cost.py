@@ -29,7 +29,6 @@ def _median_us(samples: list[float]) -> float:
 
 def run(args) -> int:
     import mpiring
-    from mpiring.backends.control import allreduce_scalar
     from mpiring.runtime.trace import fmt_bytes
     from mpiring.runtime.watchdog import Activity
 
@@ -48,7 +47,7 @@ def run(args) -> int:
                 comm.barrier()
                 t0 = time.perf_counter()
                 comm.all_reduce(y, algo="ring", check=check)
-                t = allreduce_scalar(comm, time.perf_counter() - t0, "max")
+                t = comm.control.allreduce_scalar(time.perf_counter() - t0, "max")
                 if i >= 2:  # two warm-up rounds
                     times[check].append(t)
         # The check alone: validation + descriptor exchange + comparison.

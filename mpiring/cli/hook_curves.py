@@ -60,7 +60,6 @@ def run_hooks(comm, args, hooks: list[str], data) -> list[dict]:
     hook to the same machine load, so the step-time ratios are fair even on a
     busy machine.
     """
-    from mpiring.backends.control import allgather_json
     from mpiring.tools.train.loop import TrainConfig, TrainJob
 
     jobs = []
@@ -99,7 +98,7 @@ def run_hooks(comm, args, hooks: list[str], data) -> list[dict]:
         steady = per_step[args.hook_start + 1:] or per_step
         times = job.step_times[1:] or job.step_times
         mine = {"step_s": statistics.median(times), "sent": statistics.median(steady)}
-        table = allgather_json(comm, mine) if comm.size > 1 else [mine]
+        table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
         results.append({"hook": hook, "curve": curve, "losses": job.global_mean(job.losses),
                         "step_s": max(t["step_s"] for t in table),
                         "sent_bytes_per_step": max(t["sent"] for t in table)})

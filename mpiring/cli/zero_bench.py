@@ -43,7 +43,6 @@ def run(args) -> int:
     import torch
 
     import mpiring
-    from mpiring.backends.control import allgather_json
     from mpiring.parallel.data.bucketing import MIB
     from mpiring.parallel.data.comm_hooks import ring_bytes_sent
     from mpiring.tools.bench.memory import current_rss_bytes, peak_rss_bytes
@@ -79,7 +78,7 @@ def run(args) -> int:
     mine = {"state_bytes": state_bytes, "peak_rss_mib": peak,
             "rss_growth_mib": peak - rss_before, "sent_bytes": sent,
             "step_s": times[len(times) // 2]}
-    table = allgather_json(comm, mine) if comm.size > 1 else [mine]
+    table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
     job.close()
     if comm.rank == 0:
         row = {"optimizer": args.optimizer, "ranks": comm.size, "preset": args.preset,
@@ -106,7 +105,6 @@ def _interleaved(comm, args, names: list[str]) -> int:
     """Alternate the steps of one job per optimizer; print median step times and ratios."""
     import statistics
 
-    from mpiring.backends.control import allgather_json
     from mpiring.tools.train.data import shared_corpus
     from mpiring.tools.train.loop import TrainConfig, TrainJob
 
@@ -118,7 +116,7 @@ def _interleaved(comm, args, names: list[str]) -> int:
         for job in jobs:
             job.train_step()
     mine = [statistics.median(job.step_times[1:] or job.step_times) for job in jobs]
-    table = allgather_json(comm, mine) if comm.size > 1 else [mine]
+    table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
     for job in jobs:
         job.close()
     if comm.rank == 0:
