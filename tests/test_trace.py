@@ -87,3 +87,27 @@ def test_unknown_backend_lists_valid_names():
 
     with pytest.raises(ValueError, match="use one of mpi, nccl"):
         mpiring.init(backend="gloo")
+
+
+@pytest.mark.deadline(120)
+def test_a_ddp_run_that_ends_normally_keeps_every_event(rank0_subprocess, tmp_path_factory,
+                                                        world, monkeypatch):
+    # The script never calls close() or flush(): the buffered tail must still
+    # reach the file (at exit), every step's backward and every bucket's AllReduce.
+    directory = world.control.bcast_json(
+        str(tmp_path_factory.mktemp("ddp-trace")) if world.rank == 0 else None)
+    monkeypatch.setenv("MPIRING_TRACE", directory)
+    steps = 300
+    result = rank0_subprocess(2, ["tests/scripts/ddp_traced.py", str(steps)], timeout=90)
+    if result is None:
+        return
+    rc, out, _ = result
+    assert rc == 0, out
+    records = read_trace(directory)
+    for rank in (0, 1):
+        mine = [r for r in records if r.get("rank") == rank and r.get("type") == "event"]
+        backward = [r for r in mine if r["name"] == "ddp.backward"]
+        assert len(backward) == steps, f"r{rank}: {len(backward)} of {steps} ddp.backward events"
+        buckets = {r["bucket"] for r in mine if r["name"] == "ddp.all_reduce"}
+        per_step = len([r for r in mine if r["name"] == "ddp.all_reduce"]) / steps
+        assert len(buckets) > 1 and per_step == len(buckets), (buckets, per_step)
