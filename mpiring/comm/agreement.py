@@ -70,6 +70,27 @@ def agree(be, collective: str, call: int, buf: Buffer | None, op, algo, root, ch
         raise MismatchError(f"{name}: " + "; ".join(differs))
 
 
+def agree_ok(be, name: str, error: Exception | None) -> None:
+    """Every rank learns whether any rank refused its arguments to ``name``; all raise if so.
+
+    For calls without a data descriptor (``split``): one exchange of a flag, and
+    of the error texts only when some rank failed.
+
+    Raises:
+        the local ``error`` on the rank that had it; ValueError quoting it on the others.
+    """
+    flags = be.exchange(np.array([0 if error is None else 1], dtype=np.int64))[:, 0]
+    if not flags.any():
+        return
+    texts = _peer_errors(be, error)
+    if error is not None:
+        raise error
+    bad = [r for r in range(be.size) if flags[r]]
+    raise ValueError(f"{name}: no rank ran it because " + "; ".join(
+        f"r{r} rejected its arguments ({texts[r]})" if texts else f"r{r} rejected its arguments"
+        for r in bad))
+
+
 @functools.lru_cache(maxsize=256)
 def _crc(name: str) -> int:
     return zlib.crc32(name.encode())

@@ -23,7 +23,7 @@ import numpy as np
 from mpiring import collectives as coll
 from mpiring.backends.gpu import device_plan
 from mpiring.collectives.ring_segmented import SEGMENT_BYTES
-from mpiring.comm.agreement import agree
+from mpiring.comm.agreement import agree, agree_ok
 from mpiring.comm.p2p import PointToPoint
 from mpiring.core.buffers import Buffer, as_buffer
 from mpiring.core.chunking import chunk_bounds
@@ -44,6 +44,10 @@ REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 
 #: The collectives whose "auto" or "ring-seg" may run the segmented ring.
 _SEGMENTED = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -421,9 +425,25 @@ class Communicator(PointToPoint):
 
         Ranks order by ``key`` then by rank. A rank that passes ``color=None`` (or a
         negative color) takes part in the split but gets ``None`` back.
+
+        Raises:
+            ValueError: on every rank, before the split, when any rank passed a
+                color or key that is not an integer (None allowed for color).
         """
-        self._act.begin("split", self._next_call("split"), None)
-        be = self._be.split(color, key)
+        call = self._next_call("split")
+        self._act.begin("split", call, None)
+        error = None
+        if not (color is None or _is_int(color)):
+            error = ValueError(f"split: color={color!r}: use an integer (the group's "
+                               "number), or None to take part without joining a group")
+        elif not _is_int(key):
+            error = ValueError(f"split: key={key!r}: use an integer (the rank's order "
+                               "in its group)")
+        if self.size > 1:  # a bad color on one rank must not leave the others in Comm_split
+            agree_ok(self._be, f"split#{call}", error)
+        elif error is not None:
+            raise error
+        be = self._be.split(None if color is None else int(color), int(key))
         if be is None:
             return None
         return Communicator(be, self.tracer, check=self.check, timeout=self.timeout)

@@ -90,10 +90,30 @@ def _canonical(dtype) -> str:
     return name
 
 
+def _layout_error(x: np.ndarray) -> ValueError | None:
+    """Why the bytes of ``x`` cannot travel as they are (None: they can)."""
+    # A byte-swapped array would be summed as native numbers: a silent wrong
+    # result on the ring, a BufferError inside MPI on the native path.
+    if not x.dtype.isnative:
+        return ValueError(
+            f"buffer has non-native byte order ({x.dtype.str}): the ring would add its "
+            'bytes as native numbers; pass x.astype(x.dtype.newbyteorder("=")) and read '
+            "the result from that array")
+    # MPI's typed collectives cannot map an unaligned view (a float32 at a byte
+    # offset), and the ring's element loads on it are slow on some CPUs.
+    if not x.flags.aligned:
+        return ValueError(
+            "buffer is not aligned to its dtype (a view at a byte offset): pass x.copy() "
+            "(an aligned copy) and read the result from that array")
+    return None
+
+
 def _from_numpy(x: np.ndarray) -> Buffer:
     name = _canonical(x.dtype)
     if name not in DTYPES:
         raise _dtype_error(name)
+    if not (x.dtype.isnative and x.flags.aligned):  # one test in the usual case
+        raise _layout_error(x)
     if not x.flags.c_contiguous:
         raise ValueError(
             "buffer is not contiguous: collectives work in place on contiguous memory; "
@@ -118,7 +138,13 @@ def _from_torch(x) -> Buffer:
             "tensor requires grad: a collective writes in place, which autograd cannot "
             "track; pass x.detach() (or reduce x.grad instead of the parameter)"
         )
-    if not x.is_contiguous():
+    if not x.is_contiguous():  # a sparse tensor lands here too: name its real problem
+        if x.layout != torch.strided:
+            # A sparse tensor has no flat run of values to reduce in place; its
+            # values and indices differ in length across ranks.
+            raise ValueError(
+                f"tensor is sparse ({x.layout}): collectives reduce dense memory in place; "
+                "pass x.to_dense() and read the result from that tensor")
         raise ValueError(
             "tensor is not contiguous: collectives work in place on contiguous memory; "
             "pass x.contiguous() and read the result from that tensor"
