@@ -138,6 +138,19 @@ def test_time_interleaved_batches_and_rotates(world):
     assert orders == ["abc", "bca", "cab", "cba", "acb"]  # balanced_orders(3), from row 0
 
 
+def test_time_interleaved_gives_every_rank_the_slowest_ranks_time(world):
+    import time
+
+    from mpiring.tools.bench.measure import time_interleaved
+
+    slow = world.size - 1  # one rank sleeps in call 0: every rank must see its time
+    calls = [lambda: time.sleep(0.02 if world.rank == slow else 0.0), lambda: None]
+    times = time_interleaved(world, calls, [lambda: None] * 2, iters=3, warmup=1)
+    assert times.shape == (2, 3) and (times[0] >= 0.02).all(), times
+    everyone = world.control.allgather_array(times.reshape(-1))
+    assert (everyone == everyone[0]).all()  # the same table on every rank
+
+
 def test_sweep_reports_the_chunk_count_the_communicator_uses(world):
     from mpiring import Communicator
     from mpiring.comm import autotune
