@@ -2,8 +2,8 @@
 # The speed goals that need a core per rank, measured on a host that has them.
 #
 # On a 2-core machine 3 and 4 ranks share cores, and DDP's communication thread
-# has no idle core to hide on. This runs the same benches as the README's
-# "Speed" section with a core per rank, and one to spare per rank for DDP:
+# has no idle core to hide on. This runs the collective and DDP benches of
+# docs/performance.md with a core per rank, and one to spare per rank for DDP:
 #   * bench all_reduce (native, ring, ring-seg, auto) and broadcast (native,
 #     pipelined), 8 B to 64 MiB, on 2, 3 and 4 ranks, then the ratio grids
 #     (scripts/speed_summary.py);

@@ -9,7 +9,7 @@
 #
 # Environment (all optional):
 #   PYTHON=python3       interpreter that has cupy, nvidia-nccl, torch, mpi4py, pytest
-#   WHEELS=.whl          folder of extra wheels (e.g. the mpich wheel); see README "GPU check"
+#   WHEELS=.whl          folder of extra wheels (e.g. the mpich wheel); see docs/gpu.md
 #   NP=4                 ranks for the GPU tests (they use sub-communicators of 1..4 ranks)
 #   GPU_CHECK_DIR=out/gpu-check   where logs and bench.json go
 #   CORE_CHECK=0         leave out the CPU part; CORE_BUDGET_S=180 its time
@@ -91,7 +91,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 t=$SECONDS
 if ! "$PY" -c "from mpi4py import MPI; MPI.Get_library_version()" >"$LOGS/mpi.txt" 2>&1; then
     record FAIL "MPI library" "$((SECONDS - t))" \
-        "mpi4py finds no MPI library: put the mpich wheel in .whl/ (README, GPU check)"
+        "mpi4py finds no MPI library: put the mpich wheel in .whl/ (docs/gpu.md)"
     tail -5 "$LOGS/mpi.txt"
     finish
 fi
@@ -174,7 +174,7 @@ record "$status" "GPU benchmark" "$((SECONDS - t))" "$LOGS/bench.json"
 
 # --- 6. CPU speed with a core per rank -----------------------------------------------
 # The host's many cores measure what a 2-core machine cannot: the rings against
-# MPI with a core per rank, DDP's overlap with a core to spare (README, Performance).
+# MPI with a core per rank, DDP's overlap with a core to spare (docs/benchmarks.md).
 if [ "${CORE_CHECK:-1}" != 0 ] && [ "${#LAUNCH[@]}" -gt 0 ]; then
     note "CPU speed with a core per rank: scripts/core_per_rank.sh"
     t=$SECONDS

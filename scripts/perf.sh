@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The README's Performance section, measured again on this machine (sets up .venv
-# on first use). Tables go to out/perf/*.txt (and JSON), pictures to docs/.
+# The long measurement: every bench at full sizes (8 B to 256 MiB, 2-4 ranks), for
+# digging into one part (sets up .venv on first use). Tables, JSON and pictures go to
+# out/perf/; docs/performance.md comes from scripts/performance.sh instead (one run).
 #   scripts/perf.sh                 # everything (a few minutes on 2 cores)
 #   ONLY=allreduce scripts/perf.sh  # one part: allreduce, speed, chunks, ps, ddp, trace
 #   HOSTFILE=hostfiles/mpich-localhost scripts/perf.sh
@@ -8,7 +9,7 @@
 source "$(dirname "$0")/_hostfile.sh"  # first: a bad HOSTFILE stops before any set-up
 source "$(dirname "$0")/_venv.sh"
 OUT=out/perf
-mkdir -p "$OUT" docs
+mkdir -p "$OUT"
 run() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
 uptime > "$OUT/load.txt"
 if run allreduce; then
@@ -16,7 +17,7 @@ if run allreduce; then
         echo "== all_reduce on $n ranks: ring vs native (MPI_Allreduce) vs gloo, 4 KiB to 64 MiB ==" >&2
         mpiexec "${HOSTARGS[@]}" -n "$n" python -m mpiring bench -b 4K -e 64M --stepfactor 2 -n 20 -w 3 \
             --algo ring,native,gloo --model --json "$OUT/allreduce-$n.json" \
-            --plot "docs/busbw-$n.png" | tee "$OUT/allreduce-$n.txt"
+            --plot "$OUT/busbw-$n.png" | tee "$OUT/allreduce-$n.txt"
     done
 fi
 if run speed; then
@@ -44,20 +45,20 @@ fi
 if run ps; then
     echo "== parameter server vs ring AllReduce, K = 2..4 ==" >&2
     mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring bench --ps 16M -n 10 -w 2 --json "$OUT/ps.json" \
-        --plot docs/ps.png | tee "$OUT/ps.txt"
+        --plot "$OUT/ps.png" | tee "$OUT/ps.txt"
 fi
 if run ddp; then
     echo "== DDP step: compute vs ddp vs naive vs ps vs torch-ddp, bucket sweep ==" >&2
     mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring bench-ddp --preset comm --batch-size 2 -n 5 -w 1 \
         --bucket-sweep 1,4 \
-        --json "$OUT/ddp.json" --plot docs/ddp.png | tee "$OUT/ddp.txt"
+        --json "$OUT/ddp.json" --plot "$OUT/ddp.png" | tee "$OUT/ddp.txt"
 fi
 if run trace; then
     echo "== a traced ring AllReduce: timeline and step diagram ==" >&2
     rm -rf "$OUT/trace"
     mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring allreduce --size 16M --iters 1 --trace "$OUT/trace"
     python -m mpiring trace merge "$OUT/trace" -o "$OUT/trace.json"
-    python -m mpiring trace plot "$OUT/trace" -o docs/timeline.png \
+    python -m mpiring trace plot "$OUT/trace" -o "$OUT/timeline.png" \
         --title "ring AllReduce of 16 MiB on 4 ranks"
     rm -rf "$OUT/trace-small"
     mpiexec "${HOSTARGS[@]}" -n 4 python -m mpiring allreduce --size 1K --iters 1 --trace "$OUT/trace-small"
