@@ -5,7 +5,7 @@
 #   scripts/performance.sh                 # writes docs/performance.md and docs/*.png
 #   QUICK=1 scripts/performance.sh         # a smoke run of a minute: page and PNGs stay in out/
 #   HOSTFILE=hostfiles/mpich-localhost scripts/performance.sh
-# PERF_DIR (default out/performance) is where the raw results go. Measure on a quiet
+# PERF_DIR (default out/performance) is where the raw results go; the page names the commit. Measure on a quiet
 # machine if you can: other jobs on the same cores move every absolute number.
 source "$(dirname "$0")/_hostfile.sh"  # first: a bad HOSTFILE stops before any set-up
 source "$(dirname "$0")/_venv.sh"
@@ -30,7 +30,11 @@ run() {  # run LOG cmd...: one launch, its command kept for the page, its output
     "$@" > "$OUT/$log" 2>&1 || { echo "performance.sh: failed: $* (see $OUT/$log)" >&2; tail -20 "$OUT/$log" >&2; exit 1; }
 }
 mpi() { run "$1" mpiexec "${HOSTARGS[@]}" -n "$2" python -m mpiring "${@:3}"; }
-python scripts/performance_page.py machine "$OUT/machine.json"
+if [ -z "${PERF_COMMIT:-}" ]; then  # PERF_COMMIT: set it when running from an export
+    PERF_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    git diff --quiet HEAD -- mpiring scripts 2>/dev/null || PERF_COMMIT="$PERF_COMMIT with local changes"
+fi
+python scripts/performance_page.py machine "$OUT/machine.json" --commit "$PERF_COMMIT"
 for n in 2 4; do
     mpi "bench-$n.txt" "$n" bench -c all_reduce \
         --algo native,ring,ring-seg,recursive-doubling,halving-doubling,auto,gloo \

@@ -37,7 +37,7 @@ def _first(path: str, key: str) -> str:
     return "unknown"
 
 
-def machine(path: str, end: bool) -> None:
+def machine(path: str, end: bool, commit: str = "unknown") -> None:
     """Record (or, with ``end``, complete) the run's date, machine and load."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0]
@@ -61,7 +61,7 @@ def machine(path: str, end: bool) -> None:
                     round(int(mem.split()[0]) / 2**20, 1) if mem != "unknown" else None,
                 "system": f"{platform.system()} {platform.release()} {platform.machine()}",
                 "python": platform.python_version(), "numpy": numpy.__version__,
-                "torch": torch.__version__, "mpi": mpi, "thp": thp_mode()}
+                "torch": torch.__version__, "mpi": mpi, "thp": thp_mode(), "commit": commit}
     Path(path).write_text(json.dumps(info, indent=1) + "\n")
 
 
@@ -235,7 +235,7 @@ def page(out_dir: Path, page_path: Path, pictures_dir: Path) -> None:
     lines = ["# Performance: one run", "",
              "<!-- Written by scripts/performance.sh (scripts/performance_page.py): "
              "rerun it, do not edit. -->", "",
-             f"Measured {m['start']} to {m['end']} on {m['system']}, {m['cores']} cores "
+             f"Measured {m['start']} to {m['end']}, commit {m.get('commit', 'unknown')}, on {m['system']}, {m['cores']} cores "
              f"({m['cpu']}), {m['memory_gib']} GiB; Python {m['python']}, NumPy {m['numpy']}, "
              f"torch {m['torch']}, {m['mpi']}; transparent huge pages: {m['thp']}. "
              f"1-minute load average {m['load_start']:.1f} at the start, {m['load_end']:.1f} "
@@ -306,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("machine", help="record the date, machine and load")
     m.add_argument("file")
     m.add_argument("--end", action="store_true", help="add the end time and load")
+    m.add_argument("--commit", default="unknown", help="the code measured (git commit)")
     g = sub.add_parser("page", help="write the page from a run's output folder")
     g.add_argument("out", help="the folder scripts/performance.sh wrote")
     g.add_argument("--page", default="docs/performance.md")
     g.add_argument("--pictures", default="docs", help="folder for the PNGs (the page's folder)")
     args = p.parse_args(argv)
     if args.what == "machine":
-        machine(args.file, args.end)
+        machine(args.file, args.end, args.commit)
     else:
         page(Path(args.out), Path(args.page), Path(args.pictures))
     return 0
