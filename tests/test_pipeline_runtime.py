@@ -241,3 +241,33 @@ def test_every_rank_of_the_job(world, name):
         sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
         for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
             torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_shapes_agreed_once_then_again_for_a_new_shape(comm):
+    # Step 1 sends a header per activation (on the checked communicator); step 2
+    # only the tensors, unchecked, into last step's buffers; a new batch size
+    # agrees again. Every step's gradients against the unsplit model.
+    from test_ddp import Recorder
+
+    full = mlp()
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 3, mse)
+    rec = Recorder(comm.rank)
+    stage.comm.tracer = sched.transport.fast.tracer = rec
+    headers = []
+    for rows in (10, 10, 7, 10):
+        x, y = data(rows)
+        x, y = x[:rows], y[:rows]
+        reference(full, x, y, 3, mse)
+        part.zero_grad()
+        n = len(rec.records)
+        sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        headers.append(sum(1 for r in rec.records[n:] if r.get("type") == "p2p" and r["tag"] == 3))
+        assert not sched.transport.fresh
+        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
+            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+    # 3 headers (one per micro-batch) on each link: sent by one end, received by the other.
+    per = 3 * ((comm.rank > 0) + (comm.rank < comm.size - 1))
+    assert headers == [per, 0, per, per]

@@ -12,56 +12,27 @@ on the stage; a run of consecutive sends and receives is posted together: a
 send is an ``isend`` (waited for at the end of the step, so a send never holds
 its rank up), the receives are waited for before the next compute action. On
 NCCL the run is one ``comm.group()``. The shapes and dtypes of the activations
-are agreed once per input shape: the first step sends a small int64 header
-ahead of each micro-batch's activation (no pickle).
+are agreed once per input shape (``transport``); then each message is its
+tensor alone, into the buffer the step before received into.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
 import torch
 
 from mpiring.parallel.pipeline import data_parallel
-from mpiring.parallel.pipeline.actions import (
-    RECV_B,
-    RECV_F,
-    SEND_F,
-    Action,
-    B,
-    F,
-    W,
-    format_schedule,
-    groups,
-)
+from mpiring.parallel.pipeline.actions import Action, B, F, W, format_schedule, groups
 from mpiring.parallel.pipeline.schedules import build, check_sizes
 from mpiring.parallel.pipeline.stage import PipelineStage
+from mpiring.parallel.pipeline.transport import DTYPES, MAX_DIMS, Transport
 from mpiring.parallel.pipeline.validate import Span, check
-
-TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-_MAX_DIMS = 8
 
 
 class PipelineError(RuntimeError):
     """A stage failed while running an action; the message names the rank, stage and action."""
-
-
-def _header(t: torch.Tensor) -> np.ndarray:
-    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-        raise TypeError(f"activation of shape {tuple(t.shape)} and dtype {t.dtype}: a stage "
-                        f"may pass up to {_MAX_DIMS} dimensions of {', '.join(map(str, _DTYPES))}")
-    h = np.full(2 + _MAX_DIMS, -1, dtype=np.int64)
-    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
-    h[2:2 + t.dim()] = t.shape
-    return h
-
-
-def _from_header(h: np.ndarray) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(int(v) for v in h[2:2 + int(h[1])]), _DTYPES[int(h[0])]
 
 
 class PipelineSchedule:
@@ -111,8 +82,7 @@ class PipelineSchedule:
         # not see it: such a stage reduces after its last action (data_parallel).
         self._sync_in_b = stage.ddp is not None and not self._split
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
-        self._meta: dict[int, tuple] = {}
-        self._meta_sent: set[int] = set()
+        self.transport = Transport(stage.comm)  # collective (a dup), as the gather above
         self._signature: list[int] | None = None
         self.timeline: list[Span] = []
 
@@ -164,6 +134,7 @@ class PipelineSchedule:
                     f"deadline ({st.comm.timeout:g} s)") from exc
         for req in sends:
             req.wait()
+        self.transport.end_step()
         if st.ddp is not None and not self._sync_in_b:
             data_parallel.reduce_now(st.ddp)
         self._reduce_tied()
@@ -177,9 +148,9 @@ class PipelineSchedule:
         err = _arg_error(st, m, x, target, losses)
         rows_x = int(x.shape[0]) if st.is_first and not err else -1
         rows_t = int(target.shape[0]) if st.is_last and not err else -1
-        shape = [-1] * (_MAX_DIMS + 1)
+        shape = [-1] * (MAX_DIMS + 1)
         if st.is_first and not err:
-            shape[:x.dim() + 1] = [_DTYPES.index(x.dtype) if x.dtype in _DTYPES else -2, *x.shape]
+            shape[:x.dim() + 1] = [DTYPES.index(x.dtype) if x.dtype in DTYPES else -2, *x.shape]
         row = [int(bool(err)), rows_x, rows_t, *shape]
         comm = st.comm
         table = comm.control.allgather_array(row) if comm.size > 1 else np.array([row])
@@ -191,7 +162,8 @@ class PipelineSchedule:
                              f"the target {table[-1, 2]} on the last; give them the same batch")
         signature = table[0, 3:].tolist()
         if signature != self._signature:  # a new input shape: agree the activations again
-            self._signature, self._meta, self._meta_sent = signature, {}, set()
+            self._signature = signature
+            self.transport.renegotiate()
 
     def _compute(self, a: Action) -> None:
         st, t0 = self.stage, time.perf_counter()
@@ -222,32 +194,7 @@ class PipelineSchedule:
                          replica=0 if st.ddp is None else st.ddp.comm.rank)
 
     def _communicate(self, run: list[Action], sends: list) -> None:
-        comm, recvs = self.stage.comm, []
-        for a in run:  # headers first (first step only), so a group holds only the data
-            if a.kind == RECV_F and a.mb not in self._meta:
-                h = comm.recv(np.empty(2 + _MAX_DIMS, dtype=np.int64), a.peer, TAG_META)
-                self._meta[a.mb] = _from_header(h)
-        grouped = comm.group() if comm.backend == "nccl" else contextlib.nullcontext()
-        with grouped:
-            for a in run:
-                if a.kind == SEND_F:
-                    t = self._send.pop(("F", a.mb))
-                    if a.mb not in self._meta_sent:
-                        sends.append(comm.isend(_header(t), a.peer, TAG_META))
-                        self._meta_sent.add(a.mb)
-                    sends.append(comm.isend(t, a.peer, TAG_ACT))
-                elif a.kind == RECV_F:
-                    shape, dtype = self._meta[a.mb]
-                    buf = self._recv[("F", a.mb)] = torch.empty(shape, dtype=dtype)
-                    recvs.append(comm.irecv(buf, a.peer, TAG_ACT))
-                elif a.kind == RECV_B:
-                    out = self.stage._out[a.mb]
-                    buf = self._recv[("B", a.mb)] = torch.empty(out.shape, dtype=out.dtype)
-                    recvs.append(comm.irecv(buf, a.peer, TAG_GRAD))
-                else:  # SEND_B
-                    sends.append(comm.isend(self._send.pop(("B", a.mb)), a.peer, TAG_GRAD))
-        for req in recvs:
-            req.wait()
+        self.transport.exchange(run, self._send, self._recv, lambda mb: self.stage._out[mb], sends)
 
     def _reduce_tied(self) -> None:
         st = self.stage

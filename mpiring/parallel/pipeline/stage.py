@@ -80,6 +80,8 @@ class PipelineStage:
         self._held: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_activation_bytes = 0
+        # Once a step, not once a forward: the optimizer updates the weights in place.
+        self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
 
     def split_backward(self) -> None:
         """Let B leave the Linear weight gradients to W (idempotent)."""
@@ -120,7 +122,7 @@ class PipelineStage:
     def _counted(self, fn):
         """Run ``fn`` and count the activation bytes autograd saves (parameters excluded)."""
         seen: set[int] = set()
-        skip = {p.data_ptr() for p in self.module.parameters()}
+        skip = self._param_ptrs
         total = [0]
 
         def pack(t: torch.Tensor):
