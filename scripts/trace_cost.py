@@ -19,12 +19,16 @@ import numpy as np
 
 import mpiring
 import mpiring.collectives.all_gather as all_gather_mod
+import mpiring.collectives.halving_doubling as halving_doubling_mod
+import mpiring.collectives.recursive_doubling as recursive_doubling_mod
 import mpiring.collectives.reduce_scatter as reduce_scatter_mod
 import mpiring.collectives.ring_segmented as ring_segmented_mod
 from mpiring.runtime import trace as trace_mod
 from mpiring.runtime import watchdog
 
-MODULES = (reduce_scatter_mod, all_gather_mod, ring_segmented_mod)  # those that read the clock
+# Those that read the clock (auto runs the doublings or ring-seg, by size).
+MODULES = (reduce_scatter_mod, all_gather_mod, ring_segmented_mod, recursive_doubling_mod,
+           halving_doubling_mod)
 
 
 def unit_costs(comm, n: int = 200_000) -> dict[str, float]:
@@ -37,10 +41,9 @@ def unit_costs(comm, n: int = 200_000) -> dict[str, float]:
 
     base = best(lambda: None)
     return {
-        "record": best(lambda: rec.step("reduce-scatter", 1, 3, send_chunk=1, dst=1,
-                                        recv_chunk=0, src=1, bytes_sent=8, bytes_recv=8,
-                                        t_start=0.0, t_recv=0.0, t_end=0.0)) - base,
-        "progress": best(lambda: rec.step("reduce-scatter", 1, 3)) - base,
+        # The literal ring hands each step's chunks on; the others only phase and step.
+        "chunk_step": best(lambda: rec.chunk_step("reduce-scatter", 1, 3, 1, 0, 0.0, 0.0)) - base,
+        "step": best(lambda: rec.step("reduce-scatter", 1, 3)) - base,
         "clock": best(trace_mod.clock),
         "setup": best(lambda: comm._act.steps_to(comm.tracer.call("all_reduce", 1, "ring"))) - base,
     }
@@ -48,8 +51,9 @@ def unit_costs(comm, n: int = 200_000) -> dict[str, float]:
 
 def count_hooks(comm, x, algo: str) -> dict[str, int]:
     """Run one all_reduce with counters on the hooks; how often each ran."""
-    counts = {"setup": 0, "step": 0, "clock": 0}
-    clock, step, call = trace_mod.clock, watchdog.Activity.step, trace_mod.Tracer.call
+    counts = {"setup": 0, "step": 0, "chunk_step": 0, "clock": 0}
+    clock, call = trace_mod.clock, trace_mod.Tracer.call
+    step, chunk_step = watchdog.Activity.step, watchdog.Activity.chunk_step
 
     def counting_clock():
         counts["clock"] += 1
@@ -59,6 +63,10 @@ def count_hooks(comm, x, algo: str) -> dict[str, int]:
         counts["step"] += 1
         return step(self, *args, **kwargs)
 
+    def counting_chunk_step(self, *args, **kwargs):
+        counts["chunk_step"] += 1
+        return chunk_step(self, *args, **kwargs)
+
     def counting_call(self, *args):
         counts["setup"] += 1
         return call(self, *args)
@@ -66,12 +74,14 @@ def count_hooks(comm, x, algo: str) -> dict[str, int]:
     for m in MODULES:
         m.clock = counting_clock
     watchdog.Activity.step, trace_mod.Tracer.call = counting_step, counting_call
+    watchdog.Activity.chunk_step = counting_chunk_step
     try:
         comm.all_reduce(x, algo=algo, check=False)
     finally:
         for m in MODULES:
             m.clock = clock
         watchdog.Activity.step, trace_mod.Tracer.call = step, call
+        watchdog.Activity.chunk_step = chunk_step
     return counts
 
 
@@ -92,13 +102,10 @@ def main() -> None:
                 comm.all_reduce(x, algo=algo, check=False)
                 times.append(time.perf_counter() - t0)
             t = float(np.median(times))
-            # The lecture's ring writes a full record per step; ring-seg hands on phase and step.
-            per_step = unit["record"] if algo == "ring" else unit["progress"]
-            hooks = counts["setup"] * unit["setup"] + counts["step"] * per_step \
-                + counts["clock"] * unit["clock"]
+            hooks = sum(counts[h] * unit[h] for h in ("setup", "step", "chunk_step", "clock"))
             if comm.rank == 0:
                 print(f"K={comm.size} {size:>9} B {algo:9s} call {t * 1e6:9.1f} us; hooks: "
-                      f"{counts['setup']} setup, {counts['step']} steps, {counts['clock']} clock "
+                      f"{counts['setup']} setup, {counts['step'] + counts['chunk_step']} steps, {counts['clock']} clock "
                       f"reads = {hooks * 1e6:.2f} us = {hooks / t * 100:.2f}%", flush=True)
 
 
