@@ -20,11 +20,15 @@ micro-batch:
   call ``sched.transport.renegotiate()`` before such a step;
 * the buffers: each micro-batch's receive buffer is allocated on the first step
   and received into again on the next ones.
+
+On MPI a stage waits by polling with short sleeps (``idle = "sleep"``) unless
+``MPIRING_IDLE`` says otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import torch
@@ -63,6 +67,12 @@ class Transport:
         self.checked = comm
         self.fast = comm.dup()
         self.fast.check = False  # shapes agreed by the header: the descriptors only repeat them
+        if comm.idle is not None and not os.environ.get("MPIRING_IDLE"):
+            # A stage waits through whole forwards and backwards of its neighbours
+            # (the bubble): polling with sleeps leaves the core to the ranks that
+            # compute, for at most mpi.SLEEP_S more latency per message.
+            for c in (self.checked, self.fast):
+                c.idle = "sleep"
         self.renegotiate()
 
     def renegotiate(self) -> None:
