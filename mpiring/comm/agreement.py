@@ -1,8 +1,8 @@
 """Argument agreement: every rank checks that all ranks called the same collective.
 
 Before any data moves, each rank describes its call as a few int64s
-(collective, count, dtype, op, root, algo, chunks, segment size, call number, and
-whether its own input was refused) and the ranks exchange the descriptors over
+(collective, count, dtype, op, root, algo, chunks, segment size, call number, the
+caller's line as a code, and whether its own input was refused) and the ranks exchange the descriptors over
 the control channel. If any rank refused its input, or the descriptors differ,
 *every* rank raises, so a bad buffer on one rank can never leave the others
 waiting in a ring step. The usual case, all equal, costs one small Allgather
@@ -17,18 +17,22 @@ from typing import Any
 
 import numpy as np
 
+from mpiring.comm.callsite import site_name
 from mpiring.core.buffers import DTYPES, Buffer
 from mpiring.core.errors import MismatchError
 from mpiring.core.ops import OPS
 
-# "call" last: the call number of this collective on this communicator. It
-# differs when a rank made more or fewer calls than the others (one unchecked).
+# "call": the call number of this collective on this communicator; it differs
+# when a rank made more or fewer calls than the others (one unchecked). "site":
+# the caller's line (mpiring.comm.callsite); it differs when a rank skipped a
+# call that the others made from another line, where the counts cannot see it
+# until the end of the sequence and same-shaped calls would mix silently.
 _DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks",
-                "segment_bytes", "call")
+                "segment_bytes", "call", "site")
 
 
 def agree(be, collective: str, call: int, buf: Buffer | None, op, algo, root, chunks,
-          segment, error: Exception | None) -> None:
+          segment, error: Exception | None, site: int = 0) -> None:
     """Exchange this call's descriptor with every rank; raise on every rank unless all agree.
 
     Raises:
@@ -36,7 +40,7 @@ def agree(be, collective: str, call: int, buf: Buffer | None, op, algo, root, ch
         the others; MismatchError listing each rank's value where the calls differ.
     """
     table = be.exchange(_descriptor(collective, buf, op, algo, root, chunks, segment,
-                                    call, error))
+                                    call, site, error))
     rows = table.tolist()
     if rows[0][-1] == 0 and rows.count(rows[0]) == len(rows):
         # Every rank described the same call and none failed: the usual case,
@@ -59,6 +63,13 @@ def agree(be, collective: str, call: int, buf: Buffer | None, op, algo, root, ch
     for j, field in enumerate(_DESC_FIELDS):
         column = table[:, j]
         if (column != column[0]).any():
+            if field == "site":  # each rank knows only its own line's name: exchange them
+                names = _site_names(be, site)
+                values = " ".join(f"r{r}={names[r]}" for r in range(len(column)))
+                differs.append(f"call site differs: {values} (the ranks are in different "
+                               f"calls: a rank skipped or added a call of {collective}, or "
+                               "makes this one from another line)")
+                continue
             values = " ".join(f"r{r}={_describe(field, v)}" for r, v in enumerate(column))
             differs.append(f"{field} differs: {values}")
             if field == "collective":  # the other fields then mean different things
@@ -117,7 +128,7 @@ def _int_or(value: Any) -> int:
 
 
 def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks, segment,
-                call: int, error: Exception | None) -> np.ndarray:
+                call: int, site: int, error: Exception | None) -> np.ndarray:
     """The call as int64s, in ``_DESC_FIELDS`` order plus an error flag; never raises."""
     return np.array([
         _name_code(collective),
@@ -129,6 +140,7 @@ def _descriptor(collective: str, buf: Buffer | None, op, algo, root, chunks, seg
         _int_or(chunks),
         _int_or(segment),
         call,
+        site,
         0 if error is None else 1,
     ], dtype=np.int64)
 
@@ -141,6 +153,14 @@ def _peer_errors(be, error: Exception | None, limit: int = 400) -> list[str]:
     text = "" if error is None else f"{type(error).__name__}: {error}"
     raw = exchange(text.encode("utf-8", errors="replace")[:limit])
     return [r.decode("utf-8", errors="replace") for r in raw]
+
+
+def _site_names(be, site: int) -> list[str]:
+    """Every rank's ``file:line`` for its call site (codes, where texts cannot travel)."""
+    exchange = getattr(be, "exchange_bytes", None)
+    if exchange is None:
+        return [site_name(int(v)) for v in be.exchange(np.array([site], np.int64))[:, 0]]
+    return [r.decode("utf-8", errors="replace") for r in exchange(site_name(site).encode())]
 
 
 def _describe(field: str, value: int) -> str:

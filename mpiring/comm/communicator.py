@@ -24,6 +24,7 @@ from mpiring import collectives as coll
 from mpiring.backends.gpu import device_plan
 from mpiring.collectives.ring_segmented import SEGMENT_BYTES
 from mpiring.comm.agreement import agree, agree_ok
+from mpiring.comm.callsite import site_code
 from mpiring.comm.p2p import PointToPoint
 from mpiring.core.buffers import Buffer, as_buffer
 from mpiring.core.chunking import chunk_bounds
@@ -214,7 +215,8 @@ class Communicator(PointToPoint):
                 raise error
             return self._enter(buf), call
         segment = self._segment_bytes if collective in _SEGMENTED else None
-        agree(self._be, collective, call, buf, op, algo, root, chunks, segment, error)
+        agree(self._be, collective, call, buf, op, algo, root, chunks, segment, error,
+              site_code(2))  # from all_reduce/...: the first frame outside mpiring
         return self._enter(buf), call
 
     # --- collectives ----------------------------------------------------------
