@@ -25,7 +25,9 @@ fi
 : > "$OUT/commands.txt"
 run() {  # run LOG cmd...: one launch, its command kept for the page, its output in LOG
     local log="$1"; shift
-    echo "$*" >> "$OUT/commands.txt"
+    local a line=""
+    for a in "$@"; do [[ "$a" == *" "* ]] && a="\"$a\""; line+="${line:+ }$a"; done
+    echo "$line" >> "$OUT/commands.txt"
     echo "== $*" >&2
     "$@" > "$OUT/$log" 2>&1 || { echo "performance.sh: failed: $* (see $OUT/$log)" >&2; tail -20 "$OUT/$log" >&2; exit 1; }
 }

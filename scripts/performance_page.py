@@ -137,7 +137,8 @@ def collective_section(rows: list[dict], k: int, pictures: dict[str, str]) -> li
     out += ["In this run: " + "; ".join(notes) + ".", ""]
     bc = [r for r in rows if r["collective"] == "broadcast"]
     if bc:
-        out += ["| size | MPI_Bcast (us) | " + " | ".join(a for a in BCAST) + " | S |",
+        out += [f"Broadcast on {k} ranks, root 0:", "",
+                "| size | MPI_Bcast (us) | " + " | ".join(a for a in BCAST) + " | S |",
                 "|---:|---:|" + "---:|" * len(BCAST) + "---:|"]
         for size in sorted({r["bytes"] for r in bc}):
             at = {r["algo"]: r for r in bc if r["bytes"] == size}
