@@ -233,7 +233,14 @@ class Communicator(PointToPoint):
                 (log2 K steps, for small messages), "halving-doubling" (the ring's
                 bytes in 2 log2 K steps) or "native" (the library's own).
             check: compare the call's arguments across ranks first (default on;
-                ``MPIRING_CHECK=0`` turns it off).
+                ``MPIRING_CHECK=0`` turns it off): count, dtype, op, root, algo,
+                chunks, segment size, call number and the caller's line, plus
+                whether any rank refused its input. The price of ``check=False``
+                (here, on any collective, or through the variable): a rank's bad
+                buffer raises on that rank only while the others wait for it
+                until the deadline, and calls whose dtypes, ops, roots or order
+                differ across ranks are not detected; they give a wrong result
+                or a stall, not an error. It saves one small Allgather per call.
 
         Returns:
             ``x``.

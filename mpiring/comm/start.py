@@ -34,6 +34,11 @@ def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = No
     from mpiring.runtime.trace import Tracer
 
     tracer = Tracer.from_env(world_rank(), trace, log)
+    # A rank that raises or exits while the others wait for it ends the job in
+    # seconds instead of at the deadline (collective the first time; then free).
+    from mpiring.backends.lifecycle import install
+
+    install()
     if backend == "mpi":
         return Communicator(world_backend(), tracer, check=check, timeout=timeout)
     from mpiring.backends.nccl import make_backend

@@ -27,6 +27,21 @@ Deadline: ``mpiring.init(timeout=SECONDS)``, ``Communicator.timeout``, or the
 environment variable ``MPIRING_TIMEOUT`` (seconds; ``0`` or ``off`` disables);
 default ``DEFAULT_TIMEOUT``. The deadline bounds one blocking wait, not a whole
 collective: a large AllReduce that keeps making progress never trips it.
+
+Why 300 s by default. Horovod's stall inspector warns after 60 s and by default
+never shuts down; torch's NCCL watchdog aborts after 10 minutes (gloo: 30).
+A wait legitimately lasts tens of seconds to minutes when one rank does what
+the others do not: rank 0 writing a checkpoint or evaluating while the others
+wait in the next collective, a first call that compiles (torch.compile), a
+slow shared filesystem. 60 s would abort such jobs; 10 minutes leaves a user
+staring at a hung job long after it is obvious. The failures that can be
+recognised do not wait for the deadline at all: an uncaught exception on any
+rank aborts the job at once, and a rank that exits while the others wait for
+it is reported ``EXIT_GRACE`` seconds after its exit notice arrives
+(``mpiring.backends.lifecycle``, ``watch_exits``). What remains for the
+deadline is a rank that is alive but stuck (a sleep, a deadlock, a lost
+message), where 300 s ends the job within five minutes while leaving room for
+the slow cases above; tests and interactive runs set ``MPIRING_TIMEOUT=10``.
 """
 
 from __future__ import annotations
@@ -50,6 +65,10 @@ ABORT_GRACE = 10.0
 #: Seconds between writing a report and MPI_Abort: the abort makes the launcher
 #: kill every process at once, and output still in its pipes can be lost.
 REPORT_GRACE = 0.5
+#: Seconds a collective may still wait after a rank of its communicator announced
+#: that it exited (``mpiring.backends.lifecycle``): its last messages, already
+#: sent, arrive within that; a wait that outlasts it can never end.
+EXIT_GRACE = 2.0
 
 now = time.monotonic
 
@@ -277,27 +296,78 @@ _records: weakref.WeakSet[Activity] = weakref.WeakSet()
 _thread: threading.Thread | None = None
 _wake = threading.Event()
 _fired = False
+_exit_probes: list[Callable[[], list[int]]] = []
+_exited: dict[int, float] = {}  # world rank -> when its exit notice arrived
+
+
+def watch_exits(probe: Callable[[], list[int]]) -> None:
+    """Ask ``probe()`` on every wake-up for world ranks that exited since the last call.
+
+    A record blocked in a collective of a communicator that includes an exited
+    rank for more than ``EXIT_GRACE`` seconds after the notice is reported and
+    the job aborted, whatever the deadline (that wait cannot end).
+    """
+    with _lock:
+        _exit_probes.append(probe)
+        if _thread is None:
+            _start()
+
+
+def _start() -> None:
+    global _thread
+    _thread = threading.Thread(target=_monitor, name="mpiring-watchdog", daemon=True)
+    _thread.start()
+
+
+def waiting_on_exited(at: float, records: list[Activity] | None = None,
+                      exited: dict[int, float] | None = None) -> list[tuple[Activity, float, int]]:
+    """The records blocked in a collective that an exited rank will never join:
+    (record, its wait's start stamp, the exited world rank)."""
+    exited = _exited if exited is None else exited
+    if not exited:
+        return []
+    late = []
+    for act in _watched(records):
+        since = act.since
+        if not since or act.collective in P2P:  # a message between two live ranks may wait
+            continue
+        members = act.world_ranks if act.world_ranks is not None else range(act.size)
+        for rank, when in exited.items():
+            if rank in members and at - max(since, when) > EXIT_GRACE:
+                late.append((act, since, rank))
+                break
+    return late
+
+
+def exit_report(act: Activity, rank: int, at: float, since: float, when: float) -> str:
+    """The stall report, with the line that says which rank left and when."""
+    first, rest = act.report(at, since).split("\n", 1)
+    return (f"{first}\n[r{act.rank}] world rank {rank} exited {at - when:.1f} s ago and "
+            "will never join this call: it skipped a call that this rank makes, or "
+            f"ended early.\n{rest}")
+
+
+def _watched(records: list[Activity] | None) -> list[Activity]:
+    if records is not None:
+        return records
+    with _lock:
+        return list(_records)
 
 
 def register(activity: Activity) -> None:
     """Watch ``activity``; starts the monitor thread on first use."""
-    global _thread
     with _lock:
         _records.add(activity)
         if _thread is None:
-            _thread = threading.Thread(target=_monitor, name="mpiring-watchdog", daemon=True)
-            _thread.start()
+            _start()
     _wake.set()  # re-read the deadlines (a shorter one shortens the poll period)
 
 
 def expired(at: float, records: list[Activity] | None = None) -> list[tuple[Activity, float]]:
     """The records (default: every watched one) whose blocking call has outlived its
     deadline at time ``at``, each with that call's start stamp."""
-    if records is None:
-        with _lock:
-            records = list(_records)
     late = []
-    for act in records:
+    for act in _watched(records):
         since = act.since
         if since and act.timeout > 0 and at - since > act.timeout:
             late.append((act, since))
@@ -317,6 +387,15 @@ def _monitor() -> None:
         _wake.wait(_period())
         _wake.clear()
         at = now()
+        for probe in list(_exit_probes):
+            try:
+                for rank in probe():
+                    _exited.setdefault(rank, now())
+            except Exception:  # noqa: BLE001 - a broken probe must not stop the deadlines
+                _exit_probes.remove(probe)
+        for act, since, rank in waiting_on_exited(at):
+            if act.since == since:
+                fire(act, exit_report(act, rank, at, since, _exited[rank]))
         for act, since in expired(at):
             try:
                 text = act.report(at, since)

@@ -1,0 +1,117 @@
+"""A failed or finished rank ends the job instead of leaving the others waiting.
+
+Installed once per process by ``mpiring.init`` when the job has more than one
+rank (``install``):
+
+* An uncaught exception, in the main thread (``sys.excepthook``) or any other
+  (``threading.excepthook``), prints ``[r{rank}] uncaught {Type}: {message}``
+  with its traceback and aborts the whole job (MPI_Abort, exit 1). Without it
+  Python ends that one process and the launcher keeps the others, which wait
+  for it in their next collective until the deadline.
+* A rank that exits normally (its script ended, ``sys.exit``) sends every other
+  rank a small notice from an ``atexit`` hook, on a communicator of its own,
+  without waiting for it to be received. The watchdog's monitor looks for
+  notices on each wake-up (``watchdog.watch_exits``); a rank blocked in a
+  collective of a communicator that includes an exited rank is reported and
+  the job aborted after ``EXIT_GRACE`` seconds (the grace lets a last message
+  that the exited rank already sent arrive). This was chosen over leaning on
+  MPI_Finalize: whether it synchronises is up to the MPI library, and a rank
+  waiting in a collective never reaches it anyway.
+
+A rank that vanishes without running its ``atexit`` hooks (``os._exit``, a
+signal) sends no notice: the launcher ends the job on a kill, the deadline on
+a silent exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+import traceback
+
+from mpi4py import MPI
+
+from mpiring.runtime import watchdog
+from mpiring.runtime.trace import flush_all
+
+#: The notice's tag on the lifecycle communicator (no other message travels there).
+EXIT_TAG = 7
+_state: dict = {}
+
+
+def install() -> None:
+    """Hooks for a multi-rank job: abort on an uncaught exception, announce a normal exit.
+
+    Collective the first time (it duplicates the world communicator); later calls
+    do nothing. Call it on every rank, as ``mpiring.init`` does.
+    """
+    if _state or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    comm = MPI.COMM_WORLD.Dup()
+    _state.update(comm=comm, rank=comm.Get_rank(), size=comm.Get_size(), seen=set(),
+                  previous=(sys.excepthook, threading.excepthook))
+    sys.excepthook = _uncaught
+    threading.excepthook = _uncaught_in_thread
+    atexit.register(_announce_exit)
+    watchdog.watch_exits(_exits)
+
+
+def _abort_for(kind: str, exc_type, exc, tb, where: str = "") -> None:
+    rank, size = _state["rank"], _state["size"]
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    message = (f"{text}[r{rank}] uncaught {exc_type.__name__}{where}: {exc}\n"
+               f"[r{rank}] aborting the {size}-rank job (exit 1) so that no rank waits "
+               "for this one\n")
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - the report matters more than stdout
+        pass
+    os.write(2, message.encode(errors="replace"))
+    flush_all()
+    time.sleep(watchdog.REPORT_GRACE)  # let the launcher forward the report
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _uncaught(exc_type, exc, tb) -> None:
+    if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C reaches every rank: end quietly
+        _state["previous"][0](exc_type, exc, tb)
+        return
+    _abort_for("main", exc_type, exc, tb)
+
+
+def _uncaught_in_thread(args) -> None:
+    if args.exc_type is SystemExit:  # a thread's sys.exit ends only that thread
+        return
+    name = f" in thread {args.thread.name!r}" if args.thread is not None else " in a thread"
+    _abort_for("thread", args.exc_type, args.exc_value, args.exc_traceback, name)
+
+
+def _announce_exit() -> None:
+    comm, rank = _state["comm"], _state["rank"]
+    if MPI.Is_finalized():
+        return
+    note = bytearray(rank.to_bytes(4, "little"))
+    reqs = [comm.Isend([note, MPI.BYTE], dest=r, tag=EXIT_TAG)
+            for r in range(_state["size"]) if r != rank]
+    # A 4-byte message leaves at once (eager); never hold the exit for a receiver.
+    deadline = time.monotonic() + 0.5
+    while not MPI.Request.Testall(reqs) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _exits() -> list[int]:
+    """World ranks whose exit notice arrived since the last call (the monitor's probe)."""
+    comm = _state["comm"]
+    new = []
+    status = MPI.Status()
+    while comm.Iprobe(source=MPI.ANY_SOURCE, tag=EXIT_TAG, status=status):
+        note = bytearray(4)
+        comm.Recv([note, MPI.BYTE], source=status.Get_source(), tag=EXIT_TAG)
+        rank = int.from_bytes(note, "little")
+        if rank not in _state["seen"]:
+            _state["seen"].add(rank)
+            new.append(rank)
+    return new

@@ -1,0 +1,84 @@
+"""A failed or finished rank ends the job in seconds, with the default 300 s deadline.
+
+Nested jobs (tests/reliability_cases/die.py) from rank 0: an uncaught exception
+in the main thread or in another thread aborts the job naming the rank and the
+exception; a rank that exits normally while the others wait for it is reported
+by the watchdog (``mpiring.backends.lifecycle``, ``watchdog.watch_exits``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from mpiring.runtime.watchdog import EXIT_GRACE, STALL_EXIT_CODE, Activity, waiting_on_exited
+
+
+def _ended_after(out: str, how: str, started: float) -> float:
+    match = re.search(rf"\[r1\] leaving \({how}\) at iteration \d+ at (\d+\.\d+)", out)
+    assert match, out
+    return started - float(match.group(1))
+
+
+def _run(rank0_subprocess, monkeypatch, n, how):
+    monkeypatch.setenv("MPIRING_TIMEOUT", "300")  # the default: the end must not wait for it
+    result = rank0_subprocess(n, ["tests/reliability_cases/die.py", how, "1", "5"], timeout=60)
+    if result is None:
+        return None
+    rc, out, _ = result
+    return rc, out, _ended_after(out, how, time.time())
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("how,n,names", [
+    ("uncaught", 3, r"\[r1\] uncaught RuntimeError: deliberate failure\n"),
+    ("thread", 2, r"\[r1\] uncaught ValueError in thread 'worker': deliberate failure in a "
+                  r"thread\n"),
+])
+def test_an_uncaught_exception_aborts_the_job_naming_rank_and_exception(
+        rank0_subprocess, monkeypatch, how, n, names):
+    result = _run(rank0_subprocess, monkeypatch, n, how)
+    if result is None:
+        return
+    rc, out, seconds = result
+    assert rc == 1, out
+    assert re.search(names + rf"\[r1\] aborting the {n}-rank job \(exit 1\)", out), out
+    assert "death was not noticed" not in out and "mpiring stall" not in out, out
+    assert seconds < 10, f"the job ended {seconds:.1f} s after the exception:\n{out}"
+
+
+@pytest.mark.deadline(90)
+@pytest.mark.parametrize("how,n", [("finish", 3), ("sysexit", 4), ("raise", 2)])
+def test_a_rank_that_exits_while_others_wait_is_reported(rank0_subprocess, monkeypatch,
+                                                         how, n):
+    result = _run(rank0_subprocess, monkeypatch, n, how)
+    if result is None:
+        return
+    rc, out, seconds = result
+    assert rc == STALL_EXIT_CODE, out
+    assert re.search(r"\[r[0-9]\] mpiring stall: all_reduce#\d+ \(algo ring, \d ranks\) .*"
+                     r"\(deadline 300 s\)\n\[r[0-9]\] world rank 1 exited \d+\.\d s ago and "
+                     r"will never join this call", out), out
+    assert seconds < 10, f"the job ended {seconds:.1f} s after the exit:\n{out}"
+
+
+def test_only_collectives_over_the_exited_rank_are_reported():
+    def blocked(collective, world_ranks, since):
+        act = Activity(0, len(world_ranks), world_ranks=world_ranks, watch=False)
+        act.begin(collective, 1, "ring")
+        act.blocked("Allgather", None)
+        act.since = since
+        return act
+
+    t = 100.0
+    over, other, p2p = blocked("all_reduce", [0, 1, 2], t), blocked("all_reduce", [0, 2], t), \
+        blocked("recv", [0, 1], t)
+    idle = blocked("all_reduce", [0, 1], 0.0)
+    records = [over, other, p2p, idle]
+    assert waiting_on_exited(t + 50, records, {}) == []
+    assert waiting_on_exited(t + EXIT_GRACE / 2, records, {1: t}) == []  # within the grace
+    assert waiting_on_exited(t + EXIT_GRACE + 0.1, records, {1: t}) == [(over, t, 1)]
+    # The grace counts from the notice, not from the start of the wait.
+    assert waiting_on_exited(t + EXIT_GRACE + 0.1, records, {1: t + 1}) == []
