@@ -14,8 +14,12 @@ def test_fmt_bytes():
 def test_fmt_step_matches_the_documented_line():
     rec = {"rank": 1, "collective": "all_reduce", "call": 3, "phase": "reduce-scatter",
            "step": 1, "steps": 3, "send_chunk": 3, "dst": 2, "recv_chunk": 2, "src": 0,
-           "bytes_sent": 4 << 20, "bytes_recv": 4 << 20, "t_start": 1.0, "t_end": 1.0012}
-    assert fmt_step(rec) == "[r1] all_reduce#3 reduce-scatter 2/3 send c3->r2 recv c2<-r0 4.0 MiB 1.2 ms"
+           "bytes_sent": 4 << 20, "bytes_recv": 4 << 20, "t_start": 1.0, "t_end": 1.0012,
+           "algo": "ring"}
+    assert fmt_step(rec) == ("[r1] all_reduce#3 (ring) reduce-scatter 2/3 send c3->r2 "
+                             "recv c2<-r0 4.0 MiB 1.2 ms")
+    del rec["algo"]  # a record without one (older traces) still reads
+    assert fmt_step(rec).startswith("[r1] all_reduce#3 reduce-scatter 2/3")
 
 
 def test_disabled_tracer_hands_out_the_null_recorder(tmp_path):

@@ -266,8 +266,7 @@ def builtin(backend: str, size: int, hosts: Sequence[int]) -> AutoTable:
     where bandwidth counts; with 2 ranks halving-doubling in between (one
     exchange of halves each way). ``best`` (for ``tune``'s comparison) keeps the
     library's own collective where it was not clearly beaten. NCCL: the ring
-    (``best``: NCCL's own). ``docs/performance.md`` has the measurements the
-    boundaries come from; ``tune`` refits them for your machine.
+    (``best``: NCCL's own). ``docs/design-notes.md`` has the measurements the boundaries come from; ``tune`` refits them for your machine.
     """
     key = f"builtin {layout_key(backend, size, hosts)}"
     if backend != "mpi":

@@ -8,7 +8,7 @@ On with ``MPIRING_TRACE=DIR`` (each rank writes ``DIR/rank{r}.jsonl``, one JSON
 object per line) and/or ``MPIRING_LOG=steps`` (one readable line per step on
 stderr through ``logging``, rank first)::
 
-    [r1] all_reduce#3 reduce-scatter 2/3 send c3->r2 recv c2<-r0 4.0 MiB 1.2 ms
+    [r1] all_reduce#3 (ring) reduce-scatter 2/3 send c3->r2 recv c2<-r0 4.0 MiB 1.2 ms
 
 Each step record holds: collective, call number, algo, phase, step i of n,
 chunk sent and to whom, chunk received and from whom, bytes sent and received,
@@ -42,7 +42,9 @@ def fmt_bytes(n: float) -> str:
 
 def fmt_step(rec: dict[str, Any]) -> str:
     """One readable line for a step record (the ``MPIRING_LOG=steps`` format)."""
-    parts = [f"[r{rec['rank']}] {rec['collective']}#{rec['call']} {rec['phase']} "
+    # The algorithm is named: with algo="auto" it says which one the call ran.
+    algo = f" ({rec['algo']})" if rec.get("algo") else ""
+    parts = [f"[r{rec['rank']}] {rec['collective']}#{rec['call']}{algo} {rec['phase']} "
              f"{rec['step'] + 1}/{rec['steps']}"]
     if rec.get("send_chunk") is not None:
         parts.append(f"send c{rec['send_chunk']}->r{rec['dst']}")

@@ -323,7 +323,7 @@ def format_ddp_table(rows: list[dict[str, Any]]) -> str:
            f"{r0['batch']} windows x {r0['seq_len']} tokens, bucket AllReduce algo {r0['algo']}"
            + (", .grad views into the buckets" if r0.get("grad_as_bucket_view") else ""),
            f"# median over {r0['steps']} steps ({r0['warmup']} warm-up) of the mean over ranks "
-           "(step: of the slowest rank); ~ = estimated (see mpiring/bench/ddp.py)",
+           "(step: of the slowest rank); ~ = estimated (see mpiring/tools/bench/ddp.py)",
            "# exposed = communication the step waits for; comm = sum of the bucket AllReduce "
            "times; overlap = 1 - exposed/comm",
            "#",
