@@ -39,10 +39,16 @@ import numpy as np
 
 from mpiring.backends import control as wire
 from mpiring.parallel import checkpoint as ck
+from mpiring.tools.train import reshard
 
 # Flags that may change between a run and its resumption without changing the
 # training itself.
 _HARMLESS = ("steps", "log_every", "val_batches")
+# Flags that change with the layout: a resume at another layout may change them
+# (the global batch, dp x batch_size, is checked through the data position).
+_LAYOUT = ("tp", "pp", "fsdp", "optimizer", "mode", "schedule", "microbatches",
+           "global_batch", "batch_size", "sequence_parallel", "fused_adamw", "algo",
+           "bucket_mb", "first_bucket_mb", "grad_as_bucket_view")
 
 
 class ResumeError(RuntimeError):
@@ -147,6 +153,7 @@ class Checkpointer:
         js = job.state_dict()  # collective with a sharded optimizer
         rngs = wire.allgather_json(comm, rng_state_json())
         losses = wire.allgather_array(comm, np.asarray(job.losses, dtype=np.float64))
+        global_losses = job.global_mean(job.losses)  # what a resume at any layout continues
         path = os.path.join(self.directory, ck.checkpoint_name(job.step))
         error = None
         if comm.rank == 0:
@@ -165,6 +172,9 @@ class Checkpointer:
                     "rng_ranks": rngs,
                     "losses_ranks": torch.from_numpy(losses),
                     "ddp_layout": reducer.layout_state() if reducer is not None else None,
+                    "layout": reshard.layout(job),
+                    "param_names": [n for n, _ in job.model.named_parameters()],
+                    "global_losses": torch.tensor(global_losses, dtype=torch.float64),
                     "job": {k: v for k, v in js.items()
                             if k not in ("model", "optimizer", "step", "sampler", "losses")},
                 },
@@ -229,6 +239,10 @@ class Checkpointer:
 
     def _restore(self, job, state: dict[str, Any]) -> list[str]:
         extra = state.get("extra") or {}
+        saved, now = extra.get("layout"), reshard.layout(job)
+        if saved is not None and (saved["kind"] == "grid" or now["kind"] == "grid"
+                                  or saved != now):
+            return self._restore_resharded(job, state, saved, now)
         size = extra.get("world_size")
         if size != job.comm.size:
             raise ValueError(f"the checkpoint was written by {size} ranks, this run has "
@@ -262,6 +276,55 @@ class Checkpointer:
         return notes
 
 
+    def _restore_resharded(self, job, state, saved, now) -> list[str]:
+        """Load a checkpoint of another layout (or of a grid job) from its full tensors."""
+        extra = state["extra"]
+        optim = state["optimizer"]
+        if saved["kind"] == "train":
+            optim = reshard.by_name(extra["param_names"], optim)
+        if now["kind"] == "grid":
+            reshard.load_grid_full_state(job, state["model"], optim)
+        else:
+            job.model.load_state_dict(state["model"])
+            if job.optimizer is not None and optim is not None:
+                names = [n for n, _ in job.model.named_parameters()]
+                job.optimizer.load_state_dict(reshard.by_index(names, optim))
+        sampler = dict(state["sampler"])
+        read = int(sampler["start"]) * saved["dp"]  # windows the replicas read this epoch
+        if read % now["dp"] or saved["dp"] * extra["job"]["config"]["batch_size"] != \
+                now["dp"] * job.cfg.batch_size:
+            raise ValueError(f"the checkpoint's global batch was {saved['dp']} x "
+                             f"{extra['job']['config']['batch_size']} windows, this run's "
+                             f"{now['dp']} x {job.cfg.batch_size}: resume with the same global "
+                             "batch (--global-batch)")
+        job.sampler.load_state_dict({**sampler, "start": read // now["dp"]})
+        job._shard = None
+        job.step = int(state["step"])
+        job.losses = [float(v) for v in extra["global_losses"].tolist()]
+        same = saved == now
+        if same:
+            set_rng_state_json(extra["rng_ranks"][job.comm.rank])
+            reducer, ddp = _reducer(job), extra.get("ddp_layout")
+            if reducer is not None and ddp is not None:
+                reducer.load_layout_state(ddp)
+            return []
+        ck.set_rng_state(state["rng"])  # rank 0's: another layout has other ranks
+        shape = lambda d: f"dp={d['dp']} x tp={d['tp']} x pp={d['pp']}"  # noqa: E731
+        notes = [f"resharded from {shape(saved)} ({saved['world']} ranks) to {shape(now)}"]
+        if job.cfg.dropout:
+            notes.append("dropout draws other masks at another layout: the result will "
+                         "differ from an uninterrupted run")
+        saved_cfg = extra["job"]["config"]
+        from dataclasses import asdict
+
+        changed = [f"{k} {saved_cfg[k]!r} -> {v!r}" for k, v in sorted(asdict(job.cfg).items())
+                   if k in saved_cfg and k not in _HARMLESS + _LAYOUT and saved_cfg[k] != v]
+        if changed:
+            notes.append("flags differ from the checkpoint's run (" + ", ".join(changed)
+                         + "): the result will differ from an uninterrupted run")
+        return notes
+
+
 class ReplicaCheck:
     """Every ``every`` steps, check that every rank holds the same parameters (collective).
 
@@ -281,7 +344,9 @@ class ReplicaCheck:
 
     def on_step_end(self, job) -> None:
         if job.step % self.every == 0:
-            ck.check_replicas(job.model, job.comm, step=job.step)
+            # On the grid the replicas are the data-parallel copies of a stage's slice.
+            ck.check_replicas(job.model, job.data_comm if hasattr(job, "grid") else job.comm,
+                              step=job.step)
             self.checks += 1
 
 

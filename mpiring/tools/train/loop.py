@@ -73,6 +73,19 @@ class TrainConfig:
     # data parallelism over the world / tp groups.
     tp: int = 1
     sequence_parallel: bool = False
+    # The 3D grid (mpiring.tools.train.job3d.GridJob): pipeline stages, FSDP on the
+    # data axis, the schedule, and a global batch that fixes the data at any layout.
+    pp: int = 1
+    fsdp: bool = False
+    schedule: str = "1f1b"
+    microbatches: int | None = None   # default: pp (pp > 1), 1 otherwise
+    global_batch: int | None = None   # windows per step over all replicas (overrides batch_size)
+
+    @property
+    def uses_grid(self) -> bool:
+        """Whether this run needs the 3D grid job (``job3d.GridJob``) rather than ``TrainJob``."""
+        return self.pp > 1 or self.fsdp or self.global_batch is not None or (
+            self.tp > 1 and self.optimizer != "adamw")
 
     def model_config(self) -> GPTConfig:
         if self.preset not in PRESETS:
@@ -95,13 +108,15 @@ class TrainConfig:
         self._validate_zero_and_hook()
         if self.tp < 1:
             raise ValueError(f"tp={self.tp}: must be at least 1")
-        if self.tp > 1 and (self.mode not in ("ddp", "naive") or self.optimizer != "adamw"
-                            or self.comm_hook != "none"):
+        if self.tp > 1 and (self.mode not in ("ddp", "naive") or self.comm_hook != "none"):
             raise ValueError(f"tp={self.tp} runs with mpiring's DDP over the data-parallel "
-                             "ranks: use mode ddp or naive, optimizer adamw, no comm hook")
+                             "ranks: use mode ddp or naive, no comm hook")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel splits the sequence over the tensor-parallel "
                              "group: use it with tp > 1")
+        from mpiring.tools.train.job3d import validate_grid_config
+
+        validate_grid_config(self)
 
     def _validate_zero_and_hook(self) -> None:
         from mpiring.parallel.data.comm_hooks import HOOKS
@@ -171,10 +186,8 @@ class TrainJob:
         # Data parallelism runs over data_comm: the whole world, or the ranks that
         # share a tensor-parallel rank (each TP group reads one batch together).
         self.tp_comm, self.data_comm = None, comm
-        if cfg.tp > 1:
-            from mpiring.tools.train.tensor import split_groups
-
-            self.tp_comm, self.data_comm = split_groups(comm, cfg.tp)
+        self._make_groups()
+        cfg = self.cfg  # _make_groups may fix the per-replica batch from the global one
         if train_data is None or val_data is None:
             train_data, val_data = shared_corpus(comm, int(cfg.max_data_mb * (1 << 20)))
         self.train_set = Windows(train_data, self.model_cfg.seq_len)
@@ -206,6 +219,16 @@ class TrainJob:
         self.wrapped = self._wrap()
 
     # --- construction per mode ---------------------------------------------------
+    def _make_groups(self) -> None:
+        if self.cfg.uses_grid:
+            raise ValueError("pp > 1, fsdp, global_batch or a sharded optimizer with tp > 1 "
+                             "run on the 3D grid: build mpiring.tools.train.job3d.GridJob "
+                             "(or make_job) instead of TrainJob")
+        if self.cfg.tp > 1:
+            from mpiring.tools.train.tensor import split_groups
+
+            self.tp_comm, self.data_comm = split_groups(self.comm, self.cfg.tp)
+
     def _make_optimizer(self, params, ddp=None) -> torch.optim.Optimizer:
         hyper = dict(lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         if self.cfg.fused_adamw and fused_adamw_available(self.device):
@@ -213,7 +236,7 @@ class TrainJob:
         if self.cfg.optimizer in ("zero1", "zero2"):
             from mpiring.parallel.zero import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(params, self.comm, torch.optim.AdamW,
+            return ZeroRedundancyOptimizer(params, self.data_comm, torch.optim.AdamW,
                                            stage=int(self.cfg.optimizer[-1]), ddp=ddp, **hyper)
         return torch.optim.AdamW(params, **hyper)
 
@@ -287,6 +310,21 @@ class TrainJob:
         """Forward, backward (gradients averaged over ranks), update. Returns the local loss."""
         t0 = clock()
         x, y = self.next_batch()
+        value = self._update(x, y)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = clock()
+        self.step += 1
+        self.losses.append(value)
+        self.step_times.append(t1 - t0)
+        reducer = self._our_reducer()
+        if reducer is not None:
+            self.exposed_comm.append(reducer.exposed_comm_s)
+        self.comm.tracer.event("train.step", "train", t0, t1, step=self.step, loss=value)
+        return value
+
+    def _update(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward, backward and the optimizer's step on one batch; returns the local loss."""
         loss = self.loss_fn(self.wrapped(x), y)
         if self.ps is not None:
             self.ps.zero_grad()
@@ -296,18 +334,7 @@ class TrainJob:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t1 = clock()
-        self.step += 1
-        value = float(loss.detach())
-        self.losses.append(value)
-        self.step_times.append(t1 - t0)
-        reducer = self._our_reducer()
-        if reducer is not None:
-            self.exposed_comm.append(reducer.exposed_comm_s)
-        self.comm.tracer.event("train.step", "train", t0, t1, step=self.step, loss=value)
-        return value
+        return float(loss.detach())
 
     def global_mean(self, values: Sequence[float]) -> list[float]:
         """Element-wise mean over ranks of a per-rank list of floats (collective)."""

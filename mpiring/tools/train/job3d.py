@@ -1,0 +1,235 @@
+"""``GridJob``: the training job on the 3D grid (tensor x pipeline x data parallel).
+
+    job = make_job(comm, TrainConfig(tp=2, pp=2, global_batch=16))
+    train(job)
+
+Each rank builds the whole GPT from the seed, splits it over its tensor-parallel
+group (``TensorParallelGPT``) and keeps its pipeline stage (``grid3d``). The
+data axis reduces the stage's gradients with mpiring's DDP (default), shards
+the optimizer state with ZeRO-1/2 (``optimizer="zero1"|"zero2"``), or shards
+everything with FSDP (``fsdp=True``, one pipeline stage). Every data-parallel
+replica reads its shard of the same global batch as a one-rank run
+(``DistributedSampler``: the global order does not depend on the number of
+replicas), so the losses equal a one-rank run's step by step, up to rounding.
+
+The loss is known on the last stage; ``global_mean`` averages over its
+data-parallel replicas. Checkpoints hold the full model and optimizer state by
+parameter name (``reshard``), so they load at any other layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from mpiring.parallel.data.sampler import DistributedSampler
+from mpiring.tools.train.grid3d import make_grid, split_stage, stage_bounds
+from mpiring.tools.train.loop import TrainJob
+
+
+def validate_grid_config(cfg) -> None:
+    """Refuse the 3D flags' combinations that cannot train correctly (no communication).
+
+    Raises:
+        ValueError: naming the fix.
+    """
+    from mpiring.tools.train.pipeline import SCHEDULES
+
+    for name in ("pp", "microbatches", "global_batch"):
+        v = getattr(cfg, name)
+        if v is not None and v < 1:
+            raise ValueError(f"{name}={v}: must be at least 1")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if cfg.microbatches is not None and cfg.microbatches > 1 and cfg.pp == 1:
+        raise ValueError(f"microbatches={cfg.microbatches} split a pipeline's batch: use it "
+                         "with pp > 1 (one stage trains on the whole batch)")
+    if (cfg.pp > 1 or cfg.fsdp) and (cfg.mode not in ("ddp", "naive") or cfg.comm_hook != "none"):
+        raise ValueError("pp > 1 and fsdp run on mpiring's own data parallelism: use mode ddp "
+                         "(or naive), no comm hook")
+    if cfg.fsdp and cfg.optimizer != "adamw":
+        raise ValueError(f"fsdp shards the optimizer state itself (ZeRO-3): leave the optimizer "
+                         f"adamw instead of {cfg.optimizer}")
+    if cfg.fsdp and cfg.pp > 1:
+        raise ValueError("fsdp with pp > 1 is not supported (every micro-batch would gather "
+                         "and reduce-scatter each unit): use --optimizer zero1 or zero2 to shard "
+                         "over the data axis with --pp > 1, or --fsdp with --pp 1")
+    if cfg.pp > 1 and cfg.optimizer == "zero2":
+        raise ValueError("zero2 reduce-scatters DDP's buckets as backward runs, which a "
+                         "pipeline's micro-batches break: use --optimizer zero1 with --pp > 1")
+    if cfg.pp > 1 and cfg.schedule == "pipedream" and cfg.optimizer != "adamw":
+        raise ValueError("pipedream steps each stage's optimizer after every micro-batch: use "
+                         "optimizer adamw, or schedule 1f1b with a sharded optimizer")
+
+
+def layout_error(cfg, world: int) -> str | None:
+    """What is wrong with ``cfg`` at ``world`` ranks (pure: the same text on every rank)."""
+    tp, pp = cfg.tp, cfg.pp
+    if world % (tp * pp):
+        return None  # ProcessGrid names it, on every rank
+    dp = world // (tp * pp)
+    try:
+        stage_bounds(cfg.model_config().n_layers, pp)
+    except ValueError as exc:
+        return str(exc)
+    batch = cfg.batch_size
+    if cfg.global_batch is not None:
+        if cfg.global_batch % dp:
+            return (f"global_batch={cfg.global_batch} does not split over dp={dp} replicas "
+                    f"(world {world} / (tp={tp} x pp={pp})): use a multiple of {dp}")
+        batch = cfg.global_batch // dp
+    m = cfg.microbatches or pp
+    if pp > 1 and batch % m:
+        return (f"{batch} windows per replica do not split into {m} equal micro-batches (the "
+                f"loss would weight them unequally): choose --microbatches dividing {batch}")
+    if pp > 1 and cfg.schedule == "pipedream" and dp > 1:
+        return (f"pipedream steps each stage after every micro-batch, which dp={dp} replicas "
+                "cannot average: use --schedule 1f1b (or gpipe, zb) with dp > 1")
+    if tp > 1 and cfg.model_config().vocab_size < tp:
+        return f"tp={tp} is more than the {cfg.model_config().vocab_size} vocabulary rows"
+    return None
+
+
+class GridJob(TrainJob):
+    """``TrainJob`` on the 3D grid: same data, loop, callbacks and checkpoints.
+
+    Attributes:
+        grid: this rank's ``grid3d.Grid``.
+        tp_model: the ``TensorParallelGPT`` whose modules the stage holds (``shard``).
+        model: this rank's stage (``GPTStage``; parameters named as the full GPT's).
+        sched: the pipeline schedule (None with one stage).
+        fsdp: the FSDP wrapper, or None.
+    """
+
+    def _make_groups(self) -> None:
+        cfg = self.cfg
+        error = layout_error(cfg, self.comm.size)  # before any split: on every rank alike
+        if error is not None:
+            raise ValueError(error)
+        self.grid = g = make_grid(self.comm, cfg.tp, cfg.pp)
+        # tp_comm is set in _wrap: TrainJob would split the model over it first,
+        # and the full GPT's shapes are needed here.
+        self.data_comm = g.dp
+        if cfg.global_batch is not None:
+            self.cfg = replace(cfg, batch_size=cfg.global_batch // g.dp_size)
+        self.microbatches = cfg.microbatches or cfg.pp
+
+    def _wrap(self):
+        from mpiring.parallel.data.distributed import DistributedDataParallel
+        from mpiring.parallel.pipeline import PipelineStage
+        from mpiring.tools.models.gpt_tp import TensorParallelGPT
+        from mpiring.tools.train.pipeline import SCHEDULES
+
+        cfg, g = self.cfg, self.grid
+        full = self.model  # the whole GPT, drawn from the seed on every rank
+        self.full_params = full.num_params()
+        self.full_keys = list(full.state_dict().keys())
+        self.full_shapes = {k: tuple(v.shape) for k, v in full.state_dict().items()}
+        self.param_names = [n for n, _ in full.named_parameters()]
+        self.tp_model = TensorParallelGPT.from_full(full, g.tp, seed=cfg.seed,
+                                                    sequence_parallel=cfg.sequence_parallel)
+        self.model = stage = split_stage(self.tp_model, cfg.pp, g.pp_rank)
+        self.tp_comm = g.tp
+        self.loss_fn = self.tp_model.loss
+        self.fsdp, self.sched = None, None
+        if cfg.fsdp:
+            from mpiring.parallel.fsdp import FullyShardedDataParallel
+
+            wrapped = self.fsdp = FullyShardedDataParallel(
+                stage, g.dp, auto_wrap=list(stage.blocks.values()))
+            self.optimizer = self._make_optimizer(wrapped.parameters())
+            return wrapped
+        wrapped = stage
+        if cfg.pp == 1 or g.dp_size > 1:
+            wrapped = DistributedDataParallel(
+                stage, g.dp, bucket_cap_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
+                overlap=(cfg.mode == "ddp"), algo=cfg.algo,
+                gradient_as_bucket_view=cfg.grad_as_bucket_view)
+        self.optimizer = self._make_optimizer(
+            stage.parameters(), ddp=wrapped if wrapped is not stage else None)
+        if cfg.pp > 1:
+            # PipeDream updates each stage on its own: a tied pair would drift apart
+            # between updates, so the last stage's copy trains on its own there.
+            tied = [] if cfg.schedule == "pipedream" else stage.tied
+            pipe = PipelineStage(wrapped, g.pp_rank, g.pp_size, g.pp, tied_parameters=tied)
+            extra = {"optimizer": self.optimizer} if cfg.schedule == "pipedream" else {}
+            self.sched = SCHEDULES[cfg.schedule](pipe, self.microbatches, self.loss_fn, **extra)
+        return wrapped
+
+    # --- one step ------------------------------------------------------------------
+    def _update(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.sched is None:
+            return super()._update(x, y)
+        from mpiring.tools.train.pipeline import train_step
+
+        value = train_step(self.sched, self.optimizer, x, y)
+        return math.nan if value is None else value
+
+    def global_mean(self, values) -> list[float]:
+        """The mean over the data-parallel replicas of the last stage's values (collective)."""
+        arr = np.asarray(values, dtype=np.float64).copy()
+        if not self.grid.knows_loss:
+            arr[:] = 0.0  # ranks off the last stage hold no loss (NaN)
+        if self.comm.size > 1 and arr.size:
+            self.comm.all_reduce(arr, op="sum", algo="native")
+        return (arr / self.grid.dp_size).tolist()
+
+    @torch.no_grad()
+    def evaluate(self, batches: int | None = None) -> float:
+        """Mean validation loss, each batch forwarded through the stages in turn (collective)."""
+        g, b = self.grid, self.cfg.batch_size
+        batches = self.cfg.val_batches if batches is None else batches
+        order = list(DistributedSampler(len(self.val_set), g.dp_size, g.dp_rank, shuffle=False,
+                                        drop_last=True))
+        total = np.zeros(2, dtype=np.float64)
+        self.model.eval()
+        try:
+            for j in range(min(batches, len(order) // b)):
+                x, y = self.val_set.batch(order[j * b:(j + 1) * b], self.device)
+                out = self._forward(x)
+                if self.model.last:
+                    loss = float(self.loss_fn(out, y))  # collective over the TP group
+                    if g.tp_rank == 0:
+                        total += (loss * len(x), len(x))
+        finally:
+            self.model.train()
+        if self.comm.size > 1:
+            self.comm.all_reduce(total, op="sum", algo="native")
+        return float(total[0] / total[1]) if total[1] else math.nan
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        g, stage = self.grid, self.model
+        if self.fsdp is not None:
+            return self.fsdp(x)
+        if not stage.first:
+            dtype = next(stage.parameters()).dtype
+            x = torch.empty(stage.activation_shape(x.shape[0]), dtype=dtype)
+            g.pp.recv(x, g.pp_rank - 1)
+        out = stage(x)
+        if not stage.last:
+            g.pp.send(out.contiguous(), g.pp_rank + 1)
+        return out
+
+    # --- state (reshard: full tensors by parameter name) --------------------------------
+    def state_dict(self):
+        from dataclasses import asdict
+
+        from mpiring.tools.train.reshard import grid_full_state
+
+        model, optim = grid_full_state(self)
+        return {"config": asdict(self.cfg), "model": model, "optimizer": optim,
+                "step": self.step, "sampler": self.sampler.state_dict(),
+                "losses": list(self.losses)}
+
+    def close(self) -> None:
+        if self.fsdp is not None:
+            self.fsdp.close()
+        super().close()
+
+
+def make_job(comm, cfg, **kwargs) -> TrainJob:
+    """``GridJob`` when ``cfg`` needs the 3D grid (``cfg.uses_grid`` or tp > 1), else ``TrainJob``."""
+    return (GridJob if cfg.uses_grid or cfg.tp > 1 else TrainJob)(comm, cfg, **kwargs)
