@@ -23,7 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default="gpipe,gpipe-recompute,1f1b,zb,torch-1f1b",
                    help="comma list of gpipe, gpipe-recompute, 1f1b, zb, torch-1f1b")
     p.add_argument("--mb-rows", type=int, default=2, help="windows per micro-batch (default 2)")
-    p.add_argument("-n", "--steps", type=int, default=5, help="timed steps, the best kept (default 5)")
+    p.add_argument("-n", "--steps", type=int, default=5,
+                   help="timed steps, the fastest kept (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--draw", default="1f1b:8,zb:8", metavar="MODE:M,...",
                    help="runs to draw as the lecture's diagram (default 1f1b:8,zb:8)")
@@ -52,7 +53,7 @@ def run(args) -> int:
         for item in filter(None, args.draw.split(",")):
             mode, _, m = item.partition(":")
             if (mode, int(m or 0)) in drawn:
-                print(f"\n{mode}, m={m}, measured (last step):")
+                print(f"\n{mode}, m={m}, measured (fastest step):")
                 print(draw_run(drawn[(mode, int(m))]))
         if args.json:
             with open(args.json, "w") as fh:

@@ -1,0 +1,24 @@
+"""bench-pp runs end to end (tiny preset, one step): rows, fastest step, drawing."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpiring.tools.bench.pp import draw_run, format_pp_table, run_pp_bench
+
+
+def test_bench_pp_smoke(comm):
+    if comm.size > 2:
+        pytest.skip("the bench's layout is 2 stages; the runtime's tests cover more")
+    rows, drawn = run_pp_bench(comm, preset="tiny", ms=(2,), modes=("1f1b", "zb", "gpipe"),
+                               steps=2, warmup=0)
+    assert [r["mode"] for r in rows] == ["1f1b", "zb", "gpipe"]
+    for r in rows:
+        assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
+        assert r["peak_act_mib"] > 0
+    assert rows[0]["x_1f1b"] == 1.0
+    spans = drawn[("zb", 2)]
+    assert len(spans) == comm.size
+    assert sorted(s.action.kind for s in spans[0]) == ["B", "B", "F", "F", "W", "W"]
+    assert draw_run(spans).count("设备") == comm.size
+    assert "zb" in format_pp_table(rows)
