@@ -6,6 +6,8 @@
     diagram      the lecture's per-device timeline
     stage        PipelineStage: one rank's layers, F / B / W
     runtime      executes a program; ScheduleGPipe, Schedule1F1B, ScheduleZeroBubble
+    transport    the sends and receives: shapes agreed once, then bare tensors
+    data_parallel  pp x dp: stage_grid, each stage's replicas reduced by DDP
     pipedream    SchedulePipeDream (asynchronous 1F1B, weight stashing)
 """
 
