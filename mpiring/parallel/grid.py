@@ -126,7 +126,7 @@ class ProcessGrid:
         groups = grid_groups(comm.size, tp, pp)
         # The color names the group: the coordinates on the other two axes.
         colors = {"tp": self.dp_rank + dp * self.pp_rank,
-                  "dp": self.tp_rank + tp * self.dp_rank,
+                  "dp": self.tp_rank + tp * self.pp_rank,
                   "pp": self.tp_rank + tp * self.dp_rank}
         for axis in AXES:  # the same order on every rank: split is collective
             color = colors[axis]
