@@ -17,6 +17,7 @@ Every collective goes through the same three steps:
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -87,6 +88,12 @@ class Communicator(PointToPoint):
         self.tracer = tracer if tracer is not None else Tracer.from_env(self.rank)
         self.check = _env_flag("MPIRING_CHECK", True) if check is None else check
         self._calls: dict[str, int] = {}
+        # Held from the start of a collective to its end: a second thread calling
+        # in meanwhile would interleave its messages with ours (wrong sums or a
+        # hang), so it is refused, naming both threads.
+        self._busy = threading.Lock()
+        self._owner = 0
+        self._owner_call = ""
         # What the current table said, remembered (a training loop repeats its sizes):
         # (collective, bytes, dtype, op) -> the algo auto chose; bytes -> pipeline S.
         self._auto_seen: dict[tuple, str] = {}
@@ -164,6 +171,20 @@ class Communicator(PointToPoint):
         if plan is not None:
             plan.leave()  # copy a staged result back, or hand the stream back
         self._be.synchronize()
+        self._busy.release()
+
+    def _enter_thread(self, name: str) -> None:
+        if not self._busy.acquire(blocking=False):
+            me = threading.get_ident()
+            if self._owner != me:  # (the same thread: a collective that failed midway)
+                names = {t.ident: t.name for t in threading.enumerate()}
+                raise RuntimeError(
+                    f"{name}: thread {names.get(me, me)!r} called a collective on this "
+                    f"communicator while thread {names.get(self._owner, self._owner)!r} is "
+                    f"inside {self._owner_call}: their messages would mix. Give each thread "
+                    "its own communicator: comm.dup() (collective, on every rank)")
+        self._owner = threading.get_ident()
+        self._owner_call = name
 
     def _validate(self, collective: str, x, op, algo, root, chunks) -> Buffer:
         self._plan = None
@@ -192,13 +213,16 @@ class Communicator(PointToPoint):
 
     def _prepare(self, collective: str, x, *, op=None, algo="ring", root=None,
                  chunks=None, check=None) -> tuple[Buffer, int]:
+        self._enter_thread(collective)
         call = self._next_call(collective)
+        self._owner_call = f"{collective}#{call}"
         try:
             return self._checked(collective, call, x, op, algo, root, chunks, check)
         except BaseException:
             # A call refused before any data moved does not count: every rank
             # refused it, so the call numbers stay in step across ranks.
             self._calls[collective] = call - 1
+            self._busy.release()
             raise
 
     def _checked(self, collective: str, call: int, x, op, algo, root, chunks,

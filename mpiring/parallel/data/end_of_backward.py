@@ -19,6 +19,10 @@ from mpiring.runtime.trace import clock
 _OK = 0
 _MISSING = 1   # a parameter got no gradient and find_unused_parameters is off
 _TWICE = 2     # a parameter reported a gradient after it was already reduced or marked unused
+_CODES = 4     # error codes are bits below this; the step count is carried above them
+#: The step count in the status tail is taken modulo this: code + 4 * (step + 1)
+#: stays an exact integer in bfloat16 (below 256).
+STEP_MOD = 32
 
 
 class EndOfBackward:
@@ -45,9 +49,14 @@ class EndOfBackward:
         self._exposed_s = t_done - t_wait
         last = self.buckets[-1]
         status = last.flat[last.tail:].to(device="cpu", dtype=torch.float64)
-        codes = [int(round(v)) for v in status[:self.size].tolist()]
+        slots = [int(round(v)) for v in status[:self.size].tolist()]
+        codes = [v % _CODES for v in slots]
+        steps = [v // _CODES for v in slots]
         no_grad = [int(round(v)) for v in status[self.size:].tolist()]
         self._write_trace(t_end_backward, t_wait, t_done)
+        self._synced_forward = True
+        if len(set(steps)) > 1:
+            self._raise_steps(steps)
         if any(codes):
             self._raise_status(codes, no_grad)
         if self.find_unused_parameters:
@@ -92,6 +101,16 @@ class EndOfBackward:
                     p.grad = view.clone()
                 else:
                     p.grad.copy_(view)
+
+    def _raise_steps(self, steps: list[int]) -> None:
+        # Every rank read the same tail: all raise, before any optimizer step.
+        counts = " ".join(f"r{r}={s - 1}" for r, s in enumerate(steps))
+        raise RuntimeError(
+            "DistributedDataParallel: the ranks reduced gradients of different steps "
+            f"(synced backward count mod {STEP_MOD}: {counts}): a rank's backward "
+            "failed and the exception was caught, or a rank ran a step under no_sync() or "
+            "skipped one alone. The gradients are mixed; stop training (restart from a "
+            "checkpoint), and let a failed backward end the job")
 
     def _raise_status(self, codes: list[int], no_grad: list[int]) -> None:
         missing_ranks = [r for r, c in enumerate(codes) if c & _MISSING]

@@ -29,8 +29,11 @@ strictly in index order, so every rank issues the same collectives in the same
 order even when its hooks fire in a different order.
 
 Consistency checks ride on the data: the last bucket carries a small status tail
-(one slot per rank: an error code; one slot per parameter: 1 where that
-parameter got no gradient on this rank). After the last AllReduce every rank
+(one slot per rank: an error code and that rank's synced-backward count mod
+``STEP_MOD``; one slot per parameter: 1 where that parameter got no gradient
+on this rank). Ranks whose counts differ are reducing different
+steps' gradients (a rank's backward failed and was caught, or it ran one under
+``no_sync`` alone): every rank raises instead of stepping with mixed means. After the last AllReduce every rank
 knows, without another collective, whether any rank missed a gradient and
 which parameters did, so with ``find_unused_parameters=False`` every rank
 raises the same error instead of one rank waiting forever for a bucket.
@@ -52,7 +55,7 @@ from mpiring.parallel.data.bucketing import (
 )
 from mpiring.parallel.data.comm_thread import CommThread
 from mpiring.parallel.data.eager import outside_compile
-from mpiring.parallel.data.end_of_backward import _OK, _TWICE, EndOfBackward
+from mpiring.parallel.data.end_of_backward import _CODES, _OK, _TWICE, STEP_MOD, EndOfBackward
 from mpiring.runtime.trace import clock
 
 #: Seconds a rank sleeps between polls while it waits for its peers before a bucket.
@@ -129,6 +132,7 @@ class Reducer(BucketLayout, EndOfBackward):
             # IDLE_MODES). An MPIRING_IDLE of the user's choice applies here too.
             self._bucket_comm.idle = "sleep"
         self._expect = False
+        self._synced_forward = False
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -158,6 +162,7 @@ class Reducer(BucketLayout, EndOfBackward):
         """Arm the hooks for the backward of this forward (or disarm them under no_sync)."""
         self._reset_iteration()
         self._expect = sync
+        self._synced_forward = False  # set by _finalize once this forward's backward ran
         if not sync:
             return
         tensors = [t for t in _tensors(outputs) if t.requires_grad]
@@ -174,6 +179,14 @@ class Reducer(BucketLayout, EndOfBackward):
     def _on_output_grad(self, grad):
         if self._expect:
             self._start_backward()
+        elif self._synced_forward:
+            # The output of a forward whose gradients were reduced already: a second
+            # backward (retain_graph) would add unreduced gradients on this rank only.
+            raise RuntimeError(
+                "DistributedDataParallel: a second backward of the same forward's outputs "
+                f"on r{self.rank}: its gradients would not be reduced and the replicas would "
+                "diverge. Run one backward per forward (sum the losses first), or run the "
+                "extra backward under no_sync() on every rank")
         return None
 
     def _start_backward(self) -> None:
@@ -308,7 +321,9 @@ class Reducer(BucketLayout, EndOfBackward):
 
     def _fill_tail(self, bucket: _Bucket) -> None:
         status = torch.zeros(self.size + len(self.params), dtype=torch.float32)
-        status[self.rank] = float(self._error_code)
+        # One slot per rank for both (a longer tail would move the ring's chunk
+        # bounds, and with them the rounding, against a comm hook's reduction).
+        status[self.rank] = float(self._error_code + _CODES * (self.iteration % STEP_MOD + 1))
         for i, fired in enumerate(self._fired):
             if not fired:
                 status[self.size + i] = 1.0
