@@ -16,6 +16,15 @@ A crash at any point leaves the previous checkpoints as they were, plus at
 worst a temporary file that ``latest_checkpoint`` ignores and the next save of
 the same host removes.
 
+Each file carries its own checksum: before the rename, one more archive member
+(``CHECKSUM_MEMBER``) gets the SHA-256 of every other member's name and bytes.
+``load_checkpoint`` recomputes it and raises ``CheckpointCorruptError`` naming
+the file on any difference (a flipped byte, a truncation, a foreign edit);
+files written before the checksum existed are checked with the archive's own
+CRC-32s. ``latest_checkpoint`` returns the newest file that passes, warns
+(``CheckpointWarning``) naming each newer damaged one, and raises when files
+exist but none is usable: a resume must fail, not restart from step 0.
+
 What a training checkpoint holds (``training_state``): the step, the model's
 and the optimizer's ``state_dict``, the sampler's position and the RNG states
 of Python, NumPy and torch (CUDA too when present). ``restore_training_state``
@@ -42,6 +51,7 @@ import random
 import re
 import secrets
 import socket
+import warnings
 import zipfile
 from typing import Any
 
@@ -52,8 +62,21 @@ _NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
 _TEMP = re.compile(r"^\.ckpt-\d+\.pt\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
 
 
+#: The archive member (in torch's top folder) that holds the file's SHA-256 of
+#: every other member.
+CHECKSUM_MEMBER = ".mpiring-sha256"
+
+
 class ReplicaDivergenceError(RuntimeError):
     """The ranks' copies of the model differ (raised on every rank)."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file is damaged (checksum, truncation, unreadable archive)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A newer checkpoint was damaged and an older, good one is used instead."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -201,6 +224,8 @@ def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None =
         with os.fdopen(fd, "wb") as fh:
             torch.save(state, fh)
             fh.flush()
+        _add_checksum(temp)
+        with open(temp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(temp, final)
     except BaseException:
@@ -234,6 +259,55 @@ def _open_nofollow(path: str):
     return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
+def _digest(archive: zipfile.ZipFile) -> str:
+    h = hashlib.sha256()
+    for info in archive.infolist():
+        if info.filename.endswith("/" + CHECKSUM_MEMBER):
+            continue
+        h.update(info.filename.encode() + b"\0")
+        with archive.open(info) as member:  # also checks the member's CRC-32
+            for block in iter(lambda: member.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _add_checksum(path: str) -> None:
+    with zipfile.ZipFile(path, "a") as archive:
+        # torch.load wants every member inside the archive's top folder.
+        top = archive.namelist()[0].split("/", 1)[0]
+        archive.writestr(f"{top}/{CHECKSUM_MEMBER}", _digest(archive))
+
+
+def verify_checkpoint(path: str) -> None:
+    """Check the file's checksum (or, for an older file, its archive's CRC-32s).
+
+    Raises:
+        CheckpointCorruptError: naming the file and what is wrong with it.
+        OSError: missing, or a symlink.
+    """
+    name = os.path.basename(path)
+    try:
+        with _open_nofollow(path) as fh, zipfile.ZipFile(fh) as archive:
+            names = archive.namelist()
+            if not any(n.endswith("/data.pkl") for n in names):
+                raise CheckpointCorruptError(f"{name}: damaged (no data.pkl in the archive)")
+            actual = _digest(archive)
+            sums = [n for n in names if n.endswith("/" + CHECKSUM_MEMBER)]
+            if sums:
+                stored = archive.read(sums[0]).decode(errors="replace")
+                if stored != actual:
+                    raise CheckpointCorruptError(
+                        f"{name}: damaged (checksum mismatch: stored sha256 {stored[:16]}..., "
+                        f"the file's {actual[:16]}...)")
+    except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile) as exc:
+        raise CheckpointCorruptError(f"{name}: damaged (not a whole archive: {exc}; "
+                                     "truncated or overwritten)") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP):
+            raise
+        raise CheckpointCorruptError(f"{name}: damaged (unreadable: {exc})") from None
+
+
 def is_complete(path: str) -> bool:
     """Whether ``path`` is a whole checkpoint archive (its zip directory is readable)."""
     try:
@@ -243,22 +317,49 @@ def is_complete(path: str) -> bool:
         return False
 
 
-def latest_checkpoint(directory: str) -> str | None:
-    """The newest complete checkpoint in ``directory``, or None.
-
-    Temporary files, symlinks, other names and damaged files are skipped.
-    """
+def scan_checkpoints(directory: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint that passes ``verify_checkpoint``, and the newer damaged
+    ones as (path, reason); temporary files, symlinks and other names are ignored."""
+    damaged = []
     for _, name in _checkpoints(directory):
         path = os.path.join(directory, name)
-        if is_complete(path):
-            return path
-    return None
+        try:
+            verify_checkpoint(path)
+        except (CheckpointCorruptError, OSError) as exc:
+            damaged.append((path, str(exc)))
+            continue
+        return path, damaged
+    return None, damaged
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest good checkpoint in ``directory``, or None if it holds none at all.
+
+    A newer damaged one is skipped with a ``CheckpointWarning`` naming it.
+
+    Raises:
+        CheckpointCorruptError: checkpoints exist but every one is damaged (a
+            resume must not silently start again from step 0).
+    """
+    path, damaged = scan_checkpoints(directory)
+    if path is None and damaged:
+        raise CheckpointCorruptError(
+            f"no usable checkpoint in {directory}: " + "; ".join(r for _, r in damaged)
+            + ". Restore a copy, or start a new run in an empty directory (remove these "
+            "files to start from step 0 on purpose)")
+    for _, reason in damaged:
+        warnings.warn(f"{reason}; using the previous good checkpoint, "
+                      f"{os.path.basename(path)}", CheckpointWarning, stacklevel=2)
+    return path
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
     """Read a checkpoint with ``torch.load(weights_only=True)``, on the CPU.
 
+    The file's checksum is verified first (``verify_checkpoint``).
+
     Raises:
+        CheckpointCorruptError: the file is damaged (names it and what is wrong).
         ValueError: not an mpiring checkpoint.
         OSError: missing, or a symlink (``ELOOP``: checkpoints are never read
             through a link).
@@ -266,6 +367,7 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     import torch
 
     try:
+        verify_checkpoint(path)
         with _open_nofollow(path) as fh:
             state = torch.load(fh, map_location="cpu", weights_only=True)
     except OSError as exc:
@@ -273,6 +375,11 @@ def load_checkpoint(path: str) -> dict[str, Any]:
             raise OSError(exc.errno, f"{path} is a symlink: checkpoints are never read "
                                      "through a link; pass the real file") from exc
         raise
+    except CheckpointCorruptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever torch raises on bad bytes
+        raise CheckpointCorruptError(f"{os.path.basename(path)}: damaged (cannot be read "
+                                     f"back: {type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not an mpiring checkpoint (no format {FORMAT!r})")
     return state

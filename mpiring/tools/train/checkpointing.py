@@ -207,14 +207,19 @@ class Checkpointer:
             ResumeError: on every rank, if any rank could not load or restore it.
         """
         comm = job.comm
-        step = [-1]
+        step = [-1, None]
         if comm.rank == 0:
-            path = ck.latest_checkpoint(self.directory)
+            try:  # every file damaged: every rank must fail, not start from step 0
+                path = ck.latest_checkpoint(self.directory)
+            except ck.CheckpointCorruptError as exc:
+                path, step[1] = None, str(exc)
             if path is not None:
                 step[0] = int(os.path.basename(path).removeprefix("ckpt-").removesuffix(".pt"))
         # Rank 0 decides which file: ranks listing the directory at different
         # moments (a write in flight) could otherwise pick different ones.
         step = comm.control.bcast_json(step, root=0)
+        if step[1] is not None:
+            raise ResumeError(f"resume failed: {step[1]}")
         if step[0] < 0:
             if self.verbose and comm.rank == 0:
                 sys.stderr.write(f"resume: no checkpoint in {self.directory}, starting at step 0\n")
