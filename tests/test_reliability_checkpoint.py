@@ -96,3 +96,17 @@ def test_an_older_checkpoint_without_a_checksum_still_loads(tmp_path):
     torch.save(training_state(2), str(path))  # as written before the checksum existed
     assert latest_checkpoint(str(tmp_path)) == str(path)
     assert load_checkpoint(str(path))["step"] == 2
+
+
+def test_resume_with_every_checkpoint_damaged_fails_on_every_rank(world, tmp_path):
+    from types import SimpleNamespace
+
+    from mpiring.tools.train.checkpointing import Checkpointer, ResumeError
+
+    d = str(tmp_path)
+    if world.rank == 0:
+        _truncate(_save(tmp_path, 7))
+    d = world.control.bcast_json(d, root=0)  # rank 0's directory: only it lists the files
+    with pytest.raises(ResumeError, match=r"resume failed: no usable checkpoint in .*"
+                                          r"ckpt-000000007\.pt: damaged"):
+        Checkpointer(d, resume=True).load(SimpleNamespace(comm=world))
