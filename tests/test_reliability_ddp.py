@@ -111,3 +111,9 @@ def test_ddp_misuse_ends_the_job_naming_the_cause(rank0_subprocess, monkeypatch,
     assert rc != 0 and "no error after" not in out, out
     assert re.search(expect, out), out
     assert seconds < 30, f"{case}: {seconds:.1f} s\n{out}"
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 0, -1.0, "25", True])
+def test_a_bucket_size_that_is_not_a_positive_finite_number_is_refused(world, bad):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=.*positive, finite numbers of MiB"):
+        mpiring.DistributedDataParallel(torch.nn.Linear(2, 2), world, bucket_cap_mb=bad)

@@ -119,9 +119,9 @@ class DistributedDataParallel(nn.Module):
             device_ids, comm = None, same_comm(comm, device_ids)
         comm = resolve_comm(same_comm(comm, process_group))
         bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
-        if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} and first_bucket_mb={first_bucket_mb}: "
-                             "bucket sizes must be positive numbers of MiB")
+        if not (_mib(bucket_cap_mb) and _mib(first_bucket_mb)):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} and first_bucket_mb={first_bucket_mb!r}: "
+                             "bucket sizes must be positive, finite numbers of MiB (e.g. 25)")
         from mpiring.comm.communicator import ALGOS
 
         if algo not in ALGOS["all_reduce"]:
@@ -235,6 +235,12 @@ class DistributedDataParallel(nn.Module):
         """
         self.reducer.close()
         self.comm.tracer.flush()
+
+
+def _mib(value) -> bool:
+    """Whether ``value`` is a usable bucket size in MiB (inf would not fit in bytes)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < float("inf"))
 
 
 def describe_module(module: nn.Module) -> list[str]:
