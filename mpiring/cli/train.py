@@ -3,6 +3,7 @@
     mpiexec -n 4 python -m mpiring train --mode ddp --steps 50
     mpiexec -n 4 python -m mpiring train --mode naive --preset comm --steps 20
     mpiexec -n 4 python -m mpiring train --tp 2 --steps 20   # 2-way tensor x 2-way data parallel
+    mpiexec -n 8 python -m mpiring train --tp 2 --pp 2 --global-batch 16 --metrics m.jsonl
 
 Every rank reads the same byte-level corpus (rank 0 reads, all receive), trains
 on its shard (a distributed sampler), and rank 0 prints a progress bar, the loss
@@ -72,6 +73,21 @@ def add_arguments(p) -> None:
                         "(Megatron's column/row layers), DDP over the world / N groups (default 1)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp > 1: split the sequence too outside the column/row layers")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: the GPT's units split over P stages, tensor parallel "
+                        "inside each, data parallel over world / (tp * pp) (default 1)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and AdamW state over the data axis (ZeRO-3)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream"), default="1f1b",
+                   help="pipeline schedule with --pp > 1 (default 1f1b)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step with --pp > 1 (default: pp); must divide the "
+                        "windows per replica")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="windows per step over all data-parallel replicas (instead of "
+                        "--batch-size per replica): the same data at any layout")
+    p.add_argument("--metrics", metavar="FILE", default=None,
+                   help="write one JSON line per step (step, loss, tokens, ms) to FILE")
     add_checkpoint_arguments(p)  # --checkpoint-dir/-every/-keep, --resume, --check-replicas
     add_backend_arguments(p)
 
@@ -90,7 +106,8 @@ def config_from_args(args):
         optimizer=args.optimizer, fused_adamw=not args.no_fused_adamw,
         comm_hook=args.comm_hook, topk_ratio=args.topk_ratio,
         powersgd_rank=args.powersgd_rank, hook_start=args.hook_start,
-        tp=args.tp, sequence_parallel=args.sequence_parallel)
+        tp=args.tp, sequence_parallel=args.sequence_parallel, pp=args.pp, fsdp=args.fsdp,
+        schedule=args.schedule, microbatches=args.microbatches, global_batch=args.global_batch)
 
 
 class ProgressBar:
@@ -138,15 +155,17 @@ def run(args) -> int:
         ResumeError,
         callbacks_from_args,
     )
-    from mpiring.tools.train.loop import TrainJob, train
+    from mpiring.tools.train.job3d import make_job
+    from mpiring.tools.train.loop import train
+    from mpiring.tools.train.metrics import MetricsWriter
 
     cfg = config_from_args(args)
     try:
         cfg.validate()
         callbacks = callbacks_from_args(args)
-        if cfg.tp > 1 and callbacks:
-            raise ValueError("checkpoints and the replica check expect every rank to hold the "
-                             "whole model: leave them out with --tp > 1")
+        if cfg.fsdp and args.check_replicas is not None:
+            raise ValueError("--check-replicas compares whole replicas; FSDP keeps shards: "
+                             "leave it out with --fsdp")
     except ValueError as exc:
         print(f"mpiring train: {exc}", file=sys.stderr)
         return 2
@@ -159,14 +178,26 @@ def run(args) -> int:
         device = torch.device("cuda", comm.local_rank % max(1, torch.cuda.device_count()))
     else:
         device = torch.device("cpu")
-    job = TrainJob(comm, cfg, device=device)
-    n_params = job.model.num_params()
+    try:
+        # A layout that cannot run is refused on every rank alike, before training.
+        job = make_job(comm, cfg, device=device)
+    except ValueError as exc:
+        if comm.rank == 0:
+            print(f"mpiring train: {exc}", file=sys.stderr, flush=True)
+        comm.tracer.close()
+        return 2
+    cfg = job.cfg  # --global-batch fixed the windows per replica
+    n_params = getattr(job, "full_params", None) or job.model.num_params()
     dp = job.data_comm.size  # the ranks that read different batches (all of them at --tp 1)
     tokens = dp * cfg.batch_size * job.model_cfg.seq_len
+    if args.metrics:
+        callbacks.append(MetricsWriter(args.metrics, tokens))
     if comm.rank == 0:
-        layout = f" (tp={cfg.tp} x dp={dp}{', sequence parallel' if cfg.sequence_parallel else ''})"
+        layout = (f" (dp={dp} x tp={cfg.tp} x pp={cfg.pp}"
+                  f"{', fsdp' if cfg.fsdp else ''}{', sequence parallel' if cfg.sequence_parallel else ''}"
+                  f"{f', {cfg.schedule} x {job.microbatches} micro-batches' if cfg.pp > 1 else ''})")
         print(f"train: mode={cfg.mode} backend={args.backend} ranks={comm.size}"
-              f"{layout if cfg.tp > 1 else ''} "
+              f"{layout if hasattr(job, 'grid') else ''} "
               f"model={cfg.preset} ({n_params / 1e6:.2f}M params, d={job.model_cfg.d_model}, "
               f"{job.model_cfg.n_layers} layers) batch {dp}x{cfg.batch_size}x"
               f"{job.model_cfg.seq_len} tokens, {len(job.train_set)} training windows",

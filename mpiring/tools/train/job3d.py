@@ -133,6 +133,8 @@ class GridJob(TrainJob):
                                                     sequence_parallel=cfg.sequence_parallel)
         self.model = stage = split_stage(self.tp_model, cfg.pp, g.pp_rank)
         self.tp_comm = g.tp
+        # FSDP takes the parameters over: their names are kept here for checkpoints.
+        self.stage_names = [n for n, _ in stage.named_parameters()]
         self.loss_fn = self.tp_model.loss
         self.fsdp, self.sched = None, None
         if cfg.fsdp:

@@ -71,7 +71,7 @@ def _local(job) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], lis
         params = full_state_dict(job.fsdp)
         o = full_optim_state_dict(job.fsdp, opt)
         return params, o["state"], o["param_groups"]
-    names = [n for n, _ in job.model.named_parameters()]
+    names = job.stage_names
     if hasattr(opt, "consolidate_state_dict"):
         opt.consolidate_state_dict(to=None)  # collective over the data axis
     o = by_name(names, opt.state_dict())
@@ -170,7 +170,7 @@ def grid_full_state(job) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def load_grid_full_state(job, model: dict[str, torch.Tensor], optim: dict[str, Any] | None) -> None:
     """Keep this rank's part of a full model state and AdamW state (no communication)."""
     cut = job.tp_model.shard
-    names = [n for n, _ in job.model.named_parameters()]
+    names = job.stage_names
     mine = {n: cut(_TIED.get(n, n), model[_TIED.get(n, n)]) for n in names}
     local_state = {}
     for n in names:

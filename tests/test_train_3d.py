@@ -1,0 +1,208 @@
+"""Training on the 3D grid against a one-process twin; checkpoints that move between layouts.
+
+Every layout (dp, tp, pp) that fits the job trains the same tiny GPT on the
+same global batches as a plain AdamW loop on one process (the unsplit twin):
+the losses agree step by step (float32, relative 1e-5). A run saved at one
+layout and resumed at another continues with the uninterrupted run's losses,
+and the full parameters and AdamW state it saves again are the saved bits.
+Layouts that cannot train are refused on every rank, before any step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mpiring.parallel import checkpoint as ck
+from mpiring.parallel.data.sampler import DistributedSampler
+from mpiring.tools.models.gpt import GPT, lm_loss
+from mpiring.tools.train import reshard
+from mpiring.tools.train.checkpointing import Checkpointer
+from mpiring.tools.train.data import Windows
+from mpiring.tools.train.job3d import make_job
+from mpiring.tools.train.loop import TrainConfig, fused_adamw_available, train
+
+# A byte pattern with every value in use.
+DATA = (np.arange(40_000) * 7919 % 241).astype(np.uint8)
+
+
+def global_batch(world: int) -> int:
+    """Windows a step: 12 divide over 1, 2, 3, 4 and 6 replicas; 10 over 5."""
+    return 10 if world % 5 == 0 else 12
+
+
+G = 12  # the one-rank resume of a 4-rank run
+COMMON = dict(preset="tiny", seq_len=16, log_every=1, val_batches=1, lr=3e-3, seed=5)
+RTOL = 1e-5
+
+
+def twin_losses(steps: int, G: int = G) -> list[float]:  # noqa: N803
+    """The unsplit GPT with torch's AdamW on the global batches, in one process."""
+    cfg = TrainConfig(steps=steps, global_batch=G, **COMMON)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            fused=fused_adamw_available("cpu"))
+    windows = Windows(DATA, cfg.model_config().seq_len)
+    order = DistributedSampler(len(windows), 1, 0, seed=cfg.seed, drop_last=True).shard()
+    out = []
+    for s in range(steps):
+        x, y = windows.batch(order[s * G:(s + 1) * G])
+        loss = lm_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def job(comm, tp=1, pp=1, steps=3, **kw):
+    cfg = TrainConfig(tp=tp, pp=pp, steps=steps,
+                      **{"global_batch": global_batch(comm.size), **COMMON, **kw})
+    return make_job(comm, cfg, train_data=DATA, val_data=DATA[:4000])
+
+
+def run(comm, **kw) -> list[float]:
+    j = job(comm, **kw)
+    try:
+        return train(j).losses
+    finally:
+        j.close()
+
+
+def layouts(world: int) -> list[tuple[int, int]]:
+    """Every (tp, pp) of the world with tp, pp <= 4 (the tiny GPT has 4 units)."""
+    return [(t, p) for t in (1, 2, 3, 4) for p in (1, 2, 3, 4) if world % (t * p) == 0]
+
+
+@pytest.mark.deadline(120)
+def test_every_layout_matches_the_one_process_twin(world):
+    want = twin_losses(3, global_batch(world.size))
+    for tp, pp in layouts(world.size):
+        got = run(world, tp=tp, pp=pp)
+        np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"tp={tp} pp={pp}")
+
+
+def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
+    """(tp, pp) exercising ``opts`` at k ranks: dp > 1 for the data axis, pp > 1 for a schedule."""
+    if "schedule" in opts:
+        return (1, 2) if k % 2 == 0 else (1, k) if 1 < k <= 4 else None
+    if opts.get("sequence_parallel"):
+        return (2, 2 if k % 4 == 0 else 1) if k % 2 == 0 else (k, 1) if k > 1 else None
+    if opts.get("fsdp"):
+        return (2, 1) if k % 4 == 0 else (1, 1)
+    return (1, 2) if k % 4 == 0 else (1, 1)  # zero1: pipeline x data
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("opts", [dict(optimizer="zero1"), dict(fsdp=True),
+                                  dict(schedule="gpipe"), dict(schedule="zb", microbatches=3),
+                                  dict(sequence_parallel=True)],
+                         ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp"])
+def test_data_axis_and_schedules_match_the_twin(world, opts):
+    picked = _layout_for(world.size, opts)
+    if picked is None:
+        pytest.skip(f"{opts} has no layout at {world.size} ranks")
+    tp, pp = picked
+    got = run(world, tp=tp, pp=pp, **opts)
+    np.testing.assert_allclose(got, twin_losses(3, global_batch(world.size)), rtol=RTOL,
+                               err_msg=f"{opts} at tp={tp} pp={pp}")
+
+
+def _full(path: str):
+    state = ck.load_checkpoint(path)
+    optim = state["optimizer"]
+    if state["extra"]["layout"]["kind"] == "train":
+        optim = reshard.by_name(state["extra"]["param_names"], optim)
+    return state["model"], optim
+
+
+def _assert_bits(a: str, b: str) -> None:
+    (ma, oa), (mb, ob) = _full(a), _full(b)
+    assert list(ma) == list(mb)
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), f"parameter {k} changed on the way"
+    assert set(oa["state"]) == set(ob["state"]) and oa["state"]
+    for n, entry in oa["state"].items():
+        for key, v in entry.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(ob["state"][n][key])), (n, key)
+
+
+def _moves(world: int) -> list[tuple[dict, dict]]:
+    """(saved at, resumed at): the job's layouts, each to a different one."""
+    got = [dict(tp=t, pp=p) for t, p in layouts(world)]
+    plain = dict(global_batch=None, batch_size=global_batch(world) // world)  # TrainJob: plain DDP, no grid
+    moves = [(plain, got[-1]), (got[-1], plain)] if world > 1 else [(plain, dict(tp=1))]
+    moves += [(a, b) for a, b in zip(got, got[1:] + got[:1]) if a != b][:3]
+    if world % 2 == 0:
+        moves.append((dict(tp=2, optimizer="zero1"), dict(tp=1, fsdp=True)))
+        moves.append((dict(tp=1, fsdp=True), dict(pp=2) if world > 1 else dict(tp=2)))
+    return moves
+
+
+@pytest.mark.deadline(150)
+def test_saved_at_one_layout_resumes_at_another(world, tmp_path):
+    from mpiring.backends import control as wire
+
+    base = wire.bcast_json(world, str(tmp_path) if world.rank == 0 else None)
+    want = twin_losses(4, global_batch(world.size))
+    for i, (a, b) in enumerate(_moves(world.size)):
+        saved, again = f"{base}/{i}a", f"{base}/{i}b"
+        first = job(world, steps=2, **a)
+        train(first, callbacks=[Checkpointer(saved, verbose=False)])
+        first.close()
+        second = job(world, steps=4, **b)
+        Checkpointer(saved, resume=True, verbose=False).load(second)
+        Checkpointer(again, verbose=False).save(second)  # the same step, at the new layout
+        got = train(second).losses
+        second.close()
+        np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"{a} -> {b}")
+        if world.rank == 0:
+            _assert_bits(f"{saved}/{ck.checkpoint_name(2)}", f"{again}/{ck.checkpoint_name(2)}")
+        world.barrier()
+
+
+@pytest.mark.deadline(90)
+def test_saved_on_the_grid_resumes_on_one_rank(world, subcomms, tmp_path):
+    from mpiring.backends import control as wire
+
+    if world.size < 4:
+        pytest.skip("needs tp=2 x pp=2")
+    base = wire.bcast_json(world, str(tmp_path) if world.rank == 0 else None)
+    sub = subcomms[4]
+    if sub is not None:
+        first = job(sub, tp=2, pp=2, steps=2)
+        train(first, callbacks=[Checkpointer(base, verbose=False)])
+        first.close()
+    world.barrier()
+    if world.rank == 0:
+        one = job(subcomms[1], steps=4, global_batch=None, batch_size=G)  # TrainJob, 1 rank
+        Checkpointer(base, resume=True, verbose=False).load(one)
+        np.testing.assert_allclose(train(one).losses, twin_losses(4), rtol=RTOL)
+        one.close()
+    world.barrier()
+
+
+def _refused(world, match: str, **kw) -> None:
+    with pytest.raises(ValueError, match=match):
+        job(world, **kw)
+
+
+@pytest.mark.deadline(60)
+def test_bad_layouts_are_refused_on_every_rank(world):
+    k = world.size
+    _refused(world, f"pp={k + 1} = {k + 1} does not divide the world of {k}", pp=k + 1)
+    _refused(world, r"fsdp with pp > 1 is not supported.*--optimizer zero1", pp=2, fsdp=True)
+    _refused(world, "use --optimizer zero1 with --pp > 1", pp=2, optimizer="zero2")
+    _refused(world, "use it with pp > 1", microbatches=2)
+    if k % 4 == 0:
+        _refused(world, "pp=4 stages for a GPT of 3 units", pp=4, n_layers=1)
+    if k > 1:
+        _refused(world, f"global_batch=7 does not split over dp={k}", global_batch=7)
+    if k % 2 == 0:
+        _refused(world, "do not split into 5 equal micro-batches", pp=2, microbatches=5)
+    if k >= 4 and k % 2 == 0:
+        _refused(world, "pipedream steps each stage after every micro-batch", pp=2,
+                 schedule="pipedream")
+    world.barrier()  # every rank refused, none went on to train
