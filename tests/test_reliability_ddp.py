@@ -117,3 +117,17 @@ def test_ddp_misuse_ends_the_job_naming_the_cause(rank0_subprocess, monkeypatch,
 def test_a_bucket_size_that_is_not_a_positive_finite_number_is_refused(world, bad):
     with pytest.raises(ValueError, match=r"bucket_cap_mb=.*positive, finite numbers of MiB"):
         mpiring.DistributedDataParallel(torch.nn.Linear(2, 2), world, bucket_cap_mb=bad)
+
+
+def test_a_model_wrapped_on_some_ranks_only_is_an_error_on_every_rank(world):
+    comm = world.dup()
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    names = " ".join(f"r{r}={'all_reduce' if r == 1 else 'DistributedDataParallel'}"
+                     for r in range(comm.size))
+    with pytest.raises(mpiring.MismatchError, match=rf"#1: collective differs: {names}$"):
+        if comm.rank == 1:
+            comm.all_reduce(np.zeros(3, np.float32), algo="ring")
+        else:
+            mpiring.DistributedDataParallel(torch.nn.Linear(2, 2), comm)
+    _model(comm).close()  # in step again: every rank wraps

@@ -27,6 +27,11 @@ from mpiring.core.ops import OPS
 # the caller's line (mpiring.comm.callsite); it differs when a rank skipped a
 # call that the others made from another line, where the counts cannot see it
 # until the end of the sequence and same-shaped calls would mix silently.
+#: Calls other than the collectives that agree before they start (``Communicator.agree_call``),
+#: so that a rank in one of them can name it when another rank is elsewhere.
+CALLS = ("DistributedDataParallel", "ParameterServer", "FullyShardedDataParallel",
+         "ZeroRedundancyOptimizer")
+
 _DESC_FIELDS = ("collective", "count", "dtype", "op", "root", "algo", "chunks",
                 "segment_bytes", "call", "site")
 
@@ -170,7 +175,7 @@ def _describe(field: str, value: int) -> str:
     if value == -2:
         return "invalid"
     if field in ("collective", "algo"):
-        names = list(_algos()) if field == "collective" else \
+        names = [*_algos(), *CALLS] if field == "collective" else \
             list(dict.fromkeys(a for algos in _algos().values() for a in (*algos, "auto")))
         return next((n for n in names if _name_code(n) == value), "?")
     if field == "dtype":

@@ -491,6 +491,27 @@ class Communicator(PointToPoint):
         self._act.begin("dup", self._next_call("dup"), None)
         return Communicator(self._be.dup(), self.tracer, check=self.check, timeout=self.timeout)
 
+    def agree_call(self, name: str) -> None:
+        """Check that every rank is making the call ``name`` now (collective).
+
+        For a multi-step call that is not a collective (DDP's construction): a
+        rank that is in a collective meanwhile, or in another such call, gets a
+        MismatchError naming what each rank is doing, instead of the control
+        messages of the two calls mixing ("message truncated") or waiting.
+
+        Raises:
+            MismatchError: on every rank, when some rank is in a different call.
+        """
+        if self.size == 1:
+            return
+        call = self._next_call(name)
+        self._act.begin(name, call, None)
+        try:
+            agree(self._be, name, call, None, None, None, None, None, None, None)
+        except BaseException:
+            self._calls[name] = call - 1  # refused on every rank: the counts stay in step
+            raise
+
     def barrier(self) -> None:
         self._act.begin("barrier", self._next_call("barrier"), None)
         self._be.barrier()

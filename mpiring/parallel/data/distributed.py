@@ -118,6 +118,10 @@ class DistributedDataParallel(nn.Module):
         if is_comm(device_ids):  # the old call DistributedDataParallel(module, comm)
             device_ids, comm = None, same_comm(comm, device_ids)
         comm = resolve_comm(same_comm(comm, process_group))
+        if comm.size > 1:
+            # Before any control message: a rank that runs a collective instead of
+            # wrapping its model must see an error, not mix its messages with ours.
+            comm.agree_call("DistributedDataParallel")
         bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
         if not (_mib(bucket_cap_mb) and _mib(first_bucket_mb)):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} and first_bucket_mb={first_bucket_mb!r}: "
@@ -259,6 +263,10 @@ def check_same_model(comm, lines: Sequence[str], what: str = "DistributedDataPar
     and on a difference a fixed-size UTF-8 description of the first differing
     line from each rank (decoded, never unpickled).
     """
+    if comm.size > 1 and hasattr(comm, "agree_call"):
+        # First make sure every rank is here: one wrapping its model while another
+        # runs a collective would otherwise mix their control messages.
+        comm.agree_call(what)
     if comm.size == 1:
         return
     control = comm.control
