@@ -245,8 +245,9 @@ class Checkpointer:
     def _restore(self, job, state: dict[str, Any]) -> list[str]:
         extra = state.get("extra") or {}
         saved, now = extra.get("layout"), reshard.layout(job)
-        if saved is not None and (saved["kind"] == "grid" or now["kind"] == "grid"
-                                  or saved != now):
+        # A grid run on either side moves through the full tensors; two plain
+        # data-parallel runs keep the exact path (and its same-world check).
+        if saved is not None and "grid" in (saved["kind"], now["kind"]):
             return self._restore_resharded(job, state, saved, now)
         size = extra.get("world_size")
         if size != job.comm.size:
