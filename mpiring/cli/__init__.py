@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import pkgutil
 import sys
 
@@ -47,13 +48,72 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
                    help="'steps': log every ring step to stderr")
 
 
-def parse_size(text: str) -> int:
-    """'64M' -> 67108864; accepts K, M, G (binary) and plain integers."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
+SIZE_FORM = ("a number of bytes with an optional binary suffix K, M or G "
+             "(e.g. 4096, 4K, 16M, 1.5G)")
+
+
+def parse_size(text: str | int) -> int:
+    """'64M' -> 67108864; accepts K, M, G (binary) suffixes, an optional B, and integers.
+
+    Raises:
+        ValueError: not a finite, non-negative size; the message gives the accepted form.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):  # parsed already (argparse)
+        if text < 0:
+            raise ValueError(f"size {text}: a size cannot be negative; use {SIZE_FORM}")
+        return text
+    raw = str(text)
+    body = raw.strip().upper().removesuffix("B").removesuffix("I")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if text and text[-1] in scale:
-        return int(float(text[:-1]) * scale[text[-1]])
-    return int(text)
+    factor = 1
+    if body and body[-1] in scale:
+        body, factor = body[:-1], scale[body[-1]]
+    try:
+        value = float(body)
+    except ValueError:
+        raise ValueError(f"size {raw!r}: use {SIZE_FORM}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"size {raw!r}: use a finite, non-negative size: {SIZE_FORM}")
+    nbytes = value * factor
+    if nbytes != int(nbytes):
+        raise ValueError(f"size {raw!r} is not a whole number of bytes: use {SIZE_FORM}")
+    return int(nbytes)
+
+
+def size_arg(text: str) -> int:
+    """argparse type: a positive size (``parse_size``), or a one-line usage error."""
+    try:
+        nbytes = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if nbytes == 0:
+        raise argparse.ArgumentTypeError(f"size {text!r}: give at least 1 byte; use {SIZE_FORM}")
+    return nbytes
+
+
+def sizes_arg(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive sizes."""
+    return [size_arg(t) for t in text.split(",") if t.strip()] or [size_arg("")]
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a whole number >= {low}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, or a one-line usage error naming the form."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,18 +129,25 @@ def main(argv: list[str] | None = None) -> int:
         if world_rank() == 0:
             sys.stderr.write(f"python -m mpiring {args.command}: {exc}\n")
         return 2
-    except Exception:
+    except Exception as exc:
         # Any other failure must end every rank, not leave the others waiting in
         # their next collective: print it with the rank, then abort the job.
-        from mpiring.backends.mpi import abort_world, world_rank, world_size
-
-        if world_size() == 1:
-            raise
         import traceback
 
+        from mpiring.backends.mpi import abort_world, world_rank, world_size
+
+        # A bad value (ValueError/TypeError, whose messages name the fix) is one
+        # line; anything else keeps its traceback, which is what explains a bug.
+        bad_value = isinstance(exc, (ValueError, TypeError))
+        text = f"{type(exc).__name__}: {exc}\n" if bad_value else traceback.format_exc()
         sys.stdout.flush()
-        sys.stderr.write(f"[r{world_rank()}] python -m mpiring {args.command} failed:\n"
-                         f"{traceback.format_exc()}")
+        if world_size() == 1:
+            if not bad_value:
+                raise
+            sys.stderr.write(f"python -m mpiring {args.command}: error: {text}")
+            return 2
+        sys.stderr.write(f"[r{world_rank()}] python -m mpiring {args.command} failed: "
+                         f"{text}")
         sys.stderr.flush()
         abort_world(1)
         return 1

@@ -6,15 +6,21 @@ import time
 
 import numpy as np
 
-from mpiring.cli import add_backend_arguments, parse_size
+from mpiring.cli import add_backend_arguments, parse_size, positive_int, size_arg
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--size", default="64M", help="message size in bytes (K/M/G suffixes), default 64M")
-    p.add_argument("--algo", default="ring", help="ring or native (default ring)")
-    p.add_argument("--op", default="sum", help="sum, avg, max, min or prod")
-    p.add_argument("--dtype", default="float32", help="element type, default float32")
-    p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
+    from mpiring.comm.communicator import ALGOS
+    from mpiring.core.buffers import DTYPES
+    from mpiring.core.ops import OPS
+
+    p.add_argument("--size", type=size_arg, default="64M",
+                   help="message size in bytes (K/M/G suffixes), default 64M")
+    p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
+                   help="the algorithm (default ring)")
+    p.add_argument("--op", choices=OPS, default="sum", help="sum, avg, max, min or prod")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type, default float32")
+    p.add_argument("--iters", type=positive_int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the buffer lives: cpu (NumPy) or cuda (CuPy, GPU local_rank %% "
                         "count); default cuda for --backend nccl, cpu for mpi")

@@ -16,11 +16,24 @@ from __future__ import annotations
 
 import sys
 
-from mpiring.cli import add_backend_arguments, parse_size
+from mpiring.cli import add_backend_arguments, non_negative_int, parse_size, positive_int, size_arg
 
 
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _factor(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: use a number above 1 (e.g. 2)")
+    return value
 
 
 def add_arguments(p) -> None:
@@ -29,11 +42,14 @@ def add_arguments(p) -> None:
                         "(default all_reduce; 'all' for every one)")
     p.add_argument("--algo", "-a", default=None, type=_csv,
                    help="comma list, e.g. ring,native,gloo (default: every algorithm that applies)")
-    p.add_argument("-b", "--minbytes", default="8", help="smallest size in bytes (K/M/G), default 8")
-    p.add_argument("-e", "--maxbytes", default="64M", help="largest size in bytes, default 64M")
-    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="size factor, default 2")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations, default 20")
-    p.add_argument("-w", "--warmup", type=int, default=5, help="untimed warm-up iterations, default 5")
+    p.add_argument("-b", "--minbytes", type=size_arg, default="8",
+                   help="smallest size in bytes (K/M/G), default 8")
+    p.add_argument("-e", "--maxbytes", type=size_arg, default="64M",
+                   help="largest size in bytes, default 64M")
+    p.add_argument("-f", "--stepfactor", type=_factor, default=2.0, help="size factor, default 2")
+    p.add_argument("-n", "--iters", type=positive_int, default=20, help="timed iterations, default 20")
+    p.add_argument("-w", "--warmup", type=non_negative_int, default=5,
+                   help="untimed warm-up iterations, default 5")
     p.add_argument("-d", "--dtype", default="float32", help="element type, default float32")
     p.add_argument("-o", "--op", default="sum", help="sum, avg, max, min or prod (default sum)")
     p.add_argument("--root", type=int, default=0, help="root of broadcast and reduce, default 0")
@@ -50,9 +66,10 @@ def add_arguments(p) -> None:
     p.add_argument("--fit", choices=("ring", "pair"), default="ring",
                    help="which fit predicts: 'ring' (every rank exchanges with its neighbours "
                         "at once, as in a ring step; default) or 'pair' (ping-pong r0<->r1 alone)")
-    p.add_argument("--ps", metavar="SIZE", nargs="?", const="16M", default=None,
+    p.add_argument("--ps", metavar="SIZE", type=size_arg, nargs="?", const="16M", default=None,
                    help="parameter server vs ring AllReduce on K = 2..ranks (default 16M per rank)")
-    p.add_argument("--sweep-chunks", metavar="SIZE", nargs="?", const="16M", default=None,
+    p.add_argument("--sweep-chunks", metavar="SIZE", type=size_arg, nargs="?", const="16M",
+                   default=None,
                    help="pipelined Broadcast of SIZE for S = 1, 2, 4, ...: measured best vs "
                         "the model's S* (default 16M)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",

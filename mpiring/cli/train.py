@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mpiring.cli import add_backend_arguments
+from mpiring.cli import add_backend_arguments, positive_int
 
 
 def add_arguments(p) -> None:
@@ -28,16 +28,16 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", choices=MODES, default="ddp",
                    help="ddp (overlapped buckets), naive (buckets after backward), ps "
                         "(parameter server), torch-ddp (PyTorch DDP over gloo/nccl)")
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows per rank per step (default 8)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the preset's)")
+    p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="windows per rank per step (default 8)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per window (default: the preset's)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order (same on all ranks)")
     p.add_argument("--preset", default="small",
                    help="model size: tiny (0.1M), small (3.2M, default), comm (12.8M)")
-    p.add_argument("--d-model", type=int, default=None, help="override the preset's width")
-    p.add_argument("--layers", type=int, default=None, help="override the preset's depth")
-    p.add_argument("--heads", type=int, default=None, help="override the preset's heads")
+    p.add_argument("--d-model", type=positive_int, default=None, help="override the preset's width")
+    p.add_argument("--layers", type=positive_int, default=None, help="override the preset's depth")
+    p.add_argument("--heads", type=positive_int, default=None, help="override the preset's heads")
     p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap in MiB (default 25)")
     p.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket in MiB (default 1)")
@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-data-mb", type=float, default=4.0,
                    help="read at most this much standard-library source (default 4)")
     p.add_argument("--val-batches", type=int, default=4, help="validation batches per rank (default 4)")
-    p.add_argument("--log-every", type=int, default=10, help="global loss every N steps (default 10)")
+    p.add_argument("--log-every", type=positive_int, default=10, help="global loss every N steps (default 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Sharded optimizer and gradient compression (mpiring.parallel.zero, mpiring.parallel.data.comm_hooks).
     p.add_argument("--optimizer", choices=("adamw", "zero1", "zero2"), default="adamw",
@@ -68,19 +68,19 @@ def add_arguments(p) -> None:
     p.add_argument("--powersgd-rank", type=int, default=1, help="powersgd: approximation rank (default 1)")
     p.add_argument("--hook-start", type=int, default=10,
                    help="topk/powersgd: plain AllReduce for the first N steps (default 10)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: the GPT split over groups of N adjacent ranks "
                         "(Megatron's column/row layers), DDP over the world / N groups (default 1)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp > 1: split the sequence too outside the column/row layers")
-    p.add_argument("--pp", type=int, default=1,
+    p.add_argument("--pp", type=positive_int, default=1,
                    help="pipeline stages: the GPT's units split over P stages, tensor parallel "
                         "inside each, data parallel over world / (tp * pp) (default 1)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and AdamW state over the data axis (ZeRO-3)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream"), default="1f1b",
                    help="pipeline schedule with --pp > 1 (default 1f1b)")
-    p.add_argument("--microbatches", type=int, default=None,
+    p.add_argument("--microbatches", type=positive_int, default=None,
                    help="micro-batches per step with --pp > 1 (default: pp); must divide the "
                         "windows per replica")
     p.add_argument("--global-batch", type=int, default=None,
