@@ -163,6 +163,22 @@ def test_fsdp_equals_one_process_whole_world(world):
     check_equals_one_process(world, True)  # run with -n 5 for an odd world
 
 
+def test_forward_keeps_only_the_root_and_the_last_unit_gathered(comm):
+    # The last unit's backward comes first: freeing it after its forward would
+    # only gather it again. Its place is known once the first forward ran.
+    model = FullyShardedDataParallel(make_model(), comm)
+    for step, held in enumerate(([True, False, False, False], [True, False, False, True])):
+        x, y = batch(step)
+        loss = loss_fn(model, mine(x, comm), mine(y, comm))
+        assert [u.flat.allocated for u in model.units] == held
+        loss.backward()
+        assert not any(u.flat.allocated for u in model.units)
+    with torch.no_grad():  # no backward to wait for: everything is freed
+        model(mine(batch(2)[0], comm))
+    assert not any(u.flat.allocated for u in model.units)
+    model.close()
+
+
 def test_fsdp_matches_ddp(comm):
     fsdp = FullyShardedDataParallel(make_model(), comm)
     ddp_model = make_model()

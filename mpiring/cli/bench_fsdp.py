@@ -31,6 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="comm", help="GPT preset (default comm, 12.8M params)")
     p.add_argument("--steps", type=int, default=6, help="steps per setup (default 6)")
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank (default 2)")
+    p.add_argument("--algo", default=None,
+                   help="FSDP's AllGather/ReduceScatter algorithm (default: FSDP's own)")
     p.add_argument("--json", metavar="FILE", default=None, help="append the result as JSON")
     add_backend_arguments(p)
 
@@ -77,7 +79,7 @@ def run(args) -> int:
 
             pg = init_torch_process_group(comm, torch.device("cpu"))
         times, errors = measure_time(comm, names, cfg, steps=args.steps,
-                                     batch_size=args.batch_size, pg=pg)
+                                     batch_size=args.batch_size, pg=pg, algo=args.algo)
         out = {"ranks": comm.size, "preset": args.preset, "step_s": times, "errors": errors}
         if comm.rank == 0:
             first = next((n for n in names if n in times), None)

@@ -68,6 +68,8 @@ class FlatParam:
                 numel += p.numel()
             self.slots.append(Slot(module, name, fqn, index[id(p)], offsets[id(p)], p.numel(), p.shape))
         self.numel = numel
+        self.sizes = [t.numel() for t in tensors]   # of the distinct parameters, in order
+        self.shapes = [t.shape for t in tensors]
         self.dtype = tensors[0].dtype if tensors else torch.float32
         self.device = tensors[0].device if tensors else torch.device("cpu")
         self.compute_dtype = compute_dtype or self.dtype
@@ -111,11 +113,18 @@ class FlatParam:
 
     def set_views(self) -> None:
         """Point every module attribute at its view of ``full`` (new views: new graph nodes)."""
+        if not self.slots:
+            return
+        # One split for all parameters, not a slice each: a slice's backward
+        # writes a zero-filled gradient of the whole unit per parameter, the
+        # split's backward concatenates the parameters' gradients once.
+        pieces = torch.split(self.full, self.sizes)
+        views = [p.view(shape) for p, shape in zip(pieces, self.shapes)]
         for s in self.slots:
-            view = self.full[s.offset:s.offset + s.numel].view(s.shape)
             # A plain attribute, not a Parameter: the module reads it in forward,
             # and parameters() no longer sees it (the shards are the parameters).
-            setattr(s.module, s.name, view)
+            # A shared parameter gets the same view in each place.
+            setattr(s.module, s.name, views[s.index])
 
     def unregister(self) -> None:
         """Remove the original parameters from their modules (the shard replaces them)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -142,8 +143,10 @@ class FullyShardedDataParallel(nn.Module):
         # thread's collectives never match a message of the main thread's.
         self.thread_comm = comm.dup()
         cpu = all(p.device.type == "cpu" for grp in places for (*_, p) in grp)
-        if comm.backend == "mpi" and cpu:
-            self.thread_comm.idle = "sleep"  # leave the cores to the unit that computes
+        if comm.backend == "mpi" and cpu and not os.environ.get("MPIRING_IDLE"):
+            # Leave the cores to the unit that computes (as DDP's thread does);
+            # an MPIRING_IDLE of the user's choice applies here too.
+            self.thread_comm.idle = "sleep"
         # On a GPU the thread would need the streams synchronised: run inline there.
         self.runner = CommRunner(f"mpiring-fsdp-r{comm.rank}", threaded=cpu)
         self.units: list[Unit] = []

@@ -107,8 +107,13 @@ class Unit:
 
     def post_forward(self, output):
         grad = torch.is_grad_enabled()
-        if not grad or (self.reshard_after_forward and self.index != 0):
-            # The root stays gathered: its backward comes first, right away.
+        # The root and the last unit of the forward order stay gathered: their
+        # backward comes first, right away; freeing them would only gather them again.
+        # (Known once the first forward has recorded the order.)
+        owner = self.owner
+        last = (not owner._recording and self.position is not None
+                and self.position + 1 == len(owner._order))
+        if not grad or (self.reshard_after_forward and self.index != 0 and not last):
             self.reshard()
         if grad:
             for t in output_tensors(output):

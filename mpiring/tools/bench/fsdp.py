@@ -61,7 +61,7 @@ def _batch(cfg, step: int, rank: int, size: int, batch_size: int):
 class Setup:
     """One model, wrapped one way, with its AdamW; ``step()`` trains one step."""
 
-    def __init__(self, name: str, comm, cfg, batch_size: int, pg=None):
+    def __init__(self, name: str, comm, cfg, batch_size: int, pg=None, algo: str | None = None):
         from mpiring.tools.models.gpt import GPT, lm_loss
 
         self.name, self.comm, self.cfg, self.batch_size = name, comm, cfg, batch_size
@@ -80,7 +80,7 @@ class Setup:
         elif name == "fsdp":
             from mpiring.parallel.fsdp import FullyShardedDataParallel
 
-            self.model = FullyShardedDataParallel(model, comm)
+            self.model = FullyShardedDataParallel(model, comm, **({"algo": algo} if algo else {}))
             self.closers.append(self.model.close)
             params = list(self.model.parameters())
             for u in self.model.units[1:]:  # runs after FSDP's own pre-hook: gathered
@@ -155,12 +155,12 @@ def measure_memory(comm, setup: str, cfg, *, steps: int = 3, batch_size: int = 2
 
 
 def measure_time(comm, setups: list[str], cfg, *, steps: int = 6, batch_size: int = 2,
-                 pg=None) -> tuple[dict[str, float], dict[str, str]]:
+                 pg=None, algo: str | None = None) -> tuple[dict[str, float], dict[str, str]]:
     """Alternate the setups' steps; median seconds per step (first excluded), and errors."""
     built, errors = [], {}
     for name in setups:
         try:
-            built.append(Setup(name, comm, cfg, batch_size, pg=pg))
+            built.append(Setup(name, comm, cfg, batch_size, pg=pg, algo=algo))
         except Exception as exc:  # shown to the user: torch's FSDP may not run here
             errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     # Every rank must have built the same setups before any step runs.
