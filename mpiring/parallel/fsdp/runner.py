@@ -17,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+#: How many submitted tasks are kept before the finished ones are dropped.
+PRUNE_AT = 256
+
 
 class CommRunner:
     """Runs closures on one thread (or inline, ``threaded=False``), in submission order.
@@ -50,9 +53,13 @@ class CommRunner:
                 fut.set_exception(exc)
         else:
             fut = self._pool.submit(self._guarded, fn)
-        # Keep the failed ones: wait_all must still raise their errors.
-        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         self._pending.append(fut)
+        if len(self._pending) > PRUNE_AT:
+            # A forward without backward never calls wait_all: drop what has
+            # finished, now and then, not at every submit (each check takes the
+            # future's lock, which the thread contends). Keep the failed ones:
+            # wait_all must still raise their errors.
+            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         return fut
 
     @staticmethod
