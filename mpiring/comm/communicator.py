@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+from threading import get_ident as _get_ident
 
 import numpy as np
 
@@ -173,18 +174,19 @@ class Communicator(PointToPoint):
         self._be.synchronize()
         self._busy.release()
 
-    def _enter_thread(self, name: str) -> None:
-        if not self._busy.acquire(blocking=False):
-            me = threading.get_ident()
-            if self._owner != me:  # (the same thread: a collective that failed midway)
-                names = {t.ident: t.name for t in threading.enumerate()}
-                raise RuntimeError(
-                    f"{name}: thread {names.get(me, me)!r} called a collective on this "
-                    f"communicator while thread {names.get(self._owner, self._owner)!r} is "
-                    f"inside {self._owner_call}: their messages would mix. Give each thread "
-                    "its own communicator: comm.dup() (collective, on every rank)")
-        self._owner = threading.get_ident()
-        self._owner_call = name
+    def _other_thread(self, name: str) -> None:
+        # The lock is held: by another thread inside a collective (refused), or by
+        # this one after a collective that failed midway (carry on).
+        me = _get_ident()
+        if self._owner == me:
+            return
+        names = {t.ident: t.name for t in threading.enumerate()}
+        inside = f"{self._owner_call}#{self._calls.get(self._owner_call, 0)}"
+        raise RuntimeError(
+            f"{name}: thread {names.get(me, me)!r} called a collective on this "
+            f"communicator while thread {names.get(self._owner, self._owner)!r} is "
+            f"inside {inside}: their messages would mix. Give each thread "
+            "its own communicator: comm.dup() (collective, on every rank)")
 
     def _validate(self, collective: str, x, op, algo, root, chunks) -> Buffer:
         self._plan = None
@@ -213,9 +215,11 @@ class Communicator(PointToPoint):
 
     def _prepare(self, collective: str, x, *, op=None, algo="ring", root=None,
                  chunks=None, check=None) -> tuple[Buffer, int]:
-        self._enter_thread(collective)
+        if not self._busy.acquire(False):
+            self._other_thread(collective)
+        self._owner = _get_ident()
+        self._owner_call = collective
         call = self._next_call(collective)
-        self._owner_call = f"{collective}#{call}"
         try:
             return self._checked(collective, call, x, op, algo, root, chunks, check)
         except BaseException:

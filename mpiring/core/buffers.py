@@ -112,14 +112,15 @@ def _from_numpy(x: np.ndarray) -> Buffer:
     name = _canonical(x.dtype)
     if name not in DTYPES:
         raise _dtype_error(name)
-    if not (x.dtype.isnative and x.flags.aligned):  # one test in the usual case
+    flags = x.flags  # one flags object for the three tests (each access makes one)
+    if not (flags.aligned and x.dtype.isnative):
         raise _layout_error(x)
-    if not x.flags.c_contiguous:
+    if not flags.c_contiguous:
         raise ValueError(
             "buffer is not contiguous: collectives work in place on contiguous memory; "
             "pass numpy.ascontiguousarray(x) and read the result from that array"
         )
-    if not x.flags.writeable:
+    if not flags.writeable:
         raise ValueError(
             "buffer is read-only: collectives write their result in place; pass a "
             "writable array (x.copy(), or x.setflags(write=True) if you own the memory)"
