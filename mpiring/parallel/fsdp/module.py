@@ -10,7 +10,7 @@ Model-state bytes per rank, with Psi parameters, AdamW and K ranks (the ZeRO
 paper's stage 3, here with every state in the parameters' dtype of b bytes):
 ``(b + b + 2b) Psi / K`` (parameter, gradient, two moments), plus the gathered
 parameters of the units in flight (the current one and one prefetched; the
-root's stay until its backward).
+root's and the last unit's stay until their backward).
 
 Collectives run on a communication thread with its own ``comm.dup()``: the
 next unit's AllGather is queued while the current unit computes, and each
@@ -97,7 +97,8 @@ class FullyShardedDataParallel(nn.Module):
         reshard_after_forward: free each unit's gathered parameters after its
             forward and gather them again for backward (ZeRO-3, 1.5x DDP's
             bytes on the wire), or keep them until backward (DDP's bytes, more
-            memory). The root unit always stays until its backward.
+            memory). The root unit, and from the second forward on the
+            last unit run, always stay until their backward (it comes next).
         mixed_precision: None, a dtype, or a ``MixedPrecision``.
         algo: the ring algorithm for AllGather and ReduceScatter ("ring-seg"
             or "ring"; any of ``Communicator.all_gather``'s).
