@@ -76,7 +76,9 @@ def _abort_for(kind: str, exc_type, exc, tb, where: str = "") -> None:
 
 
 def _uncaught(exc_type, exc, tb) -> None:
-    if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C reaches every rank: end quietly
+    # Ctrl-C reaches every rank, and an error the ranks raise together (agreed
+    # before it was raised) ends every rank alike: no one waits, nothing to abort.
+    if issubclass(exc_type, KeyboardInterrupt) or getattr(exc, "on_every_rank", False):
         _state["previous"][0](exc_type, exc, tb)
         return
     _abort_for("main", exc_type, exc, tb)

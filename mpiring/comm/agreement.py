@@ -186,6 +186,6 @@ def _describe(field: str, value: int) -> str:
 
 
 def _algos() -> dict[str, tuple[str, ...]]:
-    from mpiring.comm.communicator import ALGOS  # the names, to print a code back as text
+    from mpiring.comm.algos import ALGOS  # the names, to print a code back as text
 
     return ALGOS

@@ -18,39 +18,19 @@ from __future__ import annotations
 
 import os
 import threading
-from threading import get_ident as _get_ident
 
 import numpy as np
 
 from mpiring import collectives as coll
-from mpiring.backends.gpu import device_plan
 from mpiring.collectives.ring_segmented import SEGMENT_BYTES
 from mpiring.comm.agreement import agree, agree_ok
-from mpiring.comm.callsite import site_code
+from mpiring.comm.algos import ALGOS, REDUCING, SEGMENTED  # noqa: F401 - the public names
+from mpiring.comm.auto import AutoChoice
 from mpiring.comm.p2p import PointToPoint
-from mpiring.core.buffers import Buffer, as_buffer
+from mpiring.comm.prepare import Preparation, _is_int
 from mpiring.core.chunking import chunk_bounds
-from mpiring.core.ops import check_op
 from mpiring.runtime.trace import Tracer
 from mpiring.runtime.watchdog import Activity, parse_timeout
-
-ALGOS = {
-    "all_reduce": ("auto", "ring", "ring-seg", "recursive-doubling", "halving-doubling",
-                   "native"),
-    "reduce_scatter": ("auto", "ring", "ring-seg", "native"),
-    "all_gather": ("auto", "ring", "ring-seg", "native"),
-    "broadcast": ("ring", "pipelined", "native"),
-    "reduce": ("ring", "pipelined", "native"),
-}
-# Collectives that reduce (and therefore take an op).
-REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-
-#: The collectives whose "auto" or "ring-seg" may run the segmented ring.
-_SEGMENTED = ("all_reduce", "reduce_scatter", "all_gather")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -60,7 +40,7 @@ def _env_flag(name: str, default: bool) -> bool:
     return value.lower() not in ("0", "false", "no", "off")
 
 
-class Communicator(PointToPoint):
+class Communicator(Preparation, AutoChoice, PointToPoint):
     """A group of ranks and the collectives over them.
 
     Attributes:
@@ -101,7 +81,6 @@ class Communicator(PointToPoint):
         self._chunks_seen: dict[int, int] = {}
         self._segment_bytes = SEGMENT_BYTES
 
-    # --- helpers --------------------------------------------------------------
     def __repr__(self) -> str:
         return f"Communicator(backend={self.backend!r}, rank={self.rank}, size={self.size})"
 
@@ -152,102 +131,6 @@ class Communicator(PointToPoint):
                              "(for instance 1 << 20)")
         self._segment_bytes = int(nbytes)
 
-    def _steps(self, collective: str, call: int, algo: str):
-        # The ring code reports each finished step to the watchdog's record,
-        # which forwards it to the tracer when tracing is on.
-        return self._act.steps_to(self.tracer.call(collective, call, algo))
-
-    def _next_call(self, collective: str) -> int:
-        n = self._calls.get(collective, 0) + 1
-        self._calls[collective] = n
-        return n
-
-    def _enter(self, buf: Buffer) -> Buffer:
-        # After every rank agreed, before any byte moves: stage a GPU buffer
-        # through host memory, or switch to the NCCL stream.
-        return buf if self._plan is None else self._plan.enter(buf)
-
-    def _finish(self) -> None:
-        plan, self._plan = self._plan, None
-        if plan is not None:
-            plan.leave()  # copy a staged result back, or hand the stream back
-        self._be.synchronize()
-        self._busy.release()
-
-    def _other_thread(self, name: str) -> None:
-        # The lock is held: by another thread inside a collective (refused), or by
-        # this one after a collective that failed midway (carry on).
-        me = _get_ident()
-        if self._owner == me:
-            return
-        names = {t.ident: t.name for t in threading.enumerate()}
-        inside = f"{self._owner_call}#{self._calls.get(self._owner_call, 0)}"
-        raise RuntimeError(
-            f"{name}: thread {names.get(me, me)!r} called a collective on this "
-            f"communicator while thread {names.get(self._owner, self._owner)!r} is "
-            f"inside {inside}: their messages would mix. Give each thread "
-            "its own communicator: comm.dup() (collective, on every rank)")
-
-    def _validate(self, collective: str, x, op, algo, root, chunks) -> Buffer:
-        self._plan = None
-        buf = as_buffer(x)
-        if algo not in ALGOS[collective]:
-            raise ValueError(
-                f"unknown algo {algo!r} for {collective}: use one of "
-                f"{', '.join(ALGOS[collective])}"
-            )
-        if collective in REDUCING:
-            check_op(op, buf.dtype, buf.floating)
-        if root is not None and (isinstance(root, bool) or not isinstance(root, (int, np.integer))
-                                 or not 0 <= root < self.size):
-            raise ValueError(f"root={root!r} out of range: use a rank in 0..{self.size - 1}")
-        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer))
-                                   or chunks < 1):
-            raise ValueError(f"chunks={chunks!r}: the pipeline needs a positive integer "
-                             "number of chunks (or None for the default)")
-        # GPU buffers (and any buffer on a backend that takes device memory): host
-        # staging, CUDA-aware pass-through or the NCCL stream; see mpiring.backends.gpu.
-        if buf.device == "cuda" or getattr(self._be, "accepts_cuda", False):
-            self._plan = device_plan(self._be, buf, collective, algo, op)
-        if algo == "native":
-            self._be.check_native(collective, buf.dtype, op if collective in REDUCING else None)
-        return buf
-
-    def _prepare(self, collective: str, x, *, op=None, algo="ring", root=None,
-                 chunks=None, check=None) -> tuple[Buffer, int]:
-        if not self._busy.acquire(False):
-            self._other_thread(collective)
-        self._owner = _get_ident()
-        self._owner_call = collective
-        call = self._next_call(collective)
-        try:
-            return self._checked(collective, call, x, op, algo, root, chunks, check)
-        except BaseException:
-            # A call refused before any data moved does not count: every rank
-            # refused it, so the call numbers stay in step across ranks.
-            self._calls[collective] = call - 1
-            self._busy.release()
-            raise
-
-    def _checked(self, collective: str, call: int, x, op, algo, root, chunks,
-                 check) -> tuple[Buffer, int]:
-        self._act.begin(collective, call, algo if isinstance(algo, str) else None)
-        error: Exception | None = None
-        buf = None
-        try:
-            buf = self._validate(collective, x, op, algo, root, chunks)
-        except Exception as exc:  # noqa: BLE001 - any local failure must reach the other ranks
-            error = exc
-        if not (self.check if check is None else check) or self.size == 1:
-            if error is not None:
-                raise error
-            return self._enter(buf), call
-        segment = self._segment_bytes if collective in _SEGMENTED else None
-        agree(self._be, collective, call, buf, op, algo, root, chunks, segment, error,
-              site_code(2))  # from all_reduce/...: the first frame outside mpiring
-        return self._enter(buf), call
-
-    # --- collectives ----------------------------------------------------------
     def all_reduce(self, x, op: str = "sum", algo: str = "auto", *, check: bool | None = None):
         """Reduce ``x`` over all ranks, in place; every rank gets the result.
 
@@ -387,76 +270,6 @@ class Communicator(PointToPoint):
         self._finish()
         return x
 
-    @property
-    def _auto(self):
-        return self._auto_table
-
-    @_auto.setter
-    def _auto(self, table) -> None:  # a new (or refitted) table: forget the old choices
-        self._auto_table = table
-        self._auto_seen = {}
-        self._chunks_seen = {}
-
-    def _auto_algo(self, collective: str, buf: Buffer, op: str | None) -> str:
-        """What ``algo="auto"`` runs: a function of values equal on every rank.
-
-        The first auto call on a communicator takes rank 0's table to every rank
-        (two small exchanges, see ``mpiring.comm.autotune``); every rank then looks up
-        the same (collective, bytes) in the same table, so all choose alike. A
-        training loop repeats its sizes, so each choice is remembered: the usual
-        call costs one dictionary lookup. That matters where messages are small
-        and ranks share cores: there 0.1 us more per call measured as 0.3-1 us
-        more per collective, the ranks' delays adding up.
-        """
-        key = (collective, buf.array.nbytes, buf.dtype, op)
-        algo = self._auto_seen.get(key)
-        if algo is None:
-            algo = self._auto_choose(collective, buf, op)
-            if len(self._auto_seen) < _REMEMBER:
-                self._auto_seen[key] = algo
-        self._act.algo = algo  # the stall report names the algorithm that runs
-        return algo
-
-    def _auto_choose(self, collective: str, buf: Buffer, op: str | None) -> str:
-        # Only mpiring's own algorithms: the library's collective runs when it is
-        # asked for by name, so the default call is always code a reader can see
-        # (and ``--log steps`` always has steps to print).
-        return self._tuned().choose(collective, buf.nbytes, native_ok=False)
-
-    def _tuned(self):
-        if self._auto is None:  # collective: every rank's first call that needs it
-            from mpiring.comm.autotune import shared_table
-
-            self._auto = shared_table(self)
-        return self._auto
-
-    def _pipeline_chunks(self, buf: Buffer, algo: str, chunks: int | None) -> int:
-        if algo == "ring":
-            return 1
-        if chunks is not None:
-            return int(chunks)
-        return self.pipeline_chunks(buf.nbytes)
-
-    def pipeline_chunks(self, nbytes: int) -> int:
-        """The chunks S a pipelined broadcast or reduce of ``nbytes`` uses by default.
-
-        The cost model's best S (``mpiring.core.costmodel``), with the alpha and beta
-        that ``tune`` stored for this layout, else the built-in ones; 1 on two
-        ranks or for an empty message (nothing to overlap). The first call loads
-        rank 0's table, so it is collective: call it on every rank.
-        """
-        if self.size <= 2 or nbytes == 0:
-            return 1
-        # Remembered per size: working S out costs about 6 us, and where ranks share
-        # cores that made a 1 MiB broadcast 10-20% slower than the same S given.
-        s = self._chunks_seen.get(nbytes)
-        if s is None:
-            s = self._tuned().pipeline_chunks(int(nbytes), self.size)
-            if len(self._chunks_seen) < _REMEMBER:
-                self._chunks_seen[nbytes] = s
-        return s
-
-    # --- communicators and utilities -------------------------------------------
     def split(self, color: int | None, key: int = 0) -> Communicator | None:
         """A Communicator over the ranks that passed the same ``color``.
 
@@ -546,4 +359,3 @@ class Communicator(PointToPoint):
 
 #: Most sizes a Communicator remembers auto's choice and the pipeline's S for
 #: (a training loop repeats a handful; a sweep over many sizes just stops adding).
-_REMEMBER = 4096
