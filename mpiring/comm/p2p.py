@@ -29,6 +29,7 @@ import numpy as np
 
 from mpiring.backends import MAX_TAG
 from mpiring.backends.gpu import device_ready, from_host, host_dtype, to_host
+from mpiring.comm.prepare import _is_int
 from mpiring.core.buffers import DTYPES, Buffer, as_buffer
 from mpiring.core.errors import MismatchError
 from mpiring.runtime.trace import clock
@@ -69,15 +70,14 @@ class Request:
 
 
 def check_peer(comm, peer, name: str) -> int:
-    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) \
-            or not 0 <= peer < comm.size:
+    if not _is_int(peer) or not 0 <= peer < comm.size:
         raise ValueError(f"{name}={peer!r} out of range: use a rank in 0..{comm.size - 1} "
                          f"of this {comm.size}-rank communicator")
     return int(peer)
 
 
 def check_tag(tag) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag <= MAX_TAG:
+    if not _is_int(tag) or not 0 <= tag <= MAX_TAG:
         raise ValueError(f"tag={tag!r}: use an integer in 0..{MAX_TAG}")
     return int(tag)
 

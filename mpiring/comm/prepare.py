@@ -76,11 +76,9 @@ class Preparation:
             )
         if collective in REDUCING:
             check_op(op, buf.dtype, buf.floating)
-        if root is not None and (isinstance(root, bool) or not isinstance(root, (int, np.integer))
-                                 or not 0 <= root < self.size):
+        if root is not None and (not _is_int(root) or not 0 <= root < self.size):
             raise ValueError(f"root={root!r} out of range: use a rank in 0..{self.size - 1}")
-        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer))
-                                   or chunks < 1):
+        if chunks is not None and (not _is_int(chunks) or chunks < 1):
             raise ValueError(f"chunks={chunks!r}: the pipeline needs a positive integer "
                              "number of chunks (or None for the default)")
         # GPU buffers (and any buffer on a backend that takes device memory): host
