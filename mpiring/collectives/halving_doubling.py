@@ -36,13 +36,13 @@ the ring's bandwidth term with recursive doubling's latency term (plus
 
 from __future__ import annotations
 
-from mpiring.collectives.folding import StepRecorder, fold, real_rank, unfold
 from mpiring.core.ops import finish, reducer
+from mpiring.runtime.trace import clock
 
 
 def halving_doubling_all_reduce(be, x, op: str, trace):
     """Reduce ``x`` over all ranks in place by recursive halving then doubling."""
-    size = be.size
+    rank, size = be.rank, be.size
     if size == 1 or x.size == 0:
         finish(op, x, size)
         return x
@@ -51,15 +51,40 @@ def halving_doubling_all_reduce(be, x, op: str, trace):
     steps = p.bit_length() - 1
     reduce = reducer(op)
     buffer = be.scratch(x, x.size)
-    record = StepRecorder(trace, x.itemsize)
-    now = record.now
-    vrank = fold(be, x, buffer, reduce, rem, record)
+    tracing = trace.enabled
+    now = clock if tracing else _zero
+    item = x.itemsize
+
+    def record(phase, i, n, t0, t1, dst=None, src=None, sent=0, got=0):
+        if not tracing:  # the watchdog still learns which step finished
+            trace.step(phase, i, n)
+            return
+        trace.step(phase, i, n, dst=dst, src=src, bytes_sent=sent * item,
+                   bytes_recv=got * item, t_start=t0, t_recv=t1, t_end=clock())
+
+    # Fold: even ranks below 2*rem hand their data to the odd rank above them.
+    vrank = rank - rem
+    if rank < 2 * rem:
+        t0 = now()
+        if rank % 2 == 0:
+            be.send(x, rank + 1)
+            record("fold", 0, 1, t0, t0, dst=rank + 1, sent=x.size)
+            vrank = -1  # out until the unfold
+        else:
+            be.wait(be.irecv(buffer, rank - 1))
+            t1 = now()
+            reduce(x, buffer)
+            record("fold", 0, 1, t0, t1, src=rank - 1, got=x.size)
+            vrank = rank // 2
     if vrank >= 0:
+        def real(v: int) -> int:  # virtual rank -> rank
+            return 2 * v + 1 if v < rem else v + rem
+
         lo, hi = 0, x.size
         kept = []  # (lo, hi) before each halving, to retrace them while doubling
         for i in range(steps):  # distance p/2, p/4, ..., 1
             d = p >> (i + 1)
-            partner = real_rank(vrank ^ d, rem)
+            partner = real(vrank ^ d)
             mid = (lo + hi + 1) // 2
             kept.append((lo, hi))
             if vrank & d:  # upper half stays here, lower half goes
@@ -75,7 +100,7 @@ def halving_doubling_all_reduce(be, x, op: str, trace):
         finish(op, x[lo:hi], size)  # our block is final: divide once, before it spreads
         for i in range(steps):  # distance 1, 2, ..., p/2: the halvings in reverse
             d = 1 << i
-            partner = real_rank(vrank ^ d, rem)
+            partner = real(vrank ^ d)
             plo, phi = kept[steps - 1 - i]
             r0, r1 = (plo, lo) if lo > plo else (hi, phi)  # the partner's half
             t0 = now()
@@ -83,5 +108,17 @@ def halving_doubling_all_reduce(be, x, op: str, trace):
             record("all-gather", i, steps, t0, now(), dst=partner, src=partner,
                    sent=hi - lo, got=r1 - r0)
             lo, hi = plo, phi
-    unfold(be, x, rem, record)
+    # Unfold: the odd ranks give the result back to the even ones that folded.
+    if rank < 2 * rem:
+        t0 = now()
+        if rank % 2 == 0:
+            be.wait(be.irecv(x, rank + 1))
+            record("unfold", 0, 1, t0, now(), src=rank + 1, got=x.size)
+        else:
+            be.send(x, rank - 1)
+            record("unfold", 0, 1, t0, t0, dst=rank - 1, sent=x.size)
     return x
+
+
+def _zero() -> float:
+    return 0.0
