@@ -245,6 +245,44 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy(tp, vocab, scale):
     close(local.grad, logits.grad[..., rows(tp, vocab)], "this rank's logits' gradient")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+def test_cross_entropy_ignore_index_smoothing_reduction(tp, reduction, smoothing):
+    vocab = 37
+    logits = full(SEQ, BATCH, vocab, seed=13).requires_grad_()
+    target = (torch.arange(SEQ * BATCH).view(SEQ, BATCH) * 5 + 2) % vocab
+    target[1, 0] = target[4, 1] = -7  # ignored rows, not the default value
+    kw = dict(ignore_index=-7, label_smoothing=smoothing, reduction=reduction)
+    want = F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1), **kw)
+    weight = full(*want.shape, seed=14) if reduction == "none" else torch.tensor(1.7)
+    (want * weight).sum().backward()
+    local = logits.detach()[..., rows(tp, vocab)].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(local, target, tp, **kw)
+    close(got.detach().reshape(want.shape), want.detach(), f"{reduction} loss")
+    (got.reshape(want.shape) * weight).sum().backward()
+    close(local.grad, logits.grad[..., rows(tp, vocab)], "this rank's logits' gradient")
+    assert torch.equal(local.grad[1, 0], torch.zeros_like(local.grad[1, 0])), "ignored row"
+
+
+def test_cross_entropy_all_ignored_is_nan_like_torch(tp):
+    local = torch.zeros(3, len(range(*rows(tp, 5).indices(5))), dtype=torch.float64)
+    got = vocab_parallel_cross_entropy(local, torch.full((3,), -100), tp, vocab_size=5)
+    assert torch.isnan(got) and torch.isnan(F.cross_entropy(torch.zeros(3, 5),
+                                                            torch.full((3,), -100)))
+
+
+def test_cross_entropy_target_outside_the_vocabulary_fails_on_every_rank(tp):
+    vocab = 11
+    local = torch.zeros(4, len(range(*rows(tp, vocab).indices(vocab))), dtype=torch.float64)
+    target = torch.tensor([0, 3, 5, 1])
+    if tp.rank == tp.size - 1:
+        target[2] = vocab  # one rank's bad target: every rank must raise, none wait
+    with pytest.raises(ValueError, match="outside"):
+        vocab_parallel_cross_entropy(local, target, tp, vocab_size=vocab)
+    with pytest.raises(ValueError, match="reduction"):
+        vocab_parallel_cross_entropy(local, target, tp, vocab_size=vocab, reduction="avg")
+
+
 def test_default_init_is_the_full_layers_at_every_size(tp):
     for make_full, make_tp in [
         (lambda: nn.Linear(13, 17), lambda: ColumnParallelLinear(13, 17, tp)),
