@@ -33,6 +33,10 @@ class GPT:
         node_limit: a token is sent to at most this many nodes, once per node
             (DeepSeek-V3's node-limited routing, §2.1.2); 0: no limit.
         tied_embeddings: the output head reuses the input embedding.
+        mtp_depth: multi-token prediction modules (DeepSeek-V3 §2.2): each adds
+            one more layer, a 2h x h projection and an output head to the
+            FLOPs; their parameters are not counted in ``params`` (the
+            report's 671B leaves out the 14B MTP module).
     """
 
     layers: int
@@ -52,6 +56,7 @@ class GPT:
     tied_embeddings: bool = False
     attn_width: int = 0
     node_limit: int = 0
+    mtp_depth: int = 0
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -104,20 +109,46 @@ def params(g: GPT, active: bool = False) -> int:
     return body + emb
 
 
+def forward_flops_parts(g: GPT) -> dict[str, float]:
+    """Forward FLOPs per token by kind: ``linear`` (the layers' weight matmuls),
+    ``attention`` (QK^T and AV, 2 s attn_width = 4 s h per layer, not halved for
+    causality) and ``head`` (the output projection, 2 h V).
+
+    Each MTP module (DeepSeek-V3 §2.2.2) adds one layer of the last kind, its
+    2h -> h projection and one more output head.
+    """
+    moe = g.layers - g.dense_layers if g.experts else 0
+    dense_w = layer_params(g, False, True)
+    moe_w = layer_params(g, True, True) - g.hidden * g.experts if g.experts else 0
+    width = g.attn_width or 2 * g.hidden
+    last_w = moe_w if moe else dense_w
+    mtp = g.mtp_depth
+    return {"linear": 2.0 * ((g.layers - moe) * dense_w + moe * moe_w
+                             + mtp * (last_w + 2 * g.hidden * g.hidden)),
+            "attention": 2.0 * (g.layers + mtp) * g.seq * width,
+            "head": 2.0 * (1 + mtp) * g.hidden * g.vocab}
+
+
 def forward_flops_per_token(g: GPT) -> float:
     """Forward FLOPs per token: 2 per active weight in the layers and the head,
-    plus attention's QK^T and AV, 2 s attn_width = 4 s h per layer (not halved
-    for causality).
+    plus attention's QK^T and AV (``forward_flops_parts``).
 
     For a dense GPT this is 24 l h^2 (1 + s/(6h) + V/(16 l h)) / 3 per token
     (Narayanan et al. 2021, eq. 3, with their three passes: one forward and a
     backward twice as long).
     """
-    moe = g.layers - g.dense_layers if g.experts else 0
-    matmul = ((g.layers - moe) * layer_params(g, False, True)
-              + moe * (layer_params(g, True, True) - g.hidden * g.experts))
-    width = g.attn_width or 2 * g.hidden
-    return 2.0 * (matmul + g.hidden * g.vocab) + 2.0 * g.layers * g.seq * width
+    return sum(forward_flops_parts(g).values())
+
+
+def training_flops_by_kind(g: GPT, recompute: str = "none") -> dict[str, float]:
+    """``forward_flops_parts`` x 3 (forward + a backward twice as long), the
+    layers' parts x 4 with full recomputation (the head is not recomputed)."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    layers = 4 if recompute == "full" else 3
+    f = forward_flops_parts(g)
+    return {"linear": layers * f["linear"], "attention": layers * f["attention"],
+            "head": 3 * f["head"]}
 
 
 def training_flops_per_token(g: GPT, recompute: str = "none") -> float:
@@ -129,12 +160,7 @@ def training_flops_per_token(g: GPT, recompute: str = "none") -> float:
     count leaves out (Korthikanti et al. 2022 §5). ``model_flops_per_token``
     (recompute "none") is what MFU counts.
     """
-    f = forward_flops_per_token(g)
-    if recompute == "full":
-        return 3 * f + (f - 2.0 * g.hidden * g.vocab)
-    if recompute in ("none", "selective"):
-        return 3 * f
-    raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    return sum(training_flops_by_kind(g, recompute).values())
 
 
 def model_flops_per_token(g: GPT) -> float:
@@ -198,8 +224,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     gpipe and 1f1b: (p-1)/m (Narayanan et al. 2021 §2.2.1; as a share of wall
     time that is (p-1)/(m+p-1)); interleaved with v chunks: (p-1)/(v m) (§2.2.2);
     zb-h1: a third of 1F1B's, zb-h2: none (Qi et al. 2024, Table 2 with
-    T_F = T_B = T_W); dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B + W)
-    (DeepSeek-V3 report, Table 2) with F = B = W and F&B = F + B, i.e. none.
+    T_F = T_B = T_W); dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B)
+    (DeepSeek-V3 report, Table 2), where B is the full backward and W its
+    weight half: with F = W = B/2 and F&B = F + B (the overlap hides
+    communication, not compute) that is (p - 2)/(3m).
     """
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"need p, m, v >= 1, got p={p}, m={m}, v={v}")
@@ -209,7 +237,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
         return (p - 1) / (v * m)
     if schedule == "zb-h1":
         return (p - 1) / (3 * m)
-    if schedule in ("zb-h2", "dualpipe"):
+    if schedule == "dualpipe":
+        f, b, w = 1.0, 2.0, 1.0
+        return max(0.0, (p / 2 - 1) * ((f + b) + b - 3 * w)) / (m * (f + b))
+    if schedule == "zb-h2":
         return 0.0
     raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
 

@@ -2,14 +2,17 @@
 
 Time per step is the sum of what cannot overlap (Narayanan et al. 2021, §3):
 
-    compute        FLOPs per GPU / (peak x gemm_eff x (1 - comm_sm_fraction))
+    compute        FLOPs per GPU / (peak x gemm_eff x (1 - comm_sm_fraction)); with
+                   FP8 GEMMs the attention core and the output head stay in
+                   16-bit and run at bf16_flops x bf16_eff instead
     elementwise    bytes the memory-bound ops touch / HBM bandwidth: passes x
                    Korthikanti's per-layer activation bytes (their 5as/h term
                    only without flash attention)
     tp_comm        4 ring AllReduces of b s h per layer and micro-batch (2 forward,
                    2 backward; 6 with full recomputation), none overlapped
     ep_comm        MoE dispatch + combine all-to-alls, forward and backward,
-                   minus the share the schedule overlaps
+                   minus the share the schedule overlaps (DualPipe hides the
+                   pipeline sends with them)
     pp_comm        one activation and one gradient per micro-batch and stage
                    boundary, 1/t of it per GPU (Megatron's scatter/gather)
     bubble         bubble_fraction(schedule) x the above per-micro-batch work
@@ -42,6 +45,10 @@ class Cluster:
         gemm_eff: the share of peak the layers' matrix multiplies reach.
         elementwise_passes: how many times the memory-bound ops read or write each
             activation byte that Korthikanti et al. count, forward and backward.
+        bf16_flops, bf16_eff: peak and achieved share for the ops kept in 16-bit
+            when ``peak_flops`` is a lower precision's (FP8 GEMMs: attention
+            core, output head; DeepSeek-V3 §3.3.1). 0: the same as peak_flops,
+            gemm_eff.
     """
 
     name: str
@@ -52,6 +59,8 @@ class Cluster:
     fabric: Fabric
     gemm_eff: float = 0.75
     elementwise_passes: float = 10.0
+    bf16_flops: float = 0.0
+    bf16_eff: float = 0.0
 
     def with_(self, **changes) -> Cluster:
         return replace(self, **changes)
@@ -165,8 +174,7 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
     f = c.fabric
     s, b, h = g.seq, lay.micro_batch, g.hidden
     tokens = batch * s
-    rate = c.peak_flops * c.gemm_eff * (1 - lay.comm_sm_fraction)
-    compute = sm.training_flops_per_token(g, lay.recompute) * tokens / lay.gpus / rate
+    compute = compute_time(g, c, lay, tokens)
     # Memory-bound ops, per micro-batch and stage; recomputation repeats the forward's.
     act = sm.activation_bytes_per_layer(s, b, h, g.heads, lay.tp, lay.sp,
                                         "selective" if lay.flash else "none")
@@ -177,14 +185,20 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
     n_ar = 6 if lay.recompute == "full" else 4
     tp_link = f.intra if lay.tp <= f.gpus_per_node else f.link(lay.tp, True)
     per_mb_tp = n_ar * g.layers / lay.pp * ring_all_reduce(2.0 * s * b * h, lay.tp, tp_link)
-    # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
-    ep = _ep_time(g, c, lay)
-    per_mb_ep = max(ep * (1 - lay.ep_overlap), ep - compute / m)
     per_mb_pp = 0.0
     if lay.pp > 1:
         # Stage neighbours are tp x dp ranks apart: across nodes once that fills one.
         across = lay.tp * lay.dp >= f.gpus_per_node
         per_mb_pp = 2 * _p2p(2.0 * s * b * h / lay.tp, c, across)
+    # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
+    # DualPipe overlaps the pipeline sends in the same F&B pairs ("both all-to-all
+    # and PP communication can be fully hidden", DeepSeek-V3 §3.2.1).
+    ep = _ep_time(g, c, lay)
+    hidden_pp = lay.schedule == "dualpipe"
+    comm = ep + (per_mb_pp if hidden_pp else 0.0)
+    per_mb_ep = max(comm * (1 - lay.ep_overlap), comm - compute / m) if comm else 0.0
+    if hidden_pp:
+        per_mb_pp = 0.0
     per_mb = compute / m + per_mb_elem + per_mb_tp + per_mb_ep + per_mb_pp
     bubble = sm.bubble_fraction(lay.schedule, lay.pp, m, lay.vpp) * per_mb * m
     dp_total = _dp_time(g, c, lay)
@@ -193,6 +207,20 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
                         ep_comm=per_mb_ep * m, pp_comm=per_mb_pp * m, bubble=bubble,
                         dp_exposed=max(0.0, dp_total - window), dp_total=dp_total,
                         memory=memory(g, lay, m))
+
+
+def compute_time(g: sm.GPT, c: Cluster, lay: Layout, tokens: float) -> float:
+    """Seconds of matrix multiplies per GPU: FLOPs / (peak x efficiency x the SMs left).
+
+    The linear layers run at ``peak_flops x gemm_eff``; attention's QK^T/AV and
+    the output head at ``bf16_flops x bf16_eff`` (the same unless the cluster
+    trains its GEMMs in FP8, which keeps those in BF16: DeepSeek-V3 §3.3.1).
+    """
+    kinds = sm.training_flops_by_kind(g, lay.recompute)
+    sms = 1 - lay.comm_sm_fraction
+    lo = c.peak_flops * c.gemm_eff * sms
+    hi = (c.bf16_flops or c.peak_flops) * (c.bf16_eff or c.gemm_eff) * sms
+    return (kinds["linear"] / lo + (kinds["attention"] + kinds["head"]) / hi) * tokens / lay.gpus
 
 
 def _p2p(nbytes: float, c: Cluster, across: bool) -> float:

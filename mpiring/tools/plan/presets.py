@@ -10,7 +10,8 @@ Sources (figures as printed there):
     N_d = 64, K = 12.
   * DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 2,048 H800,
     PP16 (DualPipe), EP64, ZeRO-1 DP, no TP, 14.8T tokens, 2.664M GPU-hours of
-    pre-training, 20 of 132 SMs kept for communication, FP8 GEMMs.
+    pre-training, 20 of 132 SMs kept for communication, FP8 GEMMs, one MTP
+    module; and its published training profile (github.com/deepseek-ai/profile-data).
   * Llama Team, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4 and the
     Llama 3.1 model card: 405B on 16,384 H100, TP8 CP1 PP16 DP128, s = 8192,
     16M tokens a batch, 400 TFLOP/s per GPU, BF16 MFU 41%, 15.6T tokens,
@@ -25,6 +26,7 @@ from mpiring.core.costmodel import AlphaBeta
 from mpiring.core.netmodel import Fabric
 from mpiring.core.stepmodel import GPT
 from mpiring.core.steptime import Cluster, Layout
+from mpiring.tools.plan import dsprofile
 
 GB = 1e9
 
@@ -49,10 +51,22 @@ def h100_cluster(gpus: int = 16384) -> Cluster:
 
 
 def h800_cluster(gpus: int = 2048, fp8: bool = True) -> Cluster:
-    """H800: the H100's cores, NVLink cut to 160 GB/s achieved, 8 x 400 Gb/s IB (DeepSeek-V3 §3.2)."""
+    """H800: the H100's cores, NVLink cut to 160 GB/s achieved, 8 x 400 Gb/s IB (DeepSeek-V3 §3.2).
+
+    fp8: the linear layers' GEMMs at the FP8 peak (1,979 TFLOP/s dense) with the
+    share and the memory-bound work measured in DeepSeek's published profile
+    (``dsprofile``); attention and the head stay BF16 (989) at the A100 share.
+    False: everything BF16 with the A100 constants (a what-if).
+    """
     fabric = Fabric(AlphaBeta(5e-6, 160 * GB), AlphaBeta(8e-6, 50 * GB * 0.9), 8, 8)
-    return Cluster("h800" + ("-fp8" if fp8 else ""), gpus, (1979e12 if fp8 else 989e12),
-                   80 * GB, 3.35e12, fabric, A100_GEMM_EFF, A100_PASSES)
+    if not fp8:
+        return Cluster("h800", gpus, 989e12, 80 * GB, 3.35e12, fabric, A100_GEMM_EFF,
+                       A100_PASSES)
+    hbm = 3.35e12
+    return Cluster("h800-fp8", gpus, 1979e12, 80 * GB, hbm, fabric,
+                   dsprofile.fp8_gemm_eff(DEEPSEEK_V3, 1979e12),
+                   dsprofile.elementwise_passes(DEEPSEEK_V3, hbm),
+                   bf16_flops=989e12, bf16_eff=A100_GEMM_EFF)
 
 
 # --- Megatron-LM weak scaling (Narayanan et al. 2021, Table 1) ----------------------
@@ -124,7 +138,7 @@ def _mla_params(h: int = 7168, heads: int = 128, q_rank: int = 1536, kv_rank: in
 
 
 DEEPSEEK_V3 = GPT(61, 7168, 128, 4096, 129280, ffn=18432, gated=True, experts=256, top_k=8,
-                  shared_experts=1, expert_ffn=2048, dense_layers=3, node_limit=4,
+                  shared_experts=1, expert_ffn=2048, dense_layers=3, node_limit=4, mtp_depth=1,
                   attn_params_per_layer=_mla_params(), attn_width=128 * (192 + 128),
                   name="deepseek-v3")
 LLAMA31_405B = GPT(126, 16384, 128, 8192, 128256, ffn=53248, kv_heads=8, gated=True,
