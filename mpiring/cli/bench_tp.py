@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--blocks", type=_names, default=["mlp", "layer"],
                    help="comma list of mlp (d -> 4d -> d) and layer (one GPT block)")
     p.add_argument("--modes", type=_names, default=["single", "mpiring", "torch"],
-                   help="comma list of single (1 rank), mpiring, torch (gloo; MLP only)")
+                   help="comma list of single (1 rank), mpiring, torch (torch TP over gloo)")
     p.add_argument("--tokens", type=int, default=256, help="tokens per step (default 256)")
     p.add_argument("-n", "--steps", type=int, default=5, help="timed steps (default 5)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed steps first (default 1)")
@@ -52,7 +52,14 @@ def run(args) -> int:
     import torch
 
     import mpiring
-    from mpiring.tools.bench.tp import BLOCKS, MODES, TPBenchConfig, format_table, measure
+    from mpiring.tools.bench.tp import (
+        BLOCKS,
+        MODES,
+        TPBenchConfig,
+        format_table,
+        measure,
+        torch_can_split,
+    )
 
     bad = [b for b in args.blocks if b not in BLOCKS] + [m for m in args.modes if m not in MODES]
     if bad or args.steps < 1 or args.tokens < 64 or min(args.widths, default=0) < 64:
@@ -78,8 +85,8 @@ def run(args) -> int:
         for block in cfg.blocks:
             for d in cfg.widths:
                 for mode in cfg.modes:
-                    if mode == "torch" and block != "mlp":
-                        continue
+                    if mode == "torch" and not torch_can_split(block, d, comm.size):
+                        continue  # its row shows "-"
                     row = measure(comm, cfg, block, mode, d)
                     if row is not None and comm.rank == 0:
                         rows.append(row)

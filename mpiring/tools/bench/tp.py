@@ -8,9 +8,11 @@ Each measurement is forward plus backward of one block on ``tokens`` tokens:
 Modes: ``single`` (the full block on rank 0 while the others wait without
 spinning), ``mpiring`` (ColumnParallelLinear/RowParallelLinear, or the
 TensorParallelBlock, over all ranks with ``algo``) and ``torch`` (the same
-MLP under ``torch.distributed.tensor.parallel``'s ColwiseParallel and
-RowwiseParallel over gloo; MLP only: the GPT block's fused QKV split does not
-map onto torch's plain column split). mpiring's communication share is the
+block under ``torch.distributed.tensor.parallel``'s ColwiseParallel and
+RowwiseParallel over gloo). torch's plain column split cannot cut a fused QKV
+weight by heads, so its GPT block is the same block with the QKV weight held
+as three linears (q, k, v column-wise, as torch's own tensor-parallel examples
+do), loaded from the same full weights. mpiring's communication share is the
 time spent inside its collectives, measured by a timing proxy around the
 Communicator; weight memory is this rank's parameter bytes (gradients are the
 same again).
@@ -69,6 +71,39 @@ def _mlp(d: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="none"), nn.Linear(4 * d, d))
 
 
+class _SplitQKVBlock(nn.Module):
+    """The GPT block with q, k and v as three linears: the form torch's TP can shard."""
+
+    def __init__(self, full: Block):
+        super().__init__()
+        d = full.qkv.in_features
+        self.head_dim = d // full.n_heads
+        self.ln1, self.proj, self.ln2, self.fc, self.out = (full.ln1, full.proj, full.ln2,
+                                                            full.fc, full.out)
+        for i, name in enumerate("qkv"):
+            part = nn.Linear(d, d)
+            with torch.no_grad():
+                part.weight.copy_(full.qkv.weight[i * d:(i + 1) * d])
+                part.bias.copy_(full.qkv.bias[i * d:(i + 1) * d])
+            setattr(self, name, part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # After ColwiseParallel each rank holds its heads' columns: -1 is the local head count.
+        heads = [z(h).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k,
+                                                                                self.v)]
+        att = F.scaled_dot_product_attention(*heads, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, -1))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def torch_can_split(block: str, d: int, ranks: int) -> bool:
+    """Whether torch's TP can shard the block: its uneven splits fail in the GEMMs' sharding
+    propagation, and its column split would cut heads apart (mpiring needs neither)."""
+    return (4 * d) % ranks == 0 and (block == "mlp" or max(1, d // 64) % ranks == 0)
+
+
 def _build(block: str, mode: str, d: int, tokens: int, comm, timed: TimedComm, algo: str):
     """(module, input, forward) for one measurement; the same full weights in every mode."""
     torch.manual_seed(0)
@@ -89,7 +124,14 @@ def _build(block: str, mode: str, d: int, tokens: int, comm, timed: TimedComm, a
         )
 
         mesh = init_device_mesh("cpu", (comm.size,))
-        model = parallelize_module(full, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if block == "mlp":
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        else:
+            full = _SplitQKVBlock(full)
+            plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                    "proj": RowwiseParallel(), "fc": ColwiseParallel(), "out": RowwiseParallel()}
+            x = x.transpose(0, 1).contiguous()  # batch-first, as the GPT block takes it
+        model = parallelize_module(full, mesh, plan)
         return model, x, model
     if block == "mlp":
         from mpiring.parallel.tensor import ColumnParallelLinear, RowParallelLinear
