@@ -98,8 +98,13 @@ def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
 @pytest.mark.deadline(120)
 @pytest.mark.parametrize("opts", [dict(optimizer="zero1"), dict(fsdp=True),
                                   dict(schedule="gpipe"), dict(schedule="zb", microbatches=3),
-                                  dict(sequence_parallel=True)],
-                         ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp"])
+                                  dict(sequence_parallel=True),
+                                  dict(fsdp=True, schedule="1f1b"),
+                                  dict(fsdp=True, schedule="gpipe", microbatches=3),
+                                  dict(optimizer="zero2", schedule="1f1b"),
+                                  dict(optimizer="zero2", schedule="zb", microbatches=3)],
+                         ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp", "fsdp-1f1b",
+                              "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3"])
 def test_data_axis_and_schedules_match_the_twin(world, opts):
     picked = _layout_for(world.size, opts)
     if picked is None:
@@ -138,7 +143,29 @@ def _moves(world: int) -> list[tuple[dict, dict]]:
     if world % 2 == 0:
         moves.append((dict(tp=2, optimizer="zero1"), dict(tp=1, fsdp=True)))
         moves.append((dict(tp=1, fsdp=True), dict(pp=2) if world > 1 else dict(tp=2)))
+        # The data axis sharded under a pipeline: FSDP -> ZeRO-2 -> plain DDP.
+        moves.append((dict(pp=2, fsdp=True), dict(pp=2, optimizer="zero2", schedule="gpipe")))
+        moves.append((dict(pp=2, optimizer="zero2"), plain if world > 2 else dict(tp=2)))
     return moves
+
+
+@pytest.mark.deadline(60)
+def test_fsdp_pipeline_reduce_scatters_each_unit_once_a_step(world):
+    """M micro-batches gather each unit M times but reduce-scatter it once, after the last."""
+    if world.size % 2:
+        pytest.skip("needs pp=2")
+    j = job(world, pp=2, fsdp=True, steps=1, microbatches=3)
+    calls = []
+    tc = j.fsdp.thread_comm
+    inner = tc.reduce_scatter
+    tc.reduce_scatter = lambda buf, *a, **k: (calls.append(buf.numel()), inner(buf, *a, **k))[1]
+    try:
+        x, y = j.next_batch()
+        j._update(x, y)
+        sizes = sorted(u.flat.numel for u in j.fsdp.units if u.flat.numel)
+        assert sorted(calls) == (sizes if world.size // 2 > 1 else [])
+    finally:
+        j.close()
 
 
 @pytest.mark.deadline(150)
@@ -193,8 +220,8 @@ def _refused(world, match: str, **kw) -> None:
 def test_bad_layouts_are_refused_on_every_rank(world):
     k = world.size
     _refused(world, f"pp={k + 1} = {k + 1} does not divide the world of {k}", pp=k + 1)
-    _refused(world, r"fsdp with pp > 1 is not supported.*--optimizer zero1", pp=2, fsdp=True)
-    _refused(world, "use --optimizer zero1 with --pp > 1", pp=2, optimizer="zero2")
+    _refused(world, "fsdp with --schedule zb.*use --schedule 1f1b or gpipe", pp=2, fsdp=True,
+             schedule="zb")
     _refused(world, "use it with pp > 1", microbatches=2)
     if k % 4 == 0:
         _refused(world, "pp=4 stages for a GPT of 3 units", pp=4, n_layers=1)

@@ -9,8 +9,10 @@ optimizer, which sees only the shards) of the optimizer state. Per unit::
 Model-state bytes per rank, with Psi parameters, AdamW and K ranks (the ZeRO
 paper's stage 3, here with every state in the parameters' dtype of b bytes):
 ``(b + b + 2b) Psi / K`` (parameter, gradient, two moments), plus the gathered
-parameters of the units in flight (the current one and one prefetched; the
-root's and the last unit's stay until their backward).
+parameters and unsharded gradients of the units in flight: with
+``prefetch=True`` the computing unit and the next one, with ``prefetch=False``
+the computing unit only (beside the root's, which stays gathered around the
+whole forward). ``peak_unsharded_bytes`` counts them.
 
 Collectives run on a communication thread with its own ``comm.dup()``: the
 next unit's AllGather is queued while the current unit computes, and each
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +106,14 @@ class FullyShardedDataParallel(nn.Module):
         algo: the ring algorithm for AllGather and ReduceScatter ("ring-seg"
             or "ring"; any of ``Communicator.all_gather``'s).
         sync_module_states: start every rank from rank 0's parameters and buffers.
+        prefetch: queue the next unit's AllGather while the current one computes
+            (forward: the next unit, backward: the one before) and its
+            ReduceScatter while backward goes on. ``False`` gathers a unit only
+            when it runs and lets a unit's backward start only after the ReduceScatters
+            before it finished: at most one unit's parameters and one unit's
+            gradient are unsharded at a time (beside the root's), the ZeRO-3
+            bound, at the price of no overlap (torch's ``limit_all_gathers``
+            taken to one unit).
 
     Raises:
         TypeError, ValueError: bad arguments, parameters of mixed dtypes in one
@@ -112,7 +123,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, comm, *, auto_wrap: Policy = "blocks",
                  reshard_after_forward: bool = True, mixed_precision=None,
-                 algo: str = DEFAULT_ALGO, sync_module_states: bool = True):
+                 algo: str = DEFAULT_ALGO, sync_module_states: bool = True,
+                 prefetch: bool = True):
         super().__init__()
         error, places, mp, units = None, [], None, []
         try:
@@ -138,6 +150,12 @@ class FullyShardedDataParallel(nn.Module):
         self.comm, self.mixed_precision, self.algo = comm, mp, algo
         self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
         self.sync = True
+        self.prefetch = bool(prefetch)
+        # Gathered parameters + gradients waiting for their ReduceScatter (bytes):
+        # changed by the main thread and the communication thread, hence the lock.
+        self._live_lock = threading.Lock()
+        self.unsharded_bytes = 0
+        self.peak_unsharded_bytes = 0
         self._keys = list(module.state_dict().keys())
         self.module = module
         # Its own communicator, made on every rank in the same order: the
@@ -225,12 +243,13 @@ class FullyShardedDataParallel(nn.Module):
         if self._recording and unit.position is None:
             unit.position = len(self._order)
             self._order.append(unit)
-        elif unit.position is not None and unit.position + 1 < len(self._order):
+        elif (self.prefetch and unit.position is not None
+              and unit.position + 1 < len(self._order)):
             # Prefetch: the next unit's AllGather runs while this one computes.
             self._order[unit.position + 1].unshard()
 
     def _prefetch_backward(self, unit: Unit) -> None:
-        if unit.position is not None and unit.position >= 1:
+        if self.prefetch and unit.position is not None and unit.position >= 1:
             self._order[unit.position - 1].unshard()
 
     def _on_backward_start(self) -> None:
@@ -249,6 +268,27 @@ class FullyShardedDataParallel(nn.Module):
             for u in self.units:
                 u.end_backward()
             self._in_backward = False
+
+    def _count(self, nbytes: int) -> None:
+        """Add ``nbytes`` (negative: released) to the unsharded bytes and their peak."""
+        with self._live_lock:
+            self.unsharded_bytes += nbytes
+            self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
+
+    def reset_peak(self) -> None:
+        """Start counting ``peak_unsharded_bytes`` again from what is unsharded now."""
+        with self._live_lock:
+            self.peak_unsharded_bytes = self.unsharded_bytes
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        """Reduce-scatter in the coming backwards (True) or accumulate unsharded (False).
+
+        ``no_sync()`` as a switch, for a pipeline schedule (torch FSDP2's name):
+        off for every micro-batch's backward but the last, on before the last,
+        so that each unit's ReduceScatter runs once a step on the sum of the
+        micro-batches' gradients.
+        """
+        self.sync = bool(sync)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -73,6 +73,8 @@ class Unit:
         """Queue the AllGather of the full parameters (no-op unless SHARDED)."""
         if self.status != SHARDED:
             return
+        if not self.flat.allocated:
+            self.owner._count(self.flat.numel * self.flat.full.element_size())
         self.flat.alloc()
         buf = self.flat.fill_own_chunk()
         comm, algo = self.owner.thread_comm, self.owner.algo
@@ -95,6 +97,8 @@ class Unit:
         """Free the full parameters (after any gather in flight has landed)."""
         self.wait()
         if self.status == GATHERED:
+            if self.flat.allocated:
+                self.owner._count(-self.flat.numel * self.flat.full.element_size())
             self.flat.free()
             self.status = SHARDED
 
@@ -124,6 +128,10 @@ class Unit:
         if not self.pre_backward_done:
             self.pre_backward_done = True
             self.owner._on_backward_start()
+            if not self.owner.prefetch:
+                # One unit's gradient at a time: the ReduceScatters queued by the
+                # units after this one end before its backward makes another.
+                self.owner.runner.wait_all()
             self.unshard()
             self.wait()
             self.owner._prefetch_backward(self)
@@ -160,18 +168,23 @@ class Unit:
             return
         comm, algo, shard = owner.thread_comm, owner.algo, f.shard
         lo, hi = f.lo, f.hi
+        nbytes = buf.numel() * buf.element_size()
+        owner._count(nbytes)
 
         def reduce_scatter() -> None:
-            if comm.size > 1:
-                # Divide BEFORE the sum, as DDP does: K low-precision gradients can
-                # overflow where K gradients divided by K cannot.
-                buf.div_(comm.size)
-                comm.reduce_scatter(buf, op="sum", algo=algo, check=False)
-            mine = buf[lo:hi].to(shard.dtype, copy=True)
-            if shard.grad is None:
-                shard.grad = mine
-            else:
-                shard.grad.add_(mine)
+            try:
+                if comm.size > 1:
+                    # Divide BEFORE the sum, as DDP does: K low-precision gradients can
+                    # overflow where K gradients divided by K cannot.
+                    buf.div_(comm.size)
+                    comm.reduce_scatter(buf, op="sum", algo=algo, check=False)
+                mine = buf[lo:hi].to(shard.dtype, copy=True)
+                if shard.grad is None:
+                    shard.grad = mine
+                else:
+                    shard.grad.add_(mine)
+            finally:
+                owner._count(-nbytes)
 
         owner.runner.submit(reduce_scatter)
 

@@ -24,6 +24,16 @@ reduction runs after the stage's last action instead (``reduce_now``): one
 backward through the parameters themselves with zero gradients, which fires
 every hook in one autograd pass, so DDP's own buckets reduce the accumulated
 gradients, without overlap.
+
+FSDP on the data axis (``FullyShardedDataParallel`` over ``grid.dp`` as the
+stage's submodule) follows the same two moments, as torch.distributed.pipelining
+does with FSDP2: ``start_step`` turns the gradient sync off, so every
+micro-batch's backward gathers each unit, computes and adds its unsharded
+gradient to what the unit keeps; ``arm`` turns it on just before the last
+micro-batch's backward, whose units reduce-scatter the sum once, each as soon
+as its backward is done. The stage runs the FSDP wrapper itself (its hooks
+gather the units). A split backward (W outside autograd) cannot feed FSDP's
+flat gradient: ``reduce_now`` refuses it.
 """
 
 from __future__ import annotations
@@ -65,22 +75,42 @@ def stage_grid(comm, pp: int) -> StageGrid:
     return StageGrid(pp_comm, dp_comm, pp_rank, dp_rank, pp, dp)
 
 
+def _is_fsdp(wrapper) -> bool:
+    from mpiring.parallel.fsdp import FullyShardedDataParallel
+
+    return isinstance(wrapper, FullyShardedDataParallel)
+
+
 def unwrap(submodule: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-    """``(layers to run, DDP wrapper or None)`` for a stage's submodule."""
+    """``(layers to run, data-parallel wrapper or None)`` for a stage's submodule.
+
+    DDP only reduces, so the stage runs its module; FSDP must run itself (its
+    hooks gather the parameters), so it is both.
+    """
     from mpiring.parallel.data.distributed import DistributedDataParallel
 
     if isinstance(submodule, DistributedDataParallel):
         return submodule.module, submodule
+    if _is_fsdp(submodule):
+        return submodule, submodule
     return submodule, None
 
 
 def start_step(ddp) -> None:
-    """What DDP does before a synced forward (bucket rebuild, buffer broadcast): once a step."""
+    """Once a step, before the first forward: DDP's bucket rebuild and buffer broadcast;
+    FSDP: accumulate unsharded gradients until ``arm``."""
+    if _is_fsdp(ddp):
+        ddp.set_requires_gradient_sync(True)
+        return
     ddp.sync_before_backward()
 
 
 def arm(ddp, outputs) -> None:
-    """Let the next backward (of ``outputs``) reduce the accumulated gradients, bucket by bucket."""
+    """Let the next backward (of ``outputs``) reduce the accumulated gradients, bucket by
+    bucket (DDP) or unit by unit (FSDP)."""
+    if _is_fsdp(ddp):
+        ddp.set_requires_gradient_sync(True)
+        return
     ddp.reducer.prepare_for_backward(outputs, True)
 
 
@@ -91,6 +121,10 @@ def reduce_now(ddp) -> None:
     each parameter's AccumulateGrad, so the post-accumulate hooks fire in one
     autograd pass and the reducer's end-of-backward wait returns the means.
     """
+    if _is_fsdp(ddp):
+        raise ValueError("FullyShardedDataParallel with a split backward (zero bubble): W "
+                         "writes weight gradients outside autograd, where FSDP's flat gradient "
+                         "never sees them; use Schedule1F1B or ScheduleGPipe with FSDP")
     params = ddp.reducer.params
     arm(ddp, params)  # the parameters are the graph: none counts as unused
     torch.autograd.backward(params, [torch.zeros_like(p) for p in params])

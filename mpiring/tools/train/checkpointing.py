@@ -250,9 +250,15 @@ class Checkpointer:
         if saved is not None and "grid" in (saved["kind"], now["kind"]):
             return self._restore_resharded(job, state, saved, now)
         size = extra.get("world_size")
+        if size != job.comm.size and saved is not None and saved["tp"] == now["tp"] == 1:
+            # Plain DDP (or ZeRO) at another world size: the checkpoint holds the full
+            # model and optimizer state, so it loads like a grid one, if the global
+            # batch (ranks x --batch-size) is the same (checked there, naming the fix).
+            return self._restore_resharded(job, state, saved, now)
         if size != job.comm.size:
             raise ValueError(f"the checkpoint was written by {size} ranks, this run has "
-                             f"{job.comm.size}: resume with the same number of ranks")
+                             f"{job.comm.size}: resume with the same number of ranks, or pass "
+                             "--global-batch to reshard it through the 3D grid job")
         notes = []
         saved_cfg = (extra.get("job") or {}).get("config") or {}
         from dataclasses import asdict
@@ -297,12 +303,15 @@ class Checkpointer:
                 job.optimizer.load_state_dict(reshard.by_index(names, optim))
         sampler = dict(state["sampler"])
         read = int(sampler["start"]) * saved["dp"]  # windows the replicas read this epoch
-        if read % now["dp"] or saved["dp"] * extra["job"]["config"]["batch_size"] != \
-                now["dp"] * job.cfg.batch_size:
+        saved_global = saved["dp"] * extra["job"]["config"]["batch_size"]
+        if read % now["dp"] or saved_global != now["dp"] * job.cfg.batch_size:
+            fix = f"--global-batch {saved_global}"
+            if saved_global % now["dp"] == 0:
+                fix += f" (or --batch-size {saved_global // now['dp']} at {now['dp']} replicas)"
             raise ValueError(f"the checkpoint's global batch was {saved['dp']} x "
                              f"{extra['job']['config']['batch_size']} windows, this run's "
                              f"{now['dp']} x {job.cfg.batch_size}: resume with the same global "
-                             "batch (--global-batch)")
+                             f"batch, {fix}")
         job.sampler.load_state_dict({**sampler, "start": read // now["dp"]})
         job._shard = None
         job.step = int(state["step"])

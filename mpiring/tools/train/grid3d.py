@@ -101,9 +101,18 @@ def stage_of(name: str, n_layers: int, pp: int) -> int:
 
 
 class _Weight(nn.Module):
+    """The last stage's copy of the tied weight, as the output layer (``F.linear``).
+
+    A module with its own forward, so that FSDP can make it a unit by itself:
+    then its shard covers the same elements as the first stage's embedding's.
+    """
+
     def __init__(self, w: torch.Tensor):
         super().__init__()
         self.weight = nn.Parameter(w.detach().clone())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
 
 
 class GPTStage(nn.Module):
@@ -135,6 +144,13 @@ class GPTStage(nn.Module):
             return []
         return [self.tok.weight] if self.first else [self.head.weight] if self.last else []
 
+    @property
+    def tied_module(self) -> nn.Module | None:
+        """The module that holds ``tied`` (the embedding or the output copy), or None."""
+        if self.first and self.last:
+            return None
+        return self.tok if self.first else self.head if self.last else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The whole window is seq_len tokens: under sequence parallelism a middle
         # stage sees only its rank's rows and cannot tell the length from them.
@@ -165,8 +181,8 @@ class GPTStage(nn.Module):
                                                            split_sizes(t, self.comm.size), self.algo)
         else:
             h = all_reduce_in_backward(h, self.comm, self.algo)
-        w = self.tok.weight if self.first else self.head.weight
-        return F.linear(h, w).transpose(0, 1)
+        out = F.linear(h, self.tok.weight) if self.first else self.head(h)
+        return out.transpose(0, 1)
 
     def activation_shape(self, batch: int) -> tuple[int, int, int]:
         """The ``[t, b, d]`` this stage receives (not the first) for a batch of windows."""

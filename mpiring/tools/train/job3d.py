@@ -7,7 +7,21 @@ Each rank builds the whole GPT from the seed, splits it over its tensor-parallel
 group (``TensorParallelGPT``) and keeps its pipeline stage (``grid3d``). The
 data axis reduces the stage's gradients with mpiring's DDP (default), shards
 the optimizer state with ZeRO-1/2 (``optimizer="zero1"|"zero2"``), or shards
-everything with FSDP (``fsdp=True``, one pipeline stage). Every data-parallel
+everything with FSDP (``fsdp=True``).
+
+With pp > 1 each reduction on the data axis runs once a step, after the last
+micro-batch (DeepSpeed's pipeline order: the tied weight's two copies' gradients
+are summed over the pipeline, then the stages reduce over dp):
+
+* DDP and ZeRO-1: DDP's buckets go out during the last micro-batch's backward
+  (all-reduced: every copy holds the whole mean, so the tied sum after it is right);
+* ZeRO-2: no DDP; the optimizer reduce-scatters the accumulated gradients in
+  ``step()``, after the schedule summed the tied copies (a bucket's chunk on the
+  first stage and on the last would cover different rows of the tied weight);
+* FSDP: the micro-batches before the last accumulate unsharded gradients
+  (``set_requires_gradient_sync``); the last one's backward reduce-scatters each
+  unit. The tied weight is a unit by itself on the first and the last stage, so
+  both shards cover the same rows and the schedule sums the two shards' gradients. Every data-parallel
 replica reads its shard of the same global batch as a one-rank run
 (``DistributedSampler``: the global order does not depend on the number of
 replicas), so the losses equal a one-rank run's step by step, up to rounding.
@@ -53,14 +67,13 @@ def validate_grid_config(cfg) -> None:
     if cfg.fsdp and cfg.optimizer != "adamw":
         raise ValueError(f"fsdp shards the optimizer state itself (ZeRO-3): leave the optimizer "
                          f"adamw instead of {cfg.optimizer}")
-    if cfg.fsdp and cfg.pp > 1:
-        raise ValueError("fsdp with pp > 1 is not supported (every micro-batch would gather "
-                         "and reduce-scatter each unit): use --optimizer zero1 or zero2 to shard "
-                         "over the data axis with --pp > 1, or --fsdp with --pp 1")
-    if cfg.pp > 1 and cfg.optimizer == "zero2":
-        raise ValueError("zero2 reduce-scatters DDP's buckets as backward runs, which a "
-                         "pipeline's micro-batches break: use --optimizer zero1 with --pp > 1")
-    if cfg.pp > 1 and cfg.schedule == "pipedream" and cfg.optimizer != "adamw":
+    if cfg.fsdp and cfg.pp > 1 and cfg.schedule in ("zb", "pipedream"):
+        raise ValueError(f"fsdp with --schedule {cfg.schedule}: "
+                         + ("zero bubble's W writes weight gradients outside autograd, where "
+                            "FSDP's flat gradient never sees them" if cfg.schedule == "zb" else
+                            "pipedream steps after every micro-batch")
+                         + "; use --schedule 1f1b or gpipe with --fsdp")
+    if cfg.pp > 1 and cfg.schedule == "pipedream" and (cfg.optimizer != "adamw" or cfg.fsdp):
         raise ValueError("pipedream steps each stage's optimizer after every micro-batch: use "
                          "optimizer adamw, or schedule 1f1b with a sharded optimizer")
 
@@ -138,14 +151,11 @@ class GridJob(TrainJob):
         self.loss_fn = self.tp_model.loss
         self.fsdp, self.sched = None, None
         if cfg.fsdp:
-            from mpiring.parallel.fsdp import FullyShardedDataParallel
-
-            wrapped = self.fsdp = FullyShardedDataParallel(
-                stage, g.dp, auto_wrap=list(stage.blocks.values()))
-            self.optimizer = self._make_optimizer(wrapped.parameters())
-            return wrapped
+            return self._wrap_fsdp(stage)
         wrapped = stage
-        if cfg.pp == 1 or g.dp_size > 1:
+        # ZeRO-2 with a pipeline reduces in its own step, after the tied sum (see above).
+        zero2_pipe = cfg.pp > 1 and cfg.optimizer == "zero2"
+        if (cfg.pp == 1 or g.dp_size > 1) and not zero2_pipe:
             wrapped = DistributedDataParallel(
                 stage, g.dp, bucket_cap_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
                 overlap=(cfg.mode == "ddp"), algo=cfg.algo,
@@ -160,6 +170,23 @@ class GridJob(TrainJob):
             extra = {"optimizer": self.optimizer} if cfg.schedule == "pipedream" else {}
             self.sched = SCHEDULES[cfg.schedule](pipe, self.microbatches, self.loss_fn, **extra)
         return wrapped
+
+    def _wrap_fsdp(self, stage):
+        from mpiring.parallel.fsdp import FullyShardedDataParallel
+        from mpiring.parallel.pipeline import PipelineStage
+        from mpiring.tools.train.pipeline import SCHEDULES
+
+        cfg, g = self.cfg, self.grid
+        tied_module = stage.tied_module if cfg.pp > 1 else None
+        units = list(stage.blocks.values()) + ([tied_module] if tied_module is not None else [])
+        fsdp = self.fsdp = FullyShardedDataParallel(stage, g.dp, auto_wrap=units)
+        self.optimizer = self._make_optimizer(fsdp.parameters())
+        if cfg.pp > 1:
+            # Equal numel and dp group on both ends: the two shards hold the same elements.
+            tied = [u.flat.shard for u in fsdp.units if u.module is tied_module][:0]
+            pipe = PipelineStage(fsdp, g.pp_rank, g.pp_size, g.pp, tied_parameters=tied)
+            self.sched = SCHEDULES[cfg.schedule](pipe, self.microbatches, self.loss_fn)
+        return fsdp
 
     # --- one step ------------------------------------------------------------------
     def _update(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -204,13 +231,13 @@ class GridJob(TrainJob):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor | None:
         g, stage = self.grid, self.model
-        if self.fsdp is not None:
-            return self.fsdp(x)
+        run = self.fsdp if self.fsdp is not None else stage
         if not stage.first:
-            dtype = next(stage.parameters()).dtype
+            # FSDP took the stage's parameters over: its shards have their dtype.
+            dtype = next(run.parameters()).dtype
             x = torch.empty(stage.activation_shape(x.shape[0]), dtype=dtype)
             g.pp.recv(x, g.pp_rank - 1)
-        out = stage(x)
+        out = run(x)
         if not stage.last:
             g.pp.send(out.contiguous(), g.pp_rank + 1)
         return out
