@@ -8,6 +8,7 @@ tables beside the predictions. No MPI needed::
     python -m mpiring plan --preset llama-3.1-405b
     python -m mpiring plan --gpu a100 --gpus 1024 --layers 80 --hidden 12288 --heads 96 --batch 2048
     python -m mpiring plan --check
+    python -m mpiring plan --local                 # this host: DDP, TP=2, PP=2 on 2 ranks
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences")
     p.add_argument("--tokens", type=float, default=0.0, help="token budget for GPU-hours, e.g. 3e11")
     p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
-    p.add_argument("--local", nargs=2, metavar=("BENCH_JSON", "DDP_JSON"), default=None,
-                   help="predict this host's DDP step from a 'bench -a ring --json' file and "
-                        "compare with a 'bench-ddp --json' file (2 ranks, preset comm)")
+    p.add_argument("--local", nargs="*", metavar="JSON", default=None,
+                   help="this host: with no file, fit alpha/beta and the FLOP rate, run the DDP, "
+                        "TP and PP benches on --ranks ranks and print predicted vs measured; "
+                        "with BENCH_JSON DDP_JSON, price that 'bench -a ring' + 'bench-ddp' pair")
+    p.add_argument("--local-size", choices=("tiny", "default"), default="default",
+                   help="bench sizes for --local (tiny: a plumbing check in seconds)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks for --local (default 2)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="--local: rounds of the three benches, alternating order (default 2)")
     p.add_argument("--json", metavar="FILE", help="write the layouts (or --check tables) as JSON")
     p.add_argument("--plot", metavar="PNG", help="stacked bars of each layout's step time")
 
@@ -116,14 +123,56 @@ def _local(bench_json: str, ddp_json: str) -> int:
     return 0
 
 
+def _local_all(args) -> int:
+    import os
+
+    from mpiring.tools.plan import local, local_runs
+
+    if args.ranks < 2:
+        sys.stderr.write("python -m mpiring plan: --local needs --ranks >= 2\n")
+        return 2
+    load0 = os.getloadavg()[0]
+    got = local_runs.measure_all(args.local_size, args.ranks, max(1, args.rounds))
+    ab = local.fit_ring_rows(got["bench"])
+    pp_args = local_runs.SIZES[args.local_size]["pp"]
+    preset, mb_rows = pp_args[pp_args.index("--preset") + 1], 2
+    if "--mb-rows" in pp_args:
+        mb_rows = int(pp_args[pp_args.index("--mb-rows") + 1])
+    print(f"ring fit: {ab.describe()}; {got['ranks']} ranks on {got['cores']} cores; "
+          f"load {load0:.2f} before")
+    print(f"{'round':>5} {'run':<14} {'what':<40} {'measured ms':>11} {'predicted ms':>12} "
+          f"{'residual':>8} {'GFLOP/s':>8}")
+    table = []
+    for i, runs in enumerate(got["runs"]):
+        rows = local.compare_runs(runs, ab, pp_preset=preset, pp_mb_rows=mb_rows,
+                                  ranks=got["ranks"], cores=got["cores"])
+        for r in rows:
+            print(f"{i:>5} {r['run']:<14} {r['what']:<40} {r['measured_ms']:>11.1f} "
+                  f"{r['predicted_ms']:>12.1f} {r['residual'] * 100:>+7.0f}% "
+                  f"{r['flop_rate'] / 1e9:>8.1f}")
+            table.append({"round": i, **r})
+    print(f"load {os.getloadavg()[0]:.2f} after")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"alpha_s": ab.alpha, "beta_Bps": ab.beta, "load_before": load0,
+                       "load_after": os.getloadavg()[0], "cores": got["cores"], "rows": table},
+                      f, indent=1)
+    return 0
+
+
 def run(args) -> int:
     from mpiring.tools.plan.report import format_candidates, plot_candidates
     from mpiring.tools.plan.search import search
 
     if args.check:
         return _check(args)
-    if args.local:
-        return _local(*args.local)
+    if args.local is not None:
+        if len(args.local) == 2:
+            return _local(*args.local)
+        if args.local:
+            sys.stderr.write("python -m mpiring plan: --local takes no file or BENCH_JSON DDP_JSON\n")
+            return 2
+        return _local_all(args)
     g, c, batch, tokens = _problem(args)
     try:
         cands = search(g, c, batch, tokens, top=args.top)

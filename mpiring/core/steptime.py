@@ -84,6 +84,8 @@ class Layout:
         comm_sm_fraction: share of the GPU's cores kept for communication.
         a2a_bytes: bytes per hidden element in the MoE all-to-alls (dispatch and
             combine averaged: 1.5 for DeepSeek-V3's fp8 dispatch, bf16 combine).
+        act_bytes: bytes per activation element in the TP AllReduces and the
+            pipeline sends (2: bf16; 4 for fp32 runs).
     """
 
     dp: int
@@ -102,6 +104,7 @@ class Layout:
     ep_overlap: float = 0.0
     comm_sm_fraction: float = 0.0
     a2a_bytes: float = 2.0
+    act_bytes: float = 2.0
 
     @property
     def gpus(self) -> int:
@@ -184,12 +187,13 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
     # 2019 §3), 2 more when the forward is recomputed; on NVLink inside the node.
     n_ar = 6 if lay.recompute == "full" else 4
     tp_link = f.intra if lay.tp <= f.gpus_per_node else f.link(lay.tp, True)
-    per_mb_tp = n_ar * g.layers / lay.pp * ring_all_reduce(2.0 * s * b * h, lay.tp, tp_link)
+    per_mb_tp = n_ar * g.layers / lay.pp * ring_all_reduce(lay.act_bytes * s * b * h, lay.tp,
+                                                                 tp_link)
     per_mb_pp = 0.0
     if lay.pp > 1:
         # Stage neighbours are tp x dp ranks apart: across nodes once that fills one.
         across = lay.tp * lay.dp >= f.gpus_per_node
-        per_mb_pp = 2 * _p2p(2.0 * s * b * h / lay.tp, c, across)
+        per_mb_pp = 2 * _p2p(lay.act_bytes * s * b * h / lay.tp, c, across)
     # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
     # DualPipe overlaps the pipeline sends in the same F&B pairs ("both all-to-all
     # and PP communication can be fully hidden", DeepSeek-V3 §3.2.1).
