@@ -100,7 +100,7 @@ def start_step(ddp) -> None:
     """Once a step, before the first forward: DDP's bucket rebuild and buffer broadcast;
     FSDP: accumulate unsharded gradients until ``arm``."""
     if _is_fsdp(ddp):
-        ddp.set_requires_gradient_sync(True)
+        ddp.set_requires_gradient_sync(False)
         return
     ddp.sync_before_backward()
 

@@ -183,7 +183,7 @@ class GridJob(TrainJob):
         self.optimizer = self._make_optimizer(fsdp.parameters())
         if cfg.pp > 1:
             # Equal numel and dp group on both ends: the two shards hold the same elements.
-            tied = [u.flat.shard for u in fsdp.units if u.module is tied_module][:0]
+            tied = [u.flat.shard for u in fsdp.units if u.module is tied_module]
             pipe = PipelineStage(fsdp, g.pp_rank, g.pp_size, g.pp, tied_parameters=tied)
             self.sched = SCHEDULES[cfg.schedule](pipe, self.microbatches, self.loss_fn)
         return fsdp
