@@ -18,6 +18,11 @@ rank (``install``):
   MPI_Finalize: whether it synchronises is up to the MPI library, and a rank
   waiting in a collective never reaches it anyway.
 
+* Wait notices for the desync detector (``mpiring.runtime.desync``) travel on
+  the same communicator, tag ``WAIT_TAG``, as UTF-8 JSON (never pickle), sent
+  and received by the monitor thread only (the MPI library runs at
+  THREAD_MULTIPLE), so a desync is named on every rank within seconds.
+
 A rank that vanishes without running its ``atexit`` hooks (``os._exit``, a
 signal) sends no notice: the launcher ends the job on a kill, the deadline on
 a silent exit.
@@ -34,11 +39,15 @@ import traceback
 
 from mpi4py import MPI
 
-from mpiring.runtime import watchdog
+from mpiring.runtime import desync, watchdog
 from mpiring.runtime.trace import flush_all
 
 #: The notice's tag on the lifecycle communicator (no other message travels there).
 EXIT_TAG = 7
+#: Wait notices and desync reports (``mpiring.runtime.desync``) on that communicator.
+WAIT_TAG = 8
+#: Bytes a notice may have; a longer message is drained and dropped.
+MAX_NOTICE = 1 << 16
 _state: dict = {}
 
 
@@ -57,6 +66,44 @@ def install() -> None:
     threading.excepthook = _uncaught_in_thread
     atexit.register(_announce_exit)
     watchdog.watch_exits(_exits)
+    _watch_waits()
+
+
+def _watch_waits() -> None:
+    from mpiring.backends import mpi
+    from mpiring.backends.control import Control
+
+    # A thread inside one of these is blocked in MPI (the watchdog reads the
+    # stacks; the blocking calls themselves are not changed).
+    be = mpi.MPIBackend
+    desync.blocking_code(mpi._poll, be.send, be.wait, be.wait_send, be.wait_sends, be.sendrecv,
+                         be._wait_p2p, be._collective, Control._run)
+    _state["sent"] = []
+    watchdog.watch_waits(desync.Detector(_state["rank"], _post, _notices))
+
+
+def _post(data: bytes) -> None:
+    """Send ``data`` to every other rank without waiting (the monitor's thread)."""
+    comm, rank = _state["comm"], _state["rank"]
+    sent = [r for r in _state["sent"] if not r.Test()]
+    buf = bytearray(data)
+    sent += [comm.Isend([buf, MPI.BYTE], dest=r, tag=WAIT_TAG)
+             for r in range(_state["size"]) if r != rank]
+    _state["sent"] = sent
+
+
+def _notices() -> list[bytes]:
+    """The wait notices that arrived since the last call."""
+    comm = _state["comm"]
+    out = []
+    status = MPI.Status()
+    while comm.Iprobe(source=MPI.ANY_SOURCE, tag=WAIT_TAG, status=status):
+        n = status.Get_count(MPI.BYTE)
+        buf = bytearray(max(n, 1))
+        comm.Recv([buf, n, MPI.BYTE], source=status.Get_source(), tag=WAIT_TAG)
+        if n <= MAX_NOTICE:
+            out.append(bytes(buf[:n]))
+    return out
 
 
 def _abort_for(kind: str, exc_type, exc, tb, where: str = "") -> None:

@@ -65,6 +65,8 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         self._act: Activity = getattr(be, "activity", None) or Activity(
             be.rank, be.size, watch=False)
         self._act.timeout = parse_timeout(timeout)
+        if self._act.name is None:  # a root (init); dup and split name their children
+            self._act.name = _root_name(self._act)
         self.local_rank, self.local_size = be.local_rank()
         self.tracer = tracer if tracer is not None else Tracer.from_env(self.rank)
         self.check = _env_flag("MPIRING_CHECK", True) if check is None else check
@@ -83,6 +85,14 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
 
     def __repr__(self) -> str:
         return f"Communicator(backend={self.backend!r}, rank={self.rank}, size={self.size})"
+
+    @property
+    def name(self) -> str:
+        """This communicator's name, the same on every rank of it: ``world`` for the
+        first ``mpiring.init()``, ``world.dup1`` for its first ``dup()``,
+        ``world.split1.0`` for colour 0 of its first ``split``. The watchdog's
+        desync report names communicators by it."""
+        return self._act.name
 
     @property
     def timeout(self) -> float:
@@ -296,7 +306,7 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         be = self._be.split(None if color is None else int(color), int(key))
         if be is None:
             return None
-        return Communicator(be, self.tracer, check=self.check, timeout=self.timeout)
+        return self._child(be, f"split{call}.{int(color)}")
 
     def dup(self) -> Communicator:
         """A Communicator over the same ranks with separate message matching.
@@ -305,8 +315,17 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         messages per communicator, and the stall watchdog keeps one record per
         communicator.
         """
-        self._act.begin("dup", self._next_call("dup"), None)
-        return Communicator(self._be.dup(), self.tracer, check=self.check, timeout=self.timeout)
+        call = self._next_call("dup")
+        self._act.begin("dup", call, None)
+        return self._child(self._be.dup(), f"dup{call}")
+
+    def _child(self, be, suffix: str) -> Communicator:
+        # Named after the parent and the call that made it (a collective, so its
+        # number is the same on every rank): the same name on every rank.
+        act = getattr(be, "activity", None)
+        if act is not None and act.name is None:
+            act.name = f"{self.name}.{suffix}"
+        return Communicator(be, self.tracer, check=self.check, timeout=self.timeout)
 
     def agree_call(self, name: str) -> None:
         """Check that every rank is making the call ``name`` now (collective).
@@ -355,6 +374,19 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
     def mpi_comm(self):
         """The underlying ``mpi4py.MPI.Comm``."""
         return self._be.comm
+
+
+_roots: dict[tuple[int, ...], int] = {}
+
+
+def _root_name(act: Activity) -> str:
+    # Every rank creates its root communicators (init) in the same order, so a
+    # count per member set gives each the same name everywhere.
+    members = tuple(act.world_ranks) if act.world_ranks is not None else tuple(range(act.size))
+    n = _roots[members] = _roots.get(members, 0) + 1
+    base = "world" if members == tuple(range(len(members))) else \
+        "comm[" + ",".join(map(str, members[:8])) + (",..." if len(members) > 8 else "") + "]"
+    return base if n == 1 else f"{base}{n}"
 
 
 #: Most sizes a Communicator remembers auto's choice and the pipeline's S for

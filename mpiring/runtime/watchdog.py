@@ -54,6 +54,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 
+from mpiring.runtime import desync
 from mpiring.runtime.trace import flush_all
 
 #: Seconds one blocking wait may last before the job is aborted.
@@ -129,6 +130,8 @@ class Activity:
         since: ``time.monotonic()`` when that call began; 0.0 when not blocked.
         recv_peer: source of the last posted receive (what a ``Wait`` waits for).
         thread: ident of the thread that started the collective.
+        name: the communicator's name (set by the Communicator, read by the
+            desync detector).
     """
 
     enabled = False  # as a CallTrace it records nothing to files (see ``inner``)
@@ -154,6 +157,9 @@ class Activity:
         self.recv_peer: int | None = None
         self.since = 0.0
         self.thread = 0
+        #: The communicator's name, the same on every rank (``Communicator.name``);
+        #: None: unnamed, its waits are left out of desync detection.
+        self.name: str | None = None
         self.inner = None
         if watch:
             register(self)
@@ -298,6 +304,18 @@ _wake = threading.Event()
 _fired = False
 _exit_probes: list[Callable[[], list[int]]] = []
 _exited: dict[int, float] = {}  # world rank -> when its exit notice arrived
+_detector = None  # mpiring.runtime.desync.Detector, once a multi-rank job installs one
+
+
+def watch_waits(detector) -> None:
+    """Run ``detector.check`` (``mpiring.runtime.desync``) on every wake-up: ranks
+    blocked in different calls that wait on each other are reported within seconds
+    and the job aborted, whatever the deadline."""
+    global _detector
+    with _lock:
+        _detector = detector
+        if _thread is None:
+            _start()
 
 
 def watch_exits(probe: Callable[[], list[int]]) -> None:
@@ -396,6 +414,7 @@ def _monitor() -> None:
         for act, since, rank in waiting_on_exited(at):
             if act.since == since:
                 fire(act, exit_report(act, rank, at, since, _exited[rank]))
+        _check_desync(at)
         for act, since in expired(at):
             try:
                 text = act.report(at, since)
@@ -407,7 +426,32 @@ def _monitor() -> None:
                 fire(act, text)
 
 
-def fire(act: Activity, text: str) -> None:
+def _check_desync(at: float) -> None:
+    global _detector
+    detector = _detector
+    probe = desync.probe_seconds()
+    if detector is None or not probe or _fired:
+        return
+    records = _watched(None)
+    try:
+        text = detector.check(records, at, probe)
+    except Exception as exc:  # noqa: BLE001 - a broken detector must not stop the deadlines
+        _detector = None
+        os.write(2, f"[r{detector.rank}] mpiring: desync detection stopped: {exc!r}\n".encode())
+        return
+    if text is None or not records:
+        return
+    me = f"[r{detector.rank}]"
+    stack = desync.stack_of(records)
+    report = (f"{me} {text}\n{me} Aborting the job (exit {STALL_EXIT_CODE}); "
+              "MPIRING_DESYNC=off turns this detector off.\n")
+    if stack:
+        report += f"{me} stack of the waiting thread(s) (most recent call last):\n{stack}\n"
+    # Long enough for every other rank's monitor to wake, read the report and print it.
+    fire(records[0], report, grace=REPORT_GRACE + min(1.0, _period()))
+
+
+def fire(act: Activity, text: str, grace: float = REPORT_GRACE) -> None:
     """Print the stall report and abort the job; exits directly if the abort hangs."""
     global _fired
     if _fired:
@@ -419,7 +463,7 @@ def fire(act: Activity, text: str) -> None:
         pass
     os.write(2, text.encode(errors="replace"))
     flush_all()  # the trace up to the stall is what explains it
-    time.sleep(REPORT_GRACE)
+    time.sleep(grace)
     backstop = threading.Timer(ABORT_GRACE, os._exit, args=(STALL_EXIT_CODE,))
     backstop.daemon = True
     backstop.start()

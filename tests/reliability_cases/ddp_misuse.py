@@ -17,22 +17,13 @@ import time
 
 import numpy as np
 import torch
+from failing import Fail
 
 import mpiring
 
 case = sys.argv[1]
 comm = mpiring.init()
 torch.manual_seed(0)
-
-
-class Fail(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("deliberate failure in backward")
 
 
 def report(what):

@@ -12,6 +12,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from mpiring.runtime import desync
+
 
 class CommThread:
     """A daemon thread that runs submitted closures one at a time, in submission order.
@@ -64,3 +66,10 @@ class CommThread:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=10)
+
+
+# For the desync detector: a thread in ``wait`` is blocked until the
+# communication thread finishes, and that thread in ``_run`` with nothing deeper
+# is idle until the next submit.
+desync.blocking_code(CommThread.wait)
+desync.blocking_code(CommThread._run, idle=True)

@@ -55,6 +55,7 @@ class EndOfBackward:
         no_grad = [int(round(v)) for v in status[self.size:].tolist()]
         self._write_trace(t_end_backward, t_wait, t_done)
         self._synced_forward = True
+        self._lost = self._local = 0
         if len(set(steps)) > 1:
             self._raise_steps(steps)
         if any(codes):

@@ -56,6 +56,7 @@ from mpiring.parallel.data.bucketing import (
 from mpiring.parallel.data.comm_thread import CommThread
 from mpiring.parallel.data.eager import outside_compile
 from mpiring.parallel.data.end_of_backward import _CODES, _OK, _TWICE, STEP_MOD, EndOfBackward
+from mpiring.runtime import desync
 from mpiring.runtime.trace import clock
 
 #: Seconds a rank sleeps between polls while it waits for its peers before a bucket.
@@ -133,6 +134,11 @@ class Reducer(BucketLayout, EndOfBackward):
             self._bucket_comm.idle = "sleep"
         self._expect = False
         self._synced_forward = False
+        # For the desync detector's report: the synced forward whose backward never
+        # ran here (0: none), and the no_sync() forwards since the last synced backward.
+        self._lost = 0
+        self._local = 0
+        desync.add_context(self._desync_hint)
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -156,6 +162,27 @@ class Reducer(BucketLayout, EndOfBackward):
                 "DistributedDataParallel: a new forward started while the previous backward "
                 "was still reducing gradients (it raised before it finished?). Run one "
                 "backward per forward, and stop training after a failed backward")
+        if self._expect:  # the last synced forward's backward never started (legal: eval)
+            self._lost = self.iteration + 1
+
+    def _desync_hint(self) -> str:
+        """This model's state, for the watchdog's desync report (its monitor thread)."""
+        if not self._handles:
+            return ""
+        n = self.iteration + 1
+        if self._started:
+            text = (f"DDP is reducing the gradients of synced backward #{n} (buckets on comm "
+                    f"{self._bucket_comm.name})")
+        elif self._lost:
+            text = (f"DDP: the backward of synced forward #{self._lost} never ran on this "
+                    "rank (it failed and was caught?)")
+        elif self._expect:
+            text = f"DDP ran synced forward #{n}; its backward has not run"
+        else:
+            text = f"DDP finished synced backward #{self.iteration}"
+        if self._local:
+            text += f"; {self._local} forward(s) under no_sync() since then"
+        return text
 
     @outside_compile
     def prepare_for_backward(self, outputs: Any, sync: bool) -> None:
@@ -164,6 +191,7 @@ class Reducer(BucketLayout, EndOfBackward):
         self._expect = sync
         self._synced_forward = False  # set by _finalize once this forward's backward ran
         if not sync:
+            self._local += 1
             return
         tensors = [t for t in _tensors(outputs) if t.requires_grad]
         if self.find_unused_parameters:
