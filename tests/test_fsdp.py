@@ -135,8 +135,9 @@ def assert_state_close(full, ref_model, rtol=1e-7, atol=1e-8):
         torch.testing.assert_close(full[k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def check_equals_one_process(comm, reshard):
-    model = FullyShardedDataParallel(make_model(), comm, reshard_after_forward=reshard)
+def check_equals_one_process(comm, reshard, prefetch=True):
+    model = FullyShardedDataParallel(make_model(), comm, reshard_after_forward=reshard,
+                                     prefetch=prefetch)
     opt, losses, _ = train(model, comm, STEPS)
     ref, ref_losses, _ = reference(STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)
@@ -157,6 +158,23 @@ def check_equals_one_process(comm, reshard):
 @pytest.mark.parametrize("reshard", (True, False), ids=("reshard", "keep"))
 def test_fsdp_equals_one_process(comm, reshard):
     check_equals_one_process(comm, reshard)
+
+
+def test_fsdp_without_prefetch_equals_one_process(comm):
+    check_equals_one_process(comm, True, prefetch=False)
+
+
+def test_without_prefetch_one_unit_is_gathered_at_a_time(comm):
+    """prefetch=False: each unit is gathered only when it runs; the count returns to zero."""
+    model = FullyShardedDataParallel(make_model(), comm, prefetch=False)
+    seen = []
+    for u in model.units[1:]:
+        u.module.register_forward_pre_hook(
+            lambda m, a: seen.append(sum(v.flat.allocated for v in model.units[1:])))
+    train(model, comm, 2)
+    assert seen and max(seen) == 1  # never the next unit beside the one that runs
+    assert model.unsharded_bytes == 0 and model.peak_unsharded_bytes > 0
+    model.close()
 
 
 def test_fsdp_equals_one_process_whole_world(world):

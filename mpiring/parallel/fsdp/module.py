@@ -10,9 +10,10 @@ Model-state bytes per rank, with Psi parameters, AdamW and K ranks (the ZeRO
 paper's stage 3, here with every state in the parameters' dtype of b bytes):
 ``(b + b + 2b) Psi / K`` (parameter, gradient, two moments), plus the gathered
 parameters and unsharded gradients of the units in flight: with
-``prefetch=True`` the computing unit and the next one, with ``prefetch=False``
-the computing unit only (beside the root's, which stays gathered around the
-whole forward). ``peak_unsharded_bytes`` counts them.
+``prefetch=False`` the computing unit's only, beside the root's (gathered
+around the whole forward); ``prefetch=True`` one unit more (the next one
+gathered early; in backward also the last one's gradient, still being
+reduce-scattered). ``peak_unsharded_bytes`` counts them.
 
 Collectives run on a communication thread with its own ``comm.dup()``: the
 next unit's AllGather is queued while the current unit computes, and each

@@ -142,9 +142,12 @@ class Unit:
         # backward is over. Take the gradient away from autograd and free the
         # parameters before the ReduceScatter (which needs only the gradient).
         grad, full.grad = full.grad, None
+        held = 0 if grad is None else grad.numel() * grad.element_size()
+        self.owner._count(held)  # the gradient exists while the parameters still do
         self.reshard()
         if grad is not None:
             self.reduce(grad.reshape(-1))
+        self.owner._count(-held)  # reduce() counts what it keeps
 
     # --- gradients ---------------------------------------------------------------------
     def reduce(self, grad: torch.Tensor | None) -> None:

@@ -9,8 +9,19 @@ parameter 4, gradient 4, optimizer state 8 per parameter)::
     DDP (baseline)     (4 + 4 + 8) Psi          = 16 Psi
     ZeRO-3 / FSDP      (4 + 4 + 8) Psi / K      = 16 Psi / K    (+ the gathered units)
 
-(the paper's mixed-precision form is (2 + 2 + 12) Psi / N_d). Peak RSS is the
-process's high-water mark, so memory runs one setup per process.
+(the paper's mixed-precision form is (2 + 2 + 12) Psi / N_d). During a step
+FSDP also holds gathered parameters and unsharded gradients (counted by FSDP,
+``peak_unsharded_bytes``): with ``prefetch=False`` (setup ``fsdp-noprefetch``)
+at most the root's and one unit's, 4 B + 4 B each::
+
+    peak in a step <= 16 Psi / K + 8 (Psi_root + Psi_unit)        prefetch off
+                      ... + 8 Psi_unit                               prefetch on
+
+(prefetch on: one unit more, its parameters gathered early in forward, or in
+backward the next unit's parameters and the last unit's gradient, still
+reduce-scattering).
+
+Peak RSS is the process's high-water mark: for it, run one setup per process.
 
 Step time: the setups are built in one process and their steps alternate,
 so that a busy machine slows them alike; the median of each is reported and
@@ -31,13 +42,25 @@ import torch
 
 from mpiring.tools.bench.memory import current_rss_bytes, peak_rss_bytes
 
-SETUPS = ("ddp", "fsdp", "torch-fsdp", "torch-zero")
+SETUPS = ("ddp", "fsdp", "fsdp-noprefetch", "torch-fsdp", "torch-zero")
 STATE_BYTES_PER_PARAM = 4 + 4 + 8  # float32 parameter, gradient, AdamW exp_avg + exp_avg_sq
 
 
 def zero3_formula(psi: int, k: int, per_param: int = STATE_BYTES_PER_PARAM) -> float:
     """The ZeRO paper's stage-3 model-state bytes per rank: ``per_param * Psi / K``."""
     return per_param * psi / k
+
+
+def step_formula(psi: int, k: int, psi_root: int, psi_unit: int, prefetch: bool,
+                 b: int = 4) -> float:
+    """The bound on model state during an FSDP step: ZeRO-3's plus what is unsharded.
+
+    The root's and one unit's parameters and gradients (``b`` bytes each); with
+    prefetch one unit more (in backward the next unit is gathered while the
+    last one's gradient is still being reduce-scattered).
+    """
+    units = 2 if prefetch else 1
+    return zero3_formula(psi, k) + 2 * b * (psi_root + units * psi_unit)
 
 
 def tensor_bytes(tensors) -> int:
@@ -77,10 +100,11 @@ class Setup:
             self.model = DistributedDataParallel(model, comm)
             self.closers.append(self.model.close)
             params = list(model.parameters())
-        elif name == "fsdp":
+        elif name in ("fsdp", "fsdp-noprefetch"):
             from mpiring.parallel.fsdp import FullyShardedDataParallel
 
-            self.model = FullyShardedDataParallel(model, comm, **({"algo": algo} if algo else {}))
+            self.model = FullyShardedDataParallel(model, comm, prefetch=name == "fsdp",
+                                                  **({"algo": algo} if algo else {}))
             self.closers.append(self.model.close)
             params = list(self.model.parameters())
             for u in self.model.units[1:]:  # runs after FSDP's own pre-hook: gathered
@@ -108,6 +132,7 @@ class Setup:
             self.opt = torch.optim.AdamW(params, lr=1e-3)
         self.times: list[float] = []
         self._step = 0
+        self.unsharded_peak = 0  # FSDP: gathered parameters + pending gradients, in a step
 
     def _sample(self) -> None:
         live = sum(u.flat.full.untyped_storage().nbytes() for u in self.model.units)
@@ -116,12 +141,17 @@ class Setup:
     def step(self) -> float:
         x, y = _batch(self.cfg, self._step, self.comm.rank, self.comm.size, self.batch_size)
         self._step += 1
+        fsdp = self.name.startswith("fsdp")
+        if fsdp:
+            self.model.reset_peak()
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss(self.model(x), y)
         loss.backward()
         self.opt.step()
         dt = time.perf_counter() - t0
+        if fsdp:
+            self.unsharded_peak = max(self.unsharded_peak, self.model.peak_unsharded_bytes)
         self.times.append(dt)
         return float(loss.detach())
 
@@ -149,7 +179,15 @@ def measure_memory(comm, setup: str, cfg, *, steps: int = 3, batch_size: int = 2
     row = {"setup": setup, "ranks": comm.size, "psi": s.psi, "state_bytes": s.state_bytes(),
            "gathered_peak": s.gathered_peak, "ddp_formula": STATE_BYTES_PER_PARAM * s.psi,
            "zero3_formula": zero3_formula(s.psi, comm.size),
+           "unsharded_peak": s.unsharded_peak,
            "rss_before": before, "rss_peak": max(peak_rss_bytes(), current_rss_bytes())}
+    if setup.startswith("fsdp"):
+        units = s.model.units
+        row["psi_root"] = units[0].flat.numel
+        row["psi_unit"] = max((u.flat.numel for u in units[1:]), default=0)
+        row["step_peak"] = row["state_bytes"] + s.unsharded_peak
+        row["step_formula"] = step_formula(s.psi, comm.size, row["psi_root"], row["psi_unit"],
+                                           prefetch=setup == "fsdp")
     s.close()
     return row
 
