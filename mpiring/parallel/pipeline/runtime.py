@@ -14,6 +14,12 @@ its rank up), the receives are waited for before the next compute action. On
 NCCL the run is one ``comm.group()``. The shapes and dtypes of the activations
 are agreed once per input shape (``transport``); then each message is its
 tensor alone, into the buffer the step before received into.
+
+On MPI the neighbour should have its data as soon as it exists: every receive
+of a step is posted when the step starts (``Transport.start_step``), and a
+send that the program lists right after the compute action producing it is
+posted by that action, before anything else runs (the plan ``_eager`` is made
+once, from the program).
 """
 
 from __future__ import annotations
@@ -24,7 +30,16 @@ import numpy as np
 import torch
 
 from mpiring.parallel.pipeline import data_parallel
-from mpiring.parallel.pipeline.actions import Action, B, F, W, format_schedule, groups
+from mpiring.parallel.pipeline.actions import (
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    W,
+    format_schedule,
+    groups,
+)
 from mpiring.parallel.pipeline.schedules import build, check_sizes
 from mpiring.parallel.pipeline.stage import PipelineStage
 from mpiring.parallel.pipeline.transport import DTYPES, MAX_DIMS, Transport
@@ -73,6 +88,7 @@ class PipelineSchedule:
         self.simulated = check(actions, n_microbatches)  # ScheduleError on every rank alike
         self.actions = actions
         self._groups = groups(actions[stage.stage_index])
+        self._eager = _eager_sends(actions[stage.stage_index])
         self._split = {a.mb for a in actions[stage.stage_index] if a.kind == W}
         if self._split:
             stage.split_backward()
@@ -83,6 +99,8 @@ class PipelineSchedule:
         self._sync_in_b = stage.ddp is not None and not self._split
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
         self.transport = Transport(stage.comm)  # collective (a dup), as the gather above
+        if not self.transport.mpi:  # NCCL: a send goes in its group, with the receive
+            self._eager = {}
         self._signature: list[int] | None = None
         self.timeline: list[Span] = []
 
@@ -117,7 +135,8 @@ class PipelineSchedule:
         self._outs: dict[int, torch.Tensor] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self.timeline = []
-        sends: list = []
+        self._sends = sends = []
+        self.transport.start_step(self.actions[st.stage_index])
         for run in self._groups:
             try:
                 if run[0].is_comm:
@@ -166,7 +185,7 @@ class PipelineSchedule:
             self.transport.renegotiate()
 
     def _compute(self, a: Action) -> None:
-        st, t0 = self.stage, time.perf_counter()
+        st, t0, t1 = self.stage, time.perf_counter(), None
         if a.kind == F:
             x = self._xs[a.mb] if st.is_first else self._recv.pop(("F", a.mb))
             out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
@@ -175,23 +194,37 @@ class PipelineSchedule:
             if st.is_last:
                 self._outs[a.mb], self._losses[a.mb] = out.detach(), loss.detach()
             else:
-                self._send[("F", a.mb)] = out.detach().contiguous()
+                t1 = self._output(a, out.detach().contiguous())
         elif a.kind == B:
             grad = None if st.is_last else self._recv.pop(("B", a.mb))
             gin = st.backward(a.mb, grad, split=a.mb in self._split,
                               sync=self._sync_in_b and a.mb == self._last_b)
+            self.after_backward(a.mb)  # PipeDream's update: compute, before the send
             if not st.is_first:
-                self._send[("B", a.mb)] = gin.contiguous()
-            self.after_backward(a.mb)
+                t1 = self._output(a, gin.contiguous())
         else:
             st.weight(a.mb)
-        t1 = time.perf_counter()
+        if t1 is None:
+            t1 = time.perf_counter()
         self.timeline.append(Span(a, t0, t1))
         tracer = st.comm.tracer
         if tracer.enabled:
             tracer.event(str(a), "pipeline", t0, t1, action=a.kind, stage=a.stage, mb=a.mb,
                          schedule=self.name, microbatches=self.n_microbatches,
                          replica=0 if st.ddp is None else st.ddp.comm.rank)
+
+    def _output(self, a: Action, t: torch.Tensor) -> float:
+        """Hand ``a``'s output to the transport: sent now if the program sends it next.
+
+        Returns the compute action's end (before the send: posting it is not compute).
+        """
+        t1 = time.perf_counter()
+        send = self._eager.get((a.kind, a.mb))
+        if send is not None:
+            self.transport.send(send, t, self._sends)
+        else:
+            self._send[(a.kind, a.mb)] = t
+        return t1
 
     def _communicate(self, run: list[Action], sends: list) -> None:
         self.transport.exchange(run, self._send, self._recv, lambda mb: self.stage._out[mb], sends)
@@ -212,6 +245,21 @@ class PipelineSchedule:
 
     def after_backward(self, mb: int) -> None:
         """Called after each micro-batch's B (PipeDream updates the weights here)."""
+
+
+def _eager_sends(program: list[Action]) -> dict[tuple[str, int], Action]:
+    """(kind, mb) -> the send of that compute action's output, where the program lists
+    it in the run right after the action (what ``schedules.lower`` always does)."""
+    out = {}
+    for i, a in enumerate(program):
+        if a.is_comm:
+            continue
+        for b in program[i + 1:]:
+            if not b.is_comm:
+                break
+            if b.kind in (SEND_F, SEND_B) and b.channel == a.kind and b.mb == a.mb:
+                out[(a.kind, a.mb)] = b
+    return out
 
 
 def _arg_error(st: PipelineStage, m: int, x, target, losses) -> str:

@@ -6,13 +6,15 @@ requires grad, so that backward leaves the gradient to send back in
 
 * recomputation (GPipe's re-materialisation): F runs under ``no_grad`` and keeps
   only the input and the RNG state; B runs the forward again, then backward;
-* split backward (zero bubble): B computes the input gradient, W the Linear
-  layers' weight gradients (``split_backward``);
+* split backward (zero bubble): B computes the input gradient, W the weight
+  gradients of the Linear, LayerNorm and Embedding layers (``split_backward``);
 * weight stashing (PipeDream): F runs on a snapshot of the weights that B uses
   again, while the live weights move on after every backward.
 
 The bytes autograd saves for backward are counted (``peak_activation_bytes``) so
-that a bench can compare the schedules' activation memory.
+that a bench can compare the schedules' activation memory; between a split
+micro-batch's B and its W, the bytes its queued weight gradients keep (each
+layer's input and output gradient) are counted instead.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class PipelineStage:
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
 
     def split_backward(self) -> None:
-        """Let B leave the Linear weight gradients to W (idempotent)."""
+        """Let B leave the weight gradients to W (idempotent; see ``split_backward``)."""
         if self._sink is None:
             self._sink = split_backward.install(self.module)
 
@@ -170,14 +172,16 @@ class PipelineStage:
         finally:
             if self._sink is not None:
                 self._sink.queue = None
-        if not split:
-            self._release(mb)
+        self._release(mb)
+        if split:  # autograd freed the graph; what W needs (X, dY) stays until W
+            self._held[mb] = split_backward.held_bytes(self._wq.get(mb, []))
+            self._grow(self._held[mb])
         return None if self.is_first else inp.grad
 
     def weight(self, mb: int) -> None:
         """Micro-batch ``mb``'s deferred weight gradients (the W action)."""
-        for run in self._wq.pop(mb, []):
-            run()
+        for item in self._wq.pop(mb, []):
+            item.run()
         self._release(mb)
 
     def stashed_grads(self, mb: int) -> dict[str, torch.Tensor | None]:

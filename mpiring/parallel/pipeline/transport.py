@@ -19,16 +19,27 @@ micro-batch:
   shape can change while the input's does not (data-dependent shapes) must
   call ``sched.transport.renegotiate()`` before such a step;
 * the buffers: each micro-batch's receive buffer is allocated on the first step
-  and received into again on the next ones.
+  and received into again on the next ones;
+* the receives: on MPI, once the shapes are known, every receive of the step is
+  posted when the step starts (``start_step``), into those buffers, so that a
+  message lands whenever it comes and the wait is all that is left between two
+  compute actions. Messages between a pair on one tag arrive in the order they
+  were sent, and the validator has checked that both ends list them in the
+  same order, so posting them all ahead matches each to its micro-batch.
 
-On MPI a stage waits by polling with short sleeps (``idle = "sleep"``) unless
-``MPIRING_IDLE`` says otherwise.
+On MPI a stage waits by polling: for ``SPIN_S`` it asks in a tight loop (a
+neighbour that is about to finish: the steady state of 1F1B), then with short
+sleeps (the bubble lasts whole forwards of the neighbour, and a spinning wait
+would take a core from the ranks that compute). ``MPIRING_IDLE=spin`` keeps
+the tight loop throughout. After ``POLL_S`` the communicator's own wait takes
+over, with its deadline and stall report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import numpy as np
 import torch
@@ -39,6 +50,12 @@ TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 8
+#: Seconds a wait polls in a tight loop before it sleeps between polls.
+SPIN_S = 1e-3
+#: Seconds between polls after that (the kernel's timer slack is added to it).
+SLEEP_S = 2e-5
+#: Seconds of polling before the communicator's blocking wait (deadline, stall report).
+POLL_S = 1.0
 
 
 def header(t: torch.Tensor) -> np.ndarray:
@@ -56,6 +73,22 @@ def from_header(h: np.ndarray) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(int(v) for v in h[2:2 + int(h[1])]), DTYPES[int(h[0])]
 
 
+def wait_all(reqs: list, spin_s: float = SPIN_S, sleep_s: float | None = SLEEP_S) -> None:
+    """Complete ``reqs``: poll (tight, then sleeping), then the communicator's own wait."""
+    pending = [r for r in reqs if not r.test()]
+    if not pending:
+        return
+    now = time.perf_counter()
+    spin_until, poll_until = now + spin_s, now + POLL_S
+    while pending and now < poll_until:
+        if sleep_s is not None and now >= spin_until:
+            time.sleep(sleep_s)
+        pending = [r for r in pending if not r.test()]
+        now = time.perf_counter()
+    for r in pending:  # still not there: wait under the deadline (stall report, abort)
+        r.wait()
+
+
 class Transport:
     """One stage's point-to-point traffic. ``comm``: the stage's own (duplicated) communicator.
 
@@ -67,12 +100,10 @@ class Transport:
         self.checked = comm
         self.fast = comm.dup()
         self.fast.check = False  # shapes agreed by the header: the descriptors only repeat them
-        if comm.idle is not None and not os.environ.get("MPIRING_IDLE"):
-            # A stage waits through whole forwards and backwards of its neighbours
-            # (the bubble): polling with sleeps leaves the core to the ranks that
-            # compute, for at most mpi.SLEEP_S more latency per message.
-            for c in (self.checked, self.fast):
-                c.idle = "sleep"
+        self.mpi = comm.backend == "mpi"
+        # The tight loop only where the user asked for spinning waits.
+        spin = os.environ.get("MPIRING_IDLE", "").strip().lower() == "spin"
+        self.sleep_s = None if spin else SLEEP_S
         self.renegotiate()
 
     def renegotiate(self) -> None:
@@ -81,6 +112,25 @@ class Transport:
         self.meta_sent: set[int] = set()
         self.fresh = True
         self.bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self.posted: dict[tuple[str, int], tuple] = {}
+
+    def start_step(self, program: list[Action]) -> None:
+        """Post every receive of this rank's program ahead (MPI, shapes known)."""
+        self.posted = {}
+        if self.fresh or not self.mpi:
+            return
+        for a in program:
+            if a.kind in (RECV_F, RECV_B):
+                key = (a.channel, a.mb)
+                buf = self.bufs.get(key)
+                if buf is None:  # a step that stopped early left it out: posted in its group
+                    continue
+                if buf.grad is not None:  # last step's input gradient must not accumulate
+                    buf.grad = None
+                if buf.requires_grad:
+                    buf.detach_()
+                tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
+                self.posted[key] = (buf, self.fast.irecv(buf, a.peer, tag))
 
     def end_step(self) -> None:
         self.fresh = False
@@ -93,40 +143,53 @@ class Transport:
             buf.grad = None
         return buf.detach_() if buf.requires_grad else buf
 
+    def send(self, a: Action, t: torch.Tensor, sends: list) -> None:
+        """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
+        comm = self.checked if self.fresh else self.fast
+        if a.kind == SEND_F:
+            if a.mb not in self.meta_sent:
+                sends.append(self.checked.isend(header(t), a.peer, TAG_META))
+                self.meta_sent.add(a.mb)
+            sends.append(comm.isend(t, a.peer, TAG_ACT))
+        else:
+            sends.append(comm.isend(t, a.peer, TAG_GRAD))
+
     def exchange(self, run: list[Action], outgoing: dict, incoming: dict, grad_like,
                  sends: list) -> None:
         """Post one run of sends and receives; return once the receives have arrived.
 
         Args:
-            outgoing: ("F" | "B", mb) -> tensor to send (popped).
+            outgoing: ("F" | "B", mb) -> tensor to send (popped); a send whose
+                tensor is not there was posted already (``send``).
             incoming: filled with ("F" | "B", mb) -> received tensor.
             grad_like: mb -> this stage's output (the gradient's shape and dtype).
             sends: the send requests, waited for by the caller at the end of the step.
         """
-        meta_comm = self.checked
         comm = self.checked if self.fresh else self.fast
         recvs = []
         for a in run:  # headers first (first step only), so a group holds only the data
             if a.kind == RECV_F and a.mb not in self.meta:
-                h = meta_comm.recv(np.empty(2 + MAX_DIMS, dtype=np.int64), a.peer, TAG_META)
+                h = self.checked.recv(np.empty(2 + MAX_DIMS, dtype=np.int64), a.peer, TAG_META)
                 self.meta[a.mb] = from_header(h)
         grouped = comm.group() if comm.backend == "nccl" else contextlib.nullcontext()
         with grouped:
             for a in run:
-                if a.kind == SEND_F:
-                    t = outgoing.pop(("F", a.mb))
-                    if a.mb not in self.meta_sent:
-                        sends.append(meta_comm.isend(header(t), a.peer, TAG_META))
-                        self.meta_sent.add(a.mb)
-                    sends.append(comm.isend(t, a.peer, TAG_ACT))
+                key = (a.channel, a.mb)
+                if a.kind in (RECV_F, RECV_B) and key in self.posted:
+                    buf, req = self.posted.pop(key)
+                    incoming[key] = buf
+                    recvs.append(req)
                 elif a.kind == RECV_F:
-                    buf = incoming[("F", a.mb)] = self._buffer(("F", a.mb), *self.meta[a.mb])
+                    buf = incoming[key] = self._buffer(key, *self.meta[a.mb])
                     recvs.append(comm.irecv(buf, a.peer, TAG_ACT))
                 elif a.kind == RECV_B:
                     out = grad_like(a.mb)
-                    buf = incoming[("B", a.mb)] = self._buffer(("B", a.mb), out.shape, out.dtype)
+                    buf = incoming[key] = self._buffer(key, out.shape, out.dtype)
                     recvs.append(comm.irecv(buf, a.peer, TAG_GRAD))
-                else:  # SEND_B
-                    sends.append(comm.isend(outgoing.pop(("B", a.mb)), a.peer, TAG_GRAD))
-        for req in recvs:
-            req.wait()
+                elif key in outgoing:
+                    self.send(a, outgoing.pop(key), sends)
+        if self.mpi:
+            wait_all(recvs, sleep_s=self.sleep_s)
+        else:
+            for req in recvs:
+                req.wait()
