@@ -137,7 +137,7 @@ def _bodies(out: str, n: int) -> str:
         r"for r0: the ranks are in different calls"),
     (3, r"r0 and r2 wait in all_reduce#1 on comm world\.dup1 \(.*\) for r1, while r1 waits in "
         r"all_reduce#1 on comm world\.dup2 \(.*\) for r0 and r2"),
-])
+], ids=["2-ranks", "3-ranks"])
 def test_a_cross_communicator_deadlock_is_named_on_every_rank(rank0_subprocess, monkeypatch,
                                                               n, names):
     result = _run(rank0_subprocess, monkeypatch, n, "cross")
@@ -158,7 +158,7 @@ def test_a_cross_communicator_deadlock_is_named_on_every_rank(rank0_subprocess, 
      r"r1: DDP ran synced forward #3; its backward has not run"),
     ("no_sync_user", r"all_reduce#3 on comm world \(Allgather, at desync\.py:\d+\)",
      r"r1: DDP finished synced backward #2; 1 forward\(s\) under no_sync\(\) since then"),
-])
+], ids=["caught", "caught_user", "no_sync_user"])
 def test_a_ddp_desync_names_the_bucket_wait_the_other_call_and_the_cause(
         rank0_subprocess, monkeypatch, case, mine, hint):
     result = _run(rank0_subprocess, monkeypatch, 2, case)

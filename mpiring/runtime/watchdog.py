@@ -39,8 +39,9 @@ recognised do not wait for the deadline at all: an uncaught exception on any
 rank aborts the job at once, and a rank that exits while the others wait for
 it is reported ``EXIT_GRACE`` seconds after its exit notice arrives
 (``mpiring.backends.lifecycle``, ``watch_exits``). What remains for the
-deadline is a rank that is alive but stuck (a sleep, a deadlock, a lost
-message), where 300 s ends the job within five minutes while leaving room for
+deadline is a rank that is alive but stuck (a sleep, a deadlock inside one
+call, a lost message; ranks that wait on each other in different calls are
+named within seconds by ``mpiring.runtime.desync``, ``watch_waits``), where 300 s ends the job within five minutes while leaving room for
 the slow cases above; tests and interactive runs set ``MPIRING_TIMEOUT=10``.
 """
 

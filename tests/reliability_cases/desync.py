@@ -11,7 +11,7 @@ Usage: mpiexec -n K python desync.py CASE   (deadline from MPIRING_TIMEOUT)
   no_sync_user: DDP without buffers; r1 runs step 2 under no_sync(), then
                all_reduces its loss on the model's communicator
   slow:        r1 sleeps 2 x the probe time, then joins the all_reduce (no error)
-  third:       A = {r0, r2}, B = {r1, r2}; r2 sleeps 2 x the probe time, then
+  third:       A = {r0, r2}, B = {r1, r2}; r2 sleeps 4 x the probe time, then
                all_reduces on A, then on B (no error: no rank waits on another waiter)
 Each rank prints "[rN] entering at T" before the call that desyncs, and
 "[rN] CASE: ok" or "[rN] CASE: no error" when its calls return.
@@ -62,8 +62,8 @@ elif case == "third":
     xa = np.arange(5, dtype=np.float64) + 10 * r
     xb = xa.copy()
     enter()
-    if r == 2:
-        time.sleep(2 * probe_seconds())
+    if r == 2:  # long enough for the waits of r0 and r1 to be posted and compared
+        time.sleep(4 * probe_seconds())
     if a is not None:
         a.all_reduce(xa)
         expect_sum(xa, (0, 2))
