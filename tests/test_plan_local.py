@@ -12,12 +12,12 @@ import pytest
 from conftest import ROOT, wait_quietly
 from mpi_harness import scrubbed_env
 
-from mpiring.core import stepmodel as sm
 from mpiring.core.costmodel import AlphaBeta, ring_all_reduce
-from mpiring.tools.plan import local, local_runs
+from mpiring.tools.plan import calibrate, local, local_runs
+from mpiring.tools.plan import local_work as lw
 
 AB = AlphaBeta(20e-6, 5e9)
-RATE, BW = 2e10, 1e10
+RATE, BW, SBW, ATT = 2e10, 1e10, 2e10, 1e-4
 
 
 @pytest.mark.parametrize("ranks,threads,comm,cores,want", [
@@ -48,29 +48,72 @@ def _rows(d=128, tokens=128):
             "pp": [{"mode": "1f1b", "m": 4, "step_ms": 7.0}, {"mode": "zb", "m": 4}]}
 
 
+def _flat_calibration(runs):
+    """Every GEMM at RATE, attention ATT s a call, elementwise at BW, streaming at SBW."""
+    spec = lw.spec_for(local.run_works(runs, pp_preset="tiny", pp_mb_rows=1))
+    return {"gemm": {calibrate.gemm_key(g): RATE for g in spec["gemm"]},
+            "attention": {calibrate.shape_key(a): ATT for a in spec["attention"]},
+            "probe": {calibrate.shape_key(p): BW for p in spec["probe"]}, "stream_bw": SBW}
+
+
 def test_compare_runs_prices_each_layout_by_hand():
-    rows = local.compare_runs(_rows(), AB, pp_preset="tiny", pp_mb_rows=1, ranks=2, cores=2,
-                              flop_rate=lambda m, k, n: RATE, mem_bw=BW)
+    runs = _rows()
+    cal = _flat_calibration(runs)
+    rows = local.compare_runs(runs, AB, cal, pp_preset="tiny", pp_mb_rows=1, ranks=2, cores=2)
     assert [r["run"] for r in rows] == ["compute alone", "DDP=2", "TP=2", "PP=2"]
     for r in rows:
         assert r["residual"] == pytest.approx((r["predicted_ms"] - r["measured_ms"])
                                               / r["measured_ms"])
     compute, ddp, tp, pp = rows
-    # TP: 3 x forward FLOPs over 2 ranks, plus 4 fp32 ring AllReduces of the block's output.
-    g = sm.GPT(1, 128, 2, 64, 1)
-    want = (sm.training_flops_per_token(g) * 128 / 2 / RATE
+    # TP, d = 128, 2 heads over 2 ranks: a = 64, f = 256 per rank, 128 tokens in 2 windows.
+    # GEMMs 3 x 2 T (d 3a + a d + d f + f d) = 6 x 128 x 98,304; one attention call;
+    # elementwise T (26d + 4a + 6f + 3 x 3a) + the loss's 6 T d, fp32; 4 ring AllReduces.
+    elem = 4 * 128 * (26 * 128 + 4 * 64 + 6 * 256 + 9 * 64 + 6 * 128)
+    want = (6 * 128 * 98304 / RATE + ATT + elem / BW
             + 4 * ring_all_reduce(4.0 * 128 * 128, 2, AB))
     assert tp["predicted_ms"] == pytest.approx(want * 1e3)
-    # DDP on 2 cores, 2 ranks: no free core for the comm thread, the reduction is all exposed.
+    assert tp["gemm_rate"] == pytest.approx(RATE) and tp["host_attention_ms"] == ATT * 1e3
+    # DDP on 2 cores, 2 ranks: no free core for the comm thread, the reduction is all exposed;
+    # AdamW (28 B) and the reducer's copies (24 B) per parameter at the streaming rate.
     assert ddp["dp_exposed_ms"] == pytest.approx(ddp["dp_total_ms"]) and ddp["dp_total_ms"] > 0
-    assert ddp["optimizer_ms"] == pytest.approx(28 * 118528 / BW * 1e3)
-    more = local.compare_runs(_rows(), AB, pp_preset="tiny", pp_mb_rows=1, ranks=2, cores=8,
-                              flop_rate=lambda m, k, n: RATE, mem_bw=BW)
+    assert ddp["optimizer_ms"] == pytest.approx(28 * 118528 / SBW * 1e3)
+    assert ddp["bucket_ms"] == pytest.approx(24 * 118528 / SBW * 1e3)
+    assert compute["bucket_ms"] == 0 and compute["dp_total_ms"] == 0
+    assert ddp["predicted_ms"] - compute["predicted_ms"] == pytest.approx(
+        ddp["dp_exposed_ms"] + ddp["bucket_ms"])
+    more = local.compare_runs(runs, AB, cal, pp_preset="tiny", pp_mb_rows=1, ranks=2, cores=8)
     assert more[1]["dp_exposed_ms"] < ddp["dp_exposed_ms"]
-    # PP: half the layers per stage, 1F1B's bubble (p-1)/m, sends of fp32 activations.
+    # PP: each stage 1/2 of the whole model's priced work, 1F1B's bubble (p-1)/m, fp32 sends.
+    whole = lw.price(lw.pp_work(64, 2, 2, 32, 256, 1, 4), cal)["compute"]
+    assert pp["compute_ms"] == pytest.approx(whole / 2 * 1e3)
     assert pp["bubble_ms"] == pytest.approx(
         (pp["compute_ms"] / 4 + pp["pp_comm_ms"] / 4) * 1 / 4 * 4)
     assert pp["pp_comm_ms"] == pytest.approx(4 * 2 * AB.time(4.0 * 32 * 64) * 1e3)
+    # Each bench's own calibration, by kind: a faster GEMM rate for TP alone moves TP alone.
+    fast = {**cal, "gemm": {k: 2 * v for k, v in cal["gemm"].items()}}
+    by_kind = local.compare_runs(runs, AB, {"ddp": cal, "tp": fast, "pp": cal}, pp_preset="tiny",
+                                 pp_mb_rows=1, ranks=2, cores=2)
+    assert by_kind[2]["host_gemm_ms"] == pytest.approx(tp["host_gemm_ms"] / 2)
+    assert by_kind[1]["predicted_ms"] == ddp["predicted_ms"]
+
+
+def test_a_shape_missing_from_the_calibration_is_named():
+    runs = _rows()
+    cal = _flat_calibration(runs)
+    cal["gemm"].pop(next(iter(cal["gemm"])))
+    with pytest.raises(ValueError, match="no gemm figure for .*spec_for"):
+        local.compare_runs(runs, AB, cal, pp_preset="tiny", pp_mb_rows=1, ranks=2, cores=2)
+
+
+def test_the_spec_covers_every_bench_shape_at_each_size():
+    for size in local_runs.SIZES:
+        spec = local_runs.spec_for_size(size, 2)
+        assert spec["gemm"] and spec["attention"] and len(spec["probe"]) == 3
+        assert all(a[1] >= 1 for a in spec["attention"])  # a rank never has 0 heads
+    cmd = local_runs.bench_command("tp", "tiny", 2, "o.json", ("s.json", "c.json"))
+    assert cmd[cmd.index("--then") - 3:cmd.index("--then") + 2] == [
+        "--calibrate", "s.json", "c.json", "--then", "bench-tp"]
+    assert local_runs.pp_shape("default") == ("small", 2)
 
 
 @pytest.mark.deadline(240)
@@ -88,6 +131,8 @@ def test_plan_local_runs_the_benches_and_compares(world, tmp_path_factory):
     got = json.loads(out.read_text())
     assert [r["run"] for r in got["rows"]] == ["compute alone", "DDP=2", "TP=2", "PP=2"]
     assert got["alpha_s"] > 0 and got["beta_Bps"] > 0 and got["cores"] >= 1
+    for cal in got["calib"][0].values():  # each bench's, timed on both ranks of its job
+        assert cal["ranks"] == 2 and min(cal["gemm"].values()) > 0 and cal["stream_bw"] > 0
     for r in got["rows"]:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["flop_rate"] > 0, r
         assert f"{r['predicted_ms']:.1f}" in proc.stdout

@@ -13,6 +13,7 @@ tables beside the predictions. No MPI needed::
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -42,6 +43,12 @@ def add_arguments(p) -> None:
     p.add_argument("--ranks", type=int, default=2, help="ranks for --local (default 2)")
     p.add_argument("--rounds", type=int, default=2,
                    help="--local: rounds of the three benches, alternating order (default 2)")
+    p.add_argument("--calibrate", nargs=2, metavar=("SPEC", "OUT"), default=None,
+                   help="under mpiexec: time the GEMMs, attention and elementwise passes of the "
+                        "SPEC JSON on every rank at once (one thread each), write OUT, then run "
+                        "the command after --then in the same job (what --local does per bench)")
+    p.add_argument("--then", nargs=argparse.REMAINDER, default=None,
+                   help="with --calibrate: the mpiring command to run next, e.g. bench-tp ...")
     p.add_argument("--json", metavar="FILE", help="write the layouts (or --check tables) as JSON")
     p.add_argument("--plot", metavar="PNG", help="stacked bars of each layout's step time")
 
@@ -96,31 +103,58 @@ def _check(args) -> int:
 
 
 def _local(bench_json: str, ddp_json: str) -> int:
-    import os
-
-    from mpiring.core.steptime import Layout
-    from mpiring.tools.models.gpt import PRESETS as GPT_PRESETS
-    from mpiring.tools.plan import local
+    from mpiring.tools.plan import calibrate, local
+    from mpiring.tools.plan.local_work import spec_for
 
     with open(bench_json) as f:
         ab = local.fit_ring_rows(json.load(f))
     with open(ddp_json) as f:
-        rows = [r for r in json.load(f) if r["mode"] in ("compute", "ddp")]
-    print(f"ring fit: {ab.describe()}")
-    for r in rows:
-        cfg = GPT_PRESETS[r["preset"]]
-        g = local.local_model(cfg.d_model, cfg.n_layers, cfg.n_heads, r["seq_len"], cfg.vocab_size)
-        threads = max(1, (os.cpu_count() or 1) // r["ranks"])  # as bench-ddp sets them
-        rate = local.measure_flop_rate(r["batch"] * r["seq_len"], cfg.d_model, 4 * cfg.d_model,
-                                       threads)
-        dp = r["ranks"] if r["mode"] == "ddp" else 1
-        pred = local.predict(g, Layout(dp=dp, micro_batch=r["batch"]), r["batch"] * dp, ab, rate)
-        cmp_ = local.compare(r["step_ms"], pred)
-        print(f"{r['mode']:>8} on {r['ranks']} ranks: measured {cmp_['measured_ms']:.1f} ms, "
-              f"predicted {cmp_['predicted_ms']:.1f} ms ({cmp_['residual'] * 100:+.0f}%); "
-              f"FLOP rate {rate / 1e9:.1f} GFLOP/s, gradient reduction "
-              f"{pred['dp_total_ms']:.1f} ms by the fit, {r.get('comm_total_ms') or 0:.1f} ms measured")
+        runs = {"ddp": [r for r in json.load(f) if r["mode"] in ("compute", "ddp")]}
+    if not runs["ddp"]:
+        sys.stderr.write(f"python -m mpiring plan: {ddp_json} has no compute or ddp rows\n")
+        return 2
+    # Timed here, in this one process: not under the bench's contention (docs/planner.md).
+    cal = calibrate.calibrate(None, spec_for(local.run_works(runs, pp_preset="small",
+                                                              pp_mb_rows=2)))
+    print(f"ring fit: {ab.describe()}; calibrated in this process alone")
+    for r in local.compare_runs(runs, ab, cal, pp_preset="small", pp_mb_rows=2,
+                                ranks=runs["ddp"][0]["ranks"], cores=_cores()):
+        print(_line("-", r))
     return 0
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_HEAD = (f"{'round':>5} {'run':<14} {'what':<36} {'measured':>9} {'predicted':>9} {'resid':>6} "
+         f"{'GEMM GF/s':>9} {'gemm':>7} {'attn':>6} {'elem':>6} {'comm':>6}")
+
+
+def _line(i, r: dict) -> str:
+    comm = (r.get("tp_comm_ms", 0) + r.get("pp_comm_ms", 0) + r.get("bubble_ms", 0)
+            + r.get("dp_exposed_ms", 0))
+    return (f"{i:>5} {r['run']:<14} {r['what']:<36} {r['measured_ms']:>9.1f} "
+            f"{r['predicted_ms']:>9.1f} {r['residual'] * 100:>+5.0f}% {r['gemm_rate'] / 1e9:>9.1f} "
+            f"{r['host_gemm_ms']:>7.1f} {r['host_attention_ms']:>6.1f} "
+            f"{r['host_elementwise_ms']:>6.1f} {comm:>6.1f}")
+
+
+def _calibrate_then(args) -> int:
+    import mpiring
+    from mpiring.cli import main
+    from mpiring.tools.plan import calibrate
+
+    comm = mpiring.init()
+    with open(args.calibrate[0]) as f:
+        spec = json.load(f)
+    got = calibrate.calibrate(comm, spec)
+    if comm.rank == 0:
+        with open(args.calibrate[1], "w") as f:
+            json.dump(got, f)
+    return main(args.then) if args.then else 0
 
 
 def _local_all(args) -> int:
@@ -134,29 +168,31 @@ def _local_all(args) -> int:
     load0 = os.getloadavg()[0]
     got = local_runs.measure_all(args.local_size, args.ranks, max(1, args.rounds))
     ab = local.fit_ring_rows(got["bench"])
-    pp_args = local_runs.SIZES[args.local_size]["pp"]
-    preset, mb_rows = pp_args[pp_args.index("--preset") + 1], 2
-    if "--mb-rows" in pp_args:
-        mb_rows = int(pp_args[pp_args.index("--mb-rows") + 1])
+    preset, mb_rows = local_runs.pp_shape(args.local_size)
     print(f"ring fit: {ab.describe()}; {got['ranks']} ranks on {got['cores']} cores; "
           f"load {load0:.2f} before")
-    print(f"{'round':>5} {'run':<14} {'what':<40} {'measured ms':>11} {'predicted ms':>12} "
-          f"{'residual':>8} {'GFLOP/s':>8}")
+    print(_HEAD)
     table = []
-    for i, runs in enumerate(got["runs"]):
-        rows = local.compare_runs(runs, ab, pp_preset=preset, pp_mb_rows=mb_rows,
+    for i, (runs, cal) in enumerate(zip(got["runs"], got["calib"])):
+        rows = local.compare_runs(runs, ab, cal, pp_preset=preset, pp_mb_rows=mb_rows,
                                   ranks=got["ranks"], cores=got["cores"])
+        kinds = {"compute alone": "ddp", "TP": "tp", "PP": "pp"}
         for r in rows:
-            print(f"{i:>5} {r['run']:<14} {r['what']:<40} {r['measured_ms']:>11.1f} "
-                  f"{r['predicted_ms']:>12.1f} {r['residual'] * 100:>+7.0f}% "
-                  f"{r['flop_rate'] / 1e9:>8.1f}")
-            table.append({"round": i, **r})
+            kind = next((v for k, v in kinds.items() if r["run"].startswith(k)), "ddp")
+            print(_line(i, r))
+            table.append({"round": i, "load": got["loads"][i][kind], **r})
+        c = cal["ddp"]
+        print(f"      calibration before DDP: {len(c['gemm'])} GEMM shapes "
+              f"{min(c['gemm'].values()) / 1e9:.0f}-{max(c['gemm'].values()) / 1e9:.0f} GFLOP/s, "
+              f"elementwise {min(c['probe'].values()) / 1e9:.1f}-"
+              f"{max(c['probe'].values()) / 1e9:.1f} GB/s, stream {c['stream_bw'] / 1e9:.1f} GB/s; "
+              f"loads {', '.join(f'{k} {v:.2f}' for k, v in got['loads'][i].items())}")
     print(f"load {os.getloadavg()[0]:.2f} after")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"alpha_s": ab.alpha, "beta_Bps": ab.beta, "load_before": load0,
-                       "load_after": os.getloadavg()[0], "cores": got["cores"], "rows": table},
-                      f, indent=1)
+                       "load_after": os.getloadavg()[0], "cores": got["cores"], "rows": table,
+                       "calib": got["calib"]}, f, indent=1)
     return 0
 
 
@@ -166,6 +202,8 @@ def run(args) -> int:
 
     if args.check:
         return _check(args)
+    if args.calibrate:
+        return _calibrate_then(args)
     if args.local is not None:
         if len(args.local) == 2:
             return _local(*args.local)

@@ -16,13 +16,14 @@ rows that ``local_runs.measure_all`` collects.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from mpiring.core import stepmodel as sm
 from mpiring.core.costmodel import AlphaBeta, fit_alpha_beta
+from mpiring.core.hostcost import adamw_bytes
 from mpiring.core.netmodel import Fabric
 from mpiring.core.steptime import Cluster, Layout, step_time
+from mpiring.tools.plan import local_work as lw
 
 
 def fit_ring_rows(rows: Iterable[dict]) -> AlphaBeta:
@@ -39,50 +40,10 @@ def fit_ring_rows(rows: Iterable[dict]) -> AlphaBeta:
     return fit_alpha_beta([p[0] for p in pts], [p[1] for p in pts], source="ring-rows")
 
 
-def measure_flop_rate(m: int, k: int, n: int, threads: int = 1, repeat: int = 5) -> float:
-    """FLOP/s of a float32 (m x k) @ (k x n) matmul with ``threads`` torch threads (best of ``repeat``)."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        a @ b  # warm-up
-        best = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(old)
-    return 2.0 * m * k * n / best
-
-
-def measure_mem_bw(nbytes: int = 64 << 20, threads: int = 1, repeat: int = 5) -> float:
-    """Bytes/s of an out-of-place float32 add (2 reads + 1 write per element), best of ``repeat``."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
-        out = torch.empty_like(a)
-        torch.add(a, b, out=out)
-        best = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            torch.add(a, b, out=out)
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(old)
-    return 3 * nbytes / best
-
-
 def adamw_seconds(n_params: int, mem_bw: float) -> float:
-    """AdamW's update is memory-bound: it reads the parameter, gradient and both
-    moments and writes the parameter and moments, 7 x 4 bytes per fp32 parameter
-    (torch.optim.AdamW, Loshchilov and Hutter 2019, Algorithm 2)."""
-    return 28.0 * n_params / mem_bw
+    """AdamW's update over the streaming bandwidth: ``hostcost.adamw_bytes`` (28 bytes
+    per fp32 parameter) / ``mem_bw``."""
+    return adamw_bytes(n_params) / mem_bw
 
 
 def cpu_overlap(ranks: int, threads_per_rank: int, comm_threads_per_rank: int, cores: int) -> float:
@@ -102,20 +63,30 @@ def cpu_overlap(ranks: int, threads_per_rank: int, comm_threads_per_rank: int, c
     return max(0.0, min(1.0, free / comm))
 
 
+
+
 def local_model(d_model: int, n_layers: int, n_heads: int, seq_len: int, vocab: int = 256) -> sm.GPT:
     """The project's GPT (mpiring.tools.models.gpt) as the step model sees it."""
     return sm.GPT(n_layers, d_model, n_heads, seq_len, vocab, name="mpiring-gpt")
 
 
 def local_cluster(ab: AlphaBeta, flop_rate: float, ranks: int, mem_bw: float = 1e10) -> Cluster:
-    """Ranks on one host: the fitted link inside the 'node', the measured rate as the peak.
+    """Ranks on one host: the fitted link inside the 'node', ``flop_rate`` as the peak.
 
-    gemm_eff is 1 (the rate is already an achieved one) and the memory-bound ops
-    are left out (elementwise_passes 0): on a CPU they run inside the measured
-    layers' time only roughly, a stated approximation (docs/planner.md).
+    gemm_eff is 1 and elementwise_passes 0: ``flop_rate`` is the host model's
+    effective rate (the step's FLOPs over its priced GEMM, attention and
+    elementwise seconds, ``effective_rate``), so the memory-bound work is in it.
     """
     fabric = Fabric(ab, ab, gpus_per_node=max(1, ranks), nics_per_node=max(1, ranks))
     return Cluster("this-host", ranks, flop_rate, 1e12, mem_bw, fabric, 1.0, 0.0)
+
+
+def effective_rate(g: sm.GPT, tokens: int, gpus: int, seconds: float) -> float:
+    """The FLOP/s that makes the step model's compute term (training FLOPs x tokens /
+    gpus / rate) equal the host model's ``seconds`` of one rank's compute."""
+    if not seconds > 0:
+        raise ValueError("the priced compute must take a positive time")
+    return sm.training_flops_per_token(g) * tokens / gpus / seconds
 
 
 def predict(g: sm.GPT, layout: Layout, batch: int, ab: AlphaBeta, flop_rate: float,
@@ -133,61 +104,99 @@ def compare(measured_ms: float, predicted: dict[str, float]) -> dict[str, float]
             "residual": (predicted["step_ms"] - measured_ms) / measured_ms}
 
 
-def _tp_row(r: dict, ab: AlphaBeta, rate_of) -> dict:
+def _priced(g, layout, batch, tokens, ab, host, per_rank_s):
+    rate = effective_rate(g, tokens, layout.gpus, per_rank_s)
+    pred = predict(g, layout, batch, ab, rate)
+    extra = {f"host_{k}_ms": host[k] * 1e3 for k in ("gemm", "attention", "elementwise")}
+    return {"flop_rate": rate, "gemm_rate": host["gemm_rate"],
+            "elementwise_bw": host["elementwise_bw"], **extra, **pred}
+
+
+def _tp_row(r: dict, ab: AlphaBeta, calib: dict) -> dict:
     # One GPT block (d/64 heads, 64-token windows), forward + backward, no head, no optimizer.
     d, k = r["width"], r["ranks"]
-    g = sm.GPT(1, d, max(1, d // 64), 64, 1, name="tp-block")
-    b = r["tokens"] // 64
-    rate = rate_of(r["tokens"], d, 4 * d // k)
-    pred = predict(g, Layout(dp=1, tp=k, micro_batch=b, act_bytes=4), b, ab, rate)
+    g = sm.GPT(1, d, max(1, d // 64), lw.TP_WINDOW, 1, name="tp-block")
+    b = max(1, r["tokens"] // lw.TP_WINDOW)
+    host = lw.price(lw.tp_work(d, r["tokens"], k), calib)
+    lay = Layout(dp=1, tp=k, micro_batch=b, act_bytes=4)
+    pred = _priced(g, lay, b, b * lw.TP_WINDOW, ab, host, host["compute"])
     return {"run": f"TP={k}", "what": f"GPT block d={d}, {r['tokens']} tokens",
-            "flop_rate": rate, **pred, **compare(r["step_ms"], pred)}
+            **pred, **compare(r["step_ms"], pred)}
 
 
-def _pp_row(r: dict, cfg, mb_rows: int, ranks: int, ab: AlphaBeta, rate_of) -> dict:
+def _pp_row(r: dict, cfg, mb_rows: int, ranks: int, ab: AlphaBeta, calib: dict) -> dict:
     g = local_model(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.vocab_size)
-    rate = rate_of(mb_rows * cfg.seq_len, cfg.d_model, 4 * cfg.d_model)
+    work = lw.pp_work(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.vocab_size,
+                      mb_rows, r["m"])
+    host = lw.price(work, calib)
     lay = Layout(dp=1, pp=ranks, micro_batch=mb_rows, schedule="1f1b", act_bytes=4)
-    pred = predict(g, lay, r["m"] * mb_rows, ab, rate)
+    # The step model splits the layers evenly: each stage does 1/pp of the whole.
+    pred = _priced(g, lay, r["m"] * mb_rows, r["m"] * mb_rows * cfg.seq_len, ab, host,
+                   host["compute"] / ranks)
     return {"run": f"PP={ranks}", "what": f"GPT d={cfg.d_model} l={cfg.n_layers}, 1F1B m={r['m']}"
-            f" x {mb_rows}", "flop_rate": rate, **pred, **compare(r["step_ms"], pred)}
+            f" x {mb_rows}", **pred, **compare(r["step_ms"], pred)}
 
 
-def _ddp_row(r: dict, cfg, ab: AlphaBeta, rate_of, mem_bw: float, overlap: float) -> dict:
+def _ddp_row(r: dict, cfg, ab: AlphaBeta, calib: dict, overlap: float) -> dict:
     g = local_model(cfg.d_model, cfg.n_layers, cfg.n_heads, r["seq_len"], cfg.vocab_size)
     dp = r["ranks"] if r["mode"] == "ddp" else 1
-    rate = rate_of(r["batch"] * r["seq_len"], cfg.d_model, 4 * cfg.d_model)
-    pred = predict(g, Layout(dp=dp, micro_batch=r["batch"], overlap_dp=overlap),
-                   r["batch"] * dp, ab, rate)
-    opt = adamw_seconds(r["params"], mem_bw) * 1e3
-    pred = {**pred, "optimizer_ms": opt, "step_ms": pred["step_ms"] + opt}
+    work = lw.ddp_work(cfg.d_model, cfg.n_layers, cfg.n_heads, r["seq_len"], cfg.vocab_size,
+                       r["batch"], r["params"], reducer=dp > 1)
+    host = lw.price(work, calib)
+    lay = Layout(dp=dp, micro_batch=r["batch"], overlap_dp=overlap)
+    pred = _priced(g, lay, r["batch"] * dp, r["batch"] * r["seq_len"] * dp, ab, host,
+                   host["compute"])
+    opt, buckets = host["optimizer"] * 1e3, host["bucket"] * 1e3
+    pred = {**pred, "optimizer_ms": opt, "bucket_ms": buckets,
+            "step_ms": pred["step_ms"] + opt + buckets}
     name = f"DDP={r['ranks']}" if dp > 1 else "compute alone"
     return {"run": name, "what": f"GPT d={cfg.d_model} l={cfg.n_layers}, {r['batch']} x "
-            f"{r['seq_len']} tokens/rank", "flop_rate": rate, "comm_measured_ms":
-            r.get("comm_total_ms"), **pred, **compare(r["step_ms"], pred)}
+            f"{r['seq_len']} tokens/rank", "comm_measured_ms": r.get("comm_total_ms"),
+            **pred, **compare(r["step_ms"], pred)}
 
 
-def compare_runs(runs: dict, ab: AlphaBeta, *, pp_preset: str, pp_mb_rows: int, ranks: int,
-                 cores: int, flop_rate=None, mem_bw: float | None = None) -> list[dict]:
+def run_works(runs: dict, *, pp_preset: str, pp_mb_rows: int) -> list[lw.Work]:
+    """The ``local_work`` lists of the rows ``compare_runs`` prices (for ``spec_for``)."""
+    from mpiring.tools.models.gpt import PRESETS as GPT_PRESETS
+
+    out = []
+    for r in runs.get("ddp", []):
+        if r["mode"] in ("compute", "ddp"):
+            c = GPT_PRESETS[r["preset"]]
+            out.append(lw.ddp_work(c.d_model, c.n_layers, c.n_heads, r["seq_len"], c.vocab_size,
+                                   r["batch"], r["params"], r["mode"] == "ddp"))
+    for r in runs.get("tp", []):
+        if r["mode"] == "mpiring" and r["block"] == "layer":
+            out.append(lw.tp_work(r["width"], r["tokens"], r["ranks"]))
+    c = GPT_PRESETS[pp_preset]
+    for r in runs.get("pp", []):
+        if r["mode"] == "1f1b":
+            out.append(lw.pp_work(c.d_model, c.n_layers, c.n_heads, c.seq_len, c.vocab_size,
+                                  pp_mb_rows, r["m"]))
+    return out
+
+
+def compare_runs(runs: dict, ab: AlphaBeta, calib: dict, *, pp_preset: str, pp_mb_rows: int,
+                 ranks: int, cores: int) -> list[dict]:
     """Predicted beside measured for one round of bench rows {"ddp", "tp", "pp": rows}.
 
-    ``flop_rate(m, k, n)`` gives the FLOP/s of each run's matmul shape (default:
-    ``measure_flop_rate`` with one thread, as the benches run); DDP's overlap
-    is ``cpu_overlap`` with one communication thread per rank.
+    ``calib`` is one calibration (``calibrate.calibrate``) or {kind: calibration}
+    (each bench's own, measured in its job right before it); DDP's overlap is
+    ``cpu_overlap`` with one communication thread per rank.
     """
     from mpiring.tools.models.gpt import PRESETS as GPT_PRESETS
 
-    rate_of = flop_rate or (lambda m, k, n: measure_flop_rate(m, k, n, 1))
-    bw = mem_bw or measure_mem_bw()
+    def cal(kind):
+        return calib[kind] if kind in calib else calib
     out = []
     for r in runs.get("ddp", []):
         if r["mode"] in ("compute", "ddp"):
             overlap = cpu_overlap(r["ranks"], 1, 1, cores)
-            out.append(_ddp_row(r, GPT_PRESETS[r["preset"]], ab, rate_of, bw, overlap))
+            out.append(_ddp_row(r, GPT_PRESETS[r["preset"]], ab, cal("ddp"), overlap))
     for r in runs.get("tp", []):
         if r["mode"] == "mpiring" and r["block"] == "layer":
-            out.append(_tp_row(r, ab, rate_of))
+            out.append(_tp_row(r, ab, cal("tp")))
     for r in runs.get("pp", []):
         if r["mode"] == "1f1b":
-            out.append(_pp_row(r, GPT_PRESETS[pp_preset], pp_mb_rows, ranks, ab, rate_of))
+            out.append(_pp_row(r, GPT_PRESETS[pp_preset], pp_mb_rows, ranks, ab, cal("pp")))
     return out
