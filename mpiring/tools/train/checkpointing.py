@@ -51,6 +51,19 @@ _LAYOUT = ("tp", "pp", "fsdp", "optimizer", "mode", "schedule", "microbatches",
            "bucket_mb", "first_bucket_mb", "grad_as_bucket_view")
 
 
+def _global_batch_error(extra, saved, now, batch_size: int) -> str | None:
+    """What differs between the checkpoint's global batch and this run's, with the fix."""
+    saved_batch = extra["job"]["config"]["batch_size"]
+    saved_global = saved["dp"] * saved_batch
+    if saved_global == now["dp"] * batch_size:
+        return None
+    fix = f"--global-batch {saved_global}"
+    if saved_global % now["dp"] == 0:
+        fix += f" (or --batch-size {saved_global // now['dp']} at {now['dp']} replicas)"
+    return (f"the checkpoint's global batch was {saved['dp']} x {saved_batch} windows, this "
+            f"run's {now['dp']} x {batch_size}: resume with the same global batch, {fix}")
+
+
 class ResumeError(RuntimeError):
     """Resuming failed on at least one rank (raised on every rank)."""
 
@@ -253,7 +266,11 @@ class Checkpointer:
         if size != job.comm.size and saved is not None and saved["tp"] == now["tp"] == 1:
             # Plain DDP (or ZeRO) at another world size: the checkpoint holds the full
             # model and optimizer state, so it loads like a grid one, if the global
-            # batch (ranks x --batch-size) is the same (checked there, naming the fix).
+            # batch (ranks x --batch-size) is the same.
+            error = _global_batch_error(extra, saved, now, job.cfg.batch_size)
+            if error is not None:
+                raise ValueError(f"the checkpoint was written by {size} ranks, this run has "
+                                 f"{job.comm.size} and another global batch: {error}")
             return self._restore_resharded(job, state, saved, now)
         if size != job.comm.size:
             raise ValueError(f"the checkpoint was written by {size} ranks, this run has "
@@ -303,15 +320,10 @@ class Checkpointer:
                 job.optimizer.load_state_dict(reshard.by_index(names, optim))
         sampler = dict(state["sampler"])
         read = int(sampler["start"]) * saved["dp"]  # windows the replicas read this epoch
-        saved_global = saved["dp"] * extra["job"]["config"]["batch_size"]
-        if read % now["dp"] or saved_global != now["dp"] * job.cfg.batch_size:
-            fix = f"--global-batch {saved_global}"
-            if saved_global % now["dp"] == 0:
-                fix += f" (or --batch-size {saved_global // now['dp']} at {now['dp']} replicas)"
-            raise ValueError(f"the checkpoint's global batch was {saved['dp']} x "
-                             f"{extra['job']['config']['batch_size']} windows, this run's "
-                             f"{now['dp']} x {job.cfg.batch_size}: resume with the same global "
-                             f"batch, {fix}")
+        error = _global_batch_error(extra, saved, now, job.cfg.batch_size)
+        if read % now["dp"] or error is not None:
+            raise ValueError(error or f"{read} windows read do not split over {now['dp']} "
+                             "replicas: resume with the checkpoint's global batch")
         job.sampler.load_state_dict({**sampler, "start": read // now["dp"]})
         job._shard = None
         job.step = int(state["step"])
