@@ -6,10 +6,11 @@
 Files: ``flat`` (one unit's flat layout and shard), ``unit`` (gather, free,
 reduce-scatter, the hooks), ``wrap`` (auto_wrap), ``runner`` (the
 communication thread), ``module`` (the wrapper), ``state`` (full state dicts),
-``checkpoint`` (files that load at any number of ranks).
+``precision`` (mixed precision), ``checkpoint`` (files that load at any number of ranks).
 """
 
-from mpiring.parallel.fsdp.module import DEFAULT_ALGO, FullyShardedDataParallel, MixedPrecision
+from mpiring.parallel.fsdp.module import DEFAULT_ALGO, FullyShardedDataParallel
+from mpiring.parallel.fsdp.precision import MixedPrecision
 from mpiring.parallel.fsdp.state import (
     full_optim_state_dict,
     full_state_dict,
