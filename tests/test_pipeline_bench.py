@@ -15,10 +15,14 @@ def test_bench_pp_smoke(comm):
     assert [r["mode"] for r in rows] == ["1f1b", "zb", "gpipe"]
     for r in rows:
         assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
-        assert r["peak_act_mib"] > 0
+        assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
+        assert r["peak_act_mib"] == max(r["peak_act_mib_per_stage"]) > 0
+        assert len(r["peak_act_mib_per_stage"]) == comm.size
     assert rows[0]["x_1f1b"] == 1.0
+    assert rows[1]["zb_over_1f1b_bubble"] == pytest.approx(rows[1]["bubble"] / rows[0]["bubble"])
     spans = drawn[("zb", 2)]
     assert len(spans) == comm.size
     assert sorted(s.action.kind for s in spans[0]) == ["B", "B", "F", "F", "W", "W"]
     assert draw_run(spans).count("设备") == comm.size
-    assert "zb" in format_pp_table(rows)
+    table = format_pp_table(rows)
+    assert "zb" in table and "m=2: gpipe meas/pred" in table and "zb/1f1b bubble" in table

@@ -22,6 +22,8 @@ from mpiring.parallel.pipeline import (
     SchedulePipeDream,
     ScheduleZeroBubble,
 )
+from mpiring.parallel.pipeline.actions import parse_schedule
+from mpiring.parallel.pipeline.runtime import PipelineSchedule, _eager_sends
 from mpiring.parallel.pipeline.schedules import build, compute_only
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 from mpiring.tools.train.pipeline import split_gpt
@@ -271,3 +273,34 @@ def test_shapes_agreed_once_then_again_for_a_new_shape(comm):
     # 3 headers (one per micro-batch) on each link: sent by one end, received by the other.
     per = 3 * ((comm.rank > 0) + (comm.rank < comm.size - 1))
     assert headers == [per, 0, per, per]
+
+
+# Stage 0 sends both activations after both forwards (not right after each), and
+# stage 1 receives both first: both sends wait for their group (posting F1's from
+# F1 itself would overtake F0's, and stage 1 would take F1's activation for F0's).
+LATE_SENDS = ["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+              "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1"]
+
+
+def test_sends_posted_by_the_action_that_makes_them(comm):
+    plan = _eager_sends(build("1f1b", 3, 4)[1])
+    assert sorted(plan) == sorted([("F", k) for k in range(4)] + [("B", k) for k in range(4)])
+    assert all(plan[(k, mb)].kind == "SEND_" + k and plan[(k, mb)].mb == mb for k, mb in plan)
+    late = parse_schedule(LATE_SENDS)
+    assert _eager_sends(late[0]) == {}
+    assert sorted(_eager_sends(late[1])) == [("B", 0), ("B", 1)]
+    if comm.size != 2:
+        return
+    full = mlp()
+    lo, hi = bounds(len(full), 2)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, comm.rank, 2, comm)
+    sched = PipelineSchedule(stage, 2, mse, actions=late)
+    for salt in (0, 1, 2):  # steps 2 and 3 run on receives posted at the step's start
+        x, y = data(salt)
+        reference(full, x, y, 2, mse)
+        part.zero_grad()
+        sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        assert sched.transport.posted == {}  # every posted receive was used
+        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
+            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)

@@ -16,6 +16,7 @@ from mpiring.parallel.pipeline.validate import (
     check,
     idle_time,
     in_flight,
+    predicted_bubble,
     simulate,
     unit_costs,
 )
@@ -48,6 +49,38 @@ def test_bubble_is_the_formula(name, p, m):
         spans = simulate(build(name, p, m), costs)
         for frac in bubble(spans):
             assert frac == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p", STAGES)
+@pytest.mark.parametrize("m", MICRO)
+def test_gpipe_bubble_with_a_transfer_step(p, m):
+    # Each message takes tau from its send to its receive: the fill and the drain
+    # each grow by (p-1) tau, so the bubble is (p-1)(1+tau)/(m+(p-1)(1+tau)).
+    tau = 0.25
+    spans = simulate(build("gpipe", p, m), unit_costs(1, 1, 0), transfer=tau)
+    fill = (p - 1) * (1 + tau)
+    for frac in bubble(spans):
+        assert frac == pytest.approx(fill / (m + fill))
+    assert bubble(simulate(build("gpipe", p, m), transfer=0.0)) == bubble(
+        simulate(build("gpipe", p, m)))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("p", (2, 3, 4))
+def test_prediction_replays_a_run(name, p):
+    # A "run" with uneven, micro-batch-dependent times: replaying each action's own
+    # time reproduces its bubble exactly; the stage means only approximately.
+    m = 6
+    sched = build(name, p, m)
+
+    def cost(a, split):
+        return {"F": 1.0, "B": 1.0 if split else 2.0, "W": 1.0}[a.kind] * (1 + 0.3 * (a.mb % 3)
+                                                                          + 0.2 * a.stage)
+    run = simulate(sched, cost, transfer=0.1)
+    assert predicted_bubble(sched, run, transfer=0.1, replay=True) == pytest.approx(bubble(run))
+    assert predicted_bubble(sched, run, replay=True) != pytest.approx(bubble(run))
+    means = predicted_bubble(sched, run, transfer=0.1)
+    assert max(means) == pytest.approx(max(bubble(run)), rel=0.5)
 
 
 @pytest.mark.parametrize("p", (2, 3, 4, 5))

@@ -249,7 +249,9 @@ class PipelineSchedule:
 
 def _eager_sends(program: list[Action]) -> dict[tuple[str, int], Action]:
     """(kind, mb) -> the send of that compute action's output, where the program lists
-    it in the run right after the action (what ``schedules.lower`` always does)."""
+    it in the run right after the action (what ``schedules.lower`` always does) and no
+    send on the same channel comes before it in that run (messages between a pair
+    arrive in the order they were posted, so posting it early must not overtake one)."""
     out = {}
     for i, a in enumerate(program):
         if a.is_comm:
@@ -257,8 +259,10 @@ def _eager_sends(program: list[Action]) -> dict[tuple[str, int], Action]:
         for b in program[i + 1:]:
             if not b.is_comm:
                 break
-            if b.kind in (SEND_F, SEND_B) and b.channel == a.kind and b.mb == a.mb:
-                out[(a.kind, a.mb)] = b
+            if b.kind in (SEND_F, SEND_B) and b.channel == a.kind:
+                if b.mb == a.mb:
+                    out[(a.kind, a.mb)] = b
+                break  # the first send on this channel in the run; a later one must wait
     return out
 
 

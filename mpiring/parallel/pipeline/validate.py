@@ -91,12 +91,14 @@ def unit_costs(f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Callable[[Acti
 
 
 def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float] | None = None,
-             *, rendezvous: bool = False) -> list[list[Span]]:
+             *, rendezvous: bool = False, transfer: float = 0.0) -> list[list[Span]]:
     """Run the programs in simulated time; each rank's compute spans, in order.
 
     Args:
         cost: ``cost(action, split)`` in any time unit (default ``unit_costs()``).
         rendezvous: a send completes only when its receive is posted (NCCL groups).
+        transfer: a message's time from its send to its receive's completion (the
+            schedule's transfer step; 0: instantaneous).
 
     Raises:
         ScheduleError: messages that would meet the wrong micro-batch, or a deadlock.
@@ -110,7 +112,7 @@ def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float]
     # (src, dst, channel) -> posted sends / receives, in order: [(action, time)]
     sends: dict[tuple, list] = defaultdict(list)
     recvs: dict[tuple, list] = defaultdict(list)
-    posted: dict[int, list[tuple[dict, tuple, int]]] = {}  # rank -> its group's entries
+    posted: dict[int, list[tuple[dict, tuple, int, float]]] = {}  # rank -> its group's entries
 
     def post(r: int, group: list[Action]) -> None:
         entries = []
@@ -120,15 +122,18 @@ def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float]
             table = sends if send else recvs
             table[key].append((a, clock[r]))
             if rendezvous or not send:
-                entries.append((recvs if send else sends, key, len(table[key]) - 1))
+                # A receive is done ``transfer`` after its send; a rendezvous send
+                # only needs its receive posted.
+                entries.append((recvs if send else sends, key, len(table[key]) - 1,
+                                0.0 if send else transfer))
         posted[r] = entries
 
     def matched(r: int) -> float | None:
         t = clock[r]
-        for other, key, idx in posted[r]:
+        for other, key, idx, delay in posted[r]:
             if len(other[key]) <= idx:
                 return None
-            t = max(t, other[key][idx][1])
+            t = max(t, other[key][idx][1] + delay)
         return t
 
     moved = True
@@ -233,6 +238,19 @@ def measured_costs(schedule: list[list[Action]], spans: list[list[Span]]
     return cost
 
 
-def predicted_bubble(schedule: list[list[Action]], spans: list[list[Span]]) -> list[float]:
-    """Per rank: the bubble the schedule predicts with the run's measured mean action times."""
-    return bubble(simulate(schedule, measured_costs(schedule, spans)))
+def replay_costs(spans: list[list[Span]]) -> Callable[[Action, bool], float]:
+    """A ``simulate`` cost from a real run: each action's own measured time."""
+    times = {s.action: s.end - s.start for row in spans for s in row}
+    return lambda a, sp: times.get(a, 0.0)
+
+
+def predicted_bubble(schedule: list[list[Action]], spans: list[list[Span]], *,
+                     transfer: float = 0.0, replay: bool = False) -> list[float]:
+    """Per rank: the bubble the schedule predicts from a run's measured times.
+
+    Args:
+        transfer: each message's measured time (``simulate``'s transfer step).
+        replay: each action's own time instead of its stage's mean F, B or W.
+    """
+    cost = replay_costs(spans) if replay else measured_costs(schedule, spans)
+    return bubble(simulate(schedule, cost, transfer=transfer))

@@ -1,25 +1,38 @@
 """Pipeline schedules on the project's GPT: measured bubble vs the schedule's prediction.
 
-For each number of micro-batches m and each schedule, every rank times
-``step()`` and records its compute spans (``sched.timeline``); the row is the
-fastest step (its slowest rank's time), the same step on every rank. The
-measured bubble of a rank is the part of that step (first start to last end,
-over every rank) it spent idle; the prediction is the validator's simulation of the same
-schedule with each stage's measured mean F, B and W times. Peak activation
-memory is the stage's count of the bytes autograd saved for backward.
-torch.distributed.pipelining's Schedule1F1B over gloo runs the same stages,
-micro-batches and ranks for comparison.
+For each number of micro-batches m, every schedule (and torch.distributed.
+pipelining's Schedule1F1B over gloo, on the same stages, micro-batches and
+ranks) is built once; then the steps go round-robin, one step of each mode
+in turn, so that a slow moment of the shared machine falls on every mode
+alike. Every rank times each ``step()`` and records its compute spans
+(``sched.timeline``); a mode's row is its fastest step (that step's slowest
+rank), the same step on every rank.
+
+* bubble: the worst rank's share of that step (first start to last end over
+  every rank) spent outside F, B and W: waiting, and its own sends and
+  receives, are all counted as bubble.
+* predicted: the validator's simulation of the same schedule with each
+  stage's measured mean F, B and W times, and each message taking the
+  measured per-transfer time (a ping-pong of the activation between the two
+  ranks, through the pipeline's own transport, before the timed steps).
+* replay: the same simulation with each action's own measured time instead
+  of the stage's mean (what a runtime with no overhead would have done with
+  exactly these compute times).
+* peak act: the bytes autograd saved for backward (and, between B and W, the
+  bytes W keeps), per stage.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 
 import torch
 
 from mpiring.parallel.pipeline.actions import Action
 from mpiring.parallel.pipeline.diagram import draw
+from mpiring.parallel.pipeline.transport import wait_all
 from mpiring.parallel.pipeline.validate import Span, bubble, predicted_bubble
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
@@ -39,11 +52,6 @@ def _gather_spans(comm, spans: list[Span]) -> list[list[Span]]:
     return [[Span(Action(st, k, mb), t0, t1) for st, k, mb, t0, t1 in row] for row in rows]
 
 
-def _predict(sched, spans: list[list[Span]]) -> float:
-    """The schedule's bubble simulated with each stage's measured mean F, B and W times."""
-    return max(predicted_bubble(sched.actions, spans))
-
-
 def _fastest(comm, times: list[float]) -> tuple[int, float]:
     """(index, seconds) of the fastest step, timed by its slowest rank: the same step on
     every rank (on shared cores the other steps hold other jobs' time slices)."""
@@ -53,60 +61,90 @@ def _fastest(comm, times: list[float]) -> tuple[int, float]:
     return best, per_step[best]
 
 
-def _run_mpiring(comm, cfg, mode: str, m: int, mb_rows: int, steps: int, warmup: int):
-    name = "gpipe" if mode.startswith("gpipe") else mode
-    stage, sched, _ = build_pipeline(comm, cfg, name, m, recompute=mode == "gpipe-recompute")
-    x, y = _batch(cfg, m * mb_rows, seed=m)
-    times, timelines = [], []
-    for i in range(warmup + steps):
-        stage.module.zero_grad(set_to_none=True)
-        comm.barrier()
-        t0 = time.perf_counter()
-        sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
-        if i >= warmup:
+def transfer_time(comm, shape, dtype=torch.float32, rounds: int = 40) -> float:
+    """Seconds one activation of ``shape`` takes between neighbouring ranks: the median
+    half round trip, on an unchecked duplicate, waited for as the transport waits."""
+    fast = comm.dup()
+    fast.check = False
+    buf = torch.zeros(shape, dtype=dtype)
+    worst = 0.0
+    for left in range(comm.size - 1):
+        times = []
+        for _ in range(rounds if comm.rank in (left, left + 1) else 0):
+            t0 = time.perf_counter()
+            if comm.rank == left:
+                fast.isend(buf, left + 1, 7).wait()
+                wait_all([fast.irecv(buf, left + 1, 7)])
+            else:
+                wait_all([fast.irecv(buf, left, 7)])
+                fast.isend(buf, left, 7).wait()
             times.append(time.perf_counter() - t0)
-            timelines.append(sched.timeline)
-    best, seconds = _fastest(comm, times)
-    spans = _gather_spans(comm, timelines[best])
-    peak = comm.control.allreduce_scalar(int(stage.peak_activation_bytes), "max") \
-        if comm.size > 1 else stage.peak_activation_bytes
-    return {"mode": mode, "m": m, "step_ms": 1e3 * seconds,
-            "bubble": max(bubble(spans)), "predicted": _predict(sched, spans),
-            "peak_act_mib": peak / 2**20}, spans
+        if comm.rank == left:
+            worst = max(worst, statistics.median(times) / 2)
+        comm.barrier()
+    return comm.control.allreduce_scalar(worst, "max") if comm.size > 1 else worst
 
 
-def _run_torch(comm, cfg, m: int, mb_rows: int, steps: int, warmup: int):
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+class _Mpiring:
+    def __init__(self, comm, cfg, mode: str, m: int):
+        name = "gpipe" if mode.startswith("gpipe") else mode
+        self.stage, self.sched, _ = build_pipeline(comm, cfg, name, m,
+                                                   recompute=mode == "gpipe-recompute")
+        self.mode, self.times, self.timelines, self.peak = mode, [], [], 0
 
-    from mpiring.tools.train.torch_pg import destroy_torch_process_group, init_torch_process_group
+    def step(self, x, y, timed: bool) -> None:
+        st = self.stage
+        st.module.zero_grad(set_to_none=True)
+        st.comm.barrier()
+        t0 = time.perf_counter()
+        self.sched.step(x if st.is_first else None, target=y if st.is_last else None)
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+            self.timelines.append(self.sched.timeline)
+        self.peak = max(self.peak, st.peak_activation_bytes)
 
-    group = init_torch_process_group(comm, torch.device("cpu"))
-    try:
+    def row(self, comm, m: int, transfer: float):
+        best, seconds = _fastest(comm, self.times)
+        spans = _gather_spans(comm, self.timelines[best])
+        acts = self.sched.actions
+        peaks = comm.control.allgather_json(int(self.peak)) if comm.size > 1 else [self.peak]
+        return {"mode": self.mode, "m": m, "step_ms": 1e3 * seconds,
+                "bubble": max(bubble(spans)),
+                "predicted": max(predicted_bubble(acts, spans, transfer=transfer)),
+                "replay": max(predicted_bubble(acts, spans, transfer=transfer, replay=True)),
+                "transfer_us": 1e6 * transfer,
+                "peak_act_mib": max(peaks) / 2**20,
+                "peak_act_mib_per_stage": [v / 2**20 for v in peaks]}, spans
+
+
+class _Torch:
+    def __init__(self, comm, cfg, m: int, group):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
         torch.manual_seed(0)
         module, _ = split_gpt(GPT(cfg), comm.size, comm.rank)
-        module = copy.deepcopy(module)
-        stage = PipelineStage(module, comm.rank, comm.size, torch.device("cpu"), group=group)
-        sched = Schedule1F1B(stage, m, loss_fn=lm_loss)
-        x, y = _batch(cfg, m * mb_rows, seed=m)
-        times = []
-        for i in range(warmup + steps):
-            module.zero_grad(set_to_none=True)
-            comm.barrier()
-            t0 = time.perf_counter()
-            if comm.rank == 0:
-                sched.step(x)
-            elif comm.rank == comm.size - 1:
-                sched.step(target=y, losses=[])
-            else:
-                sched.step()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        dist.barrier()
-    finally:
-        destroy_torch_process_group(comm)
-    return {"mode": "torch-1f1b", "m": m, "step_ms": 1e3 * _fastest(comm, times)[1], "bubble": None,
-            "predicted": None, "peak_act_mib": None}
+        self.module = copy.deepcopy(module)
+        stage = PipelineStage(self.module, comm.rank, comm.size, torch.device("cpu"), group=group)
+        self.sched = Schedule1F1B(stage, m, loss_fn=lm_loss)
+        self.comm, self.times = comm, []
+
+    def step(self, x, y, timed: bool) -> None:
+        comm = self.comm
+        self.module.zero_grad(set_to_none=True)
+        comm.barrier()
+        t0 = time.perf_counter()
+        if comm.rank == 0:
+            self.sched.step(x)
+        elif comm.rank == comm.size - 1:
+            self.sched.step(target=y, losses=[])
+        else:
+            self.sched.step()
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+
+    def row(self, comm, m: int, transfer: float):
+        return {"mode": "torch-1f1b", "m": m, "step_ms": 1e3 * _fastest(comm, self.times)[1],
+                "bubble": None, "predicted": None, "replay": None, "peak_act_mib": None}, None
 
 
 def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_rows: int = 2,
@@ -116,35 +154,82 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
     if bad:
         raise ValueError(f"unknown modes {bad}: use some of {', '.join(MODES)}")
     cfg = PRESETS[preset]
+    transfer = transfer_time(comm, (mb_rows, cfg.seq_len, cfg.d_model))
+    group = None
+    if "torch-1f1b" in modes:
+        from mpiring.tools.train.torch_pg import init_torch_process_group
+        group = init_torch_process_group(comm, torch.device("cpu"))
     rows, drawn = [], {}
-    for m in ms:
-        for mode in modes:
-            if mode == "torch-1f1b":
-                rows.append(_run_torch(comm, cfg, m, mb_rows, steps, warmup))
-            else:
-                row, spans = _run_mpiring(comm, cfg, mode, m, mb_rows, steps, warmup)
+    try:
+        for m in ms:
+            runs = [_Torch(comm, cfg, m, group) if mode == "torch-1f1b"
+                    else _Mpiring(comm, cfg, mode, m) for mode in modes]
+            x, y = _batch(cfg, m * mb_rows, seed=m)
+            for i in range(warmup + steps):  # round-robin: one step of each mode in turn
+                for run in runs:
+                    run.step(x, y, timed=i >= warmup)
+            for mode, run in zip(modes, runs):
+                row, spans = run.row(comm, m, transfer)
                 rows.append(row)
-                drawn[(mode, m)] = spans
-        base = next((r for r in rows if r["m"] == m and r["mode"] == "1f1b"), None)
-        for r in rows:
-            if r["m"] == m and base is not None:
-                r["x_1f1b"] = r["step_ms"] / base["step_ms"]
+                if spans is not None:
+                    drawn[(mode, m)] = spans
+            _ratios([r for r in rows if r["m"] == m])
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+
+            from mpiring.tools.train.torch_pg import destroy_torch_process_group
+            dist.barrier()
+            destroy_torch_process_group(comm)
     return rows, drawn
 
 
-def format_pp_table(rows: list[dict]) -> str:
-    """The rows as a fixed-width table."""
-    head = (f"{'schedule':<16} {'m':>3} {'step ms':>9} {'x 1f1b':>7} {'bubble':>7} "
-            f"{'predicted':>9} {'meas/pred':>9} {'peak act MiB':>12}")
-    lines = [head, "-" * len(head)]
+def _ratios(rows: list[dict]) -> None:
+    by = {r["mode"]: r for r in rows}
+    base = by.get("1f1b")
     for r in rows:
-        def pct(v):
-            return f"{v:.1%}" if v is not None else "-"
-        ratio = f"{r['bubble'] / r['predicted']:.2f}" if r["bubble"] and r["predicted"] else "-"
+        if base is not None:
+            r["x_1f1b"] = r["step_ms"] / base["step_ms"]
+    if base is not None and "zb" in by and base["bubble"]:
+        by["zb"]["zb_over_1f1b_bubble"] = by["zb"]["bubble"] / base["bubble"]
+    if base is not None and "torch-1f1b" in by:
+        base["over_torch"] = base["step_ms"] / by["torch-1f1b"]["step_ms"]
+
+
+def format_pp_table(rows: list[dict]) -> str:
+    """The rows as a fixed-width table, then the goals' ratios per m."""
+    head = (f"{'schedule':<16} {'m':>3} {'step ms':>9} {'x 1f1b':>7} {'bubble':>7} "
+            f"{'predicted':>9} {'meas/pred':>9} {'replay':>7} {'meas/rep':>8} {'peak act MiB':>12}")
+    lines = [head, "-" * len(head)]
+
+    def pct(v):
+        return f"{v:.1%}" if v is not None else "-"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a and b else "-"
+    for r in rows:
         act = f"{r['peak_act_mib']:.2f}" if r["peak_act_mib"] is not None else "-"
         lines.append(f"{r['mode']:<16} {r['m']:>3} {r['step_ms']:>9.1f} "
                      f"{r.get('x_1f1b', float('nan')):>7.2f} {pct(r['bubble']):>7} "
-                     f"{pct(r['predicted']):>9} {ratio:>9} {act:>12}")
+                     f"{pct(r['predicted']):>9} {ratio(r['bubble'], r['predicted']):>9} "
+                     f"{pct(r['replay']):>7} {ratio(r['bubble'], r['replay']):>8} {act:>12}")
+    if rows and rows[0].get("transfer_us") is not None:
+        lines.append(f"per-transfer time (measured, in the prediction): "
+                     f"{rows[0]['transfer_us']:.0f} us")
+    for m in sorted({r["m"] for r in rows}):
+        by = {r["mode"]: r for r in rows if r["m"] == m}
+        parts = []
+        for mode in ("gpipe", "1f1b"):
+            if mode in by:
+                parts.append(f"{mode} meas/pred {ratio(by[mode]['bubble'], by[mode]['predicted'])}")
+        if "zb_over_1f1b_bubble" in by.get("zb", {}):
+            peaks = "/".join(f"{v:.2f}" for v in by["zb"]["peak_act_mib_per_stage"])
+            base = "/".join(f"{v:.2f}" for v in by["1f1b"]["peak_act_mib_per_stage"])
+            parts.append(f"zb/1f1b bubble {by['zb']['zb_over_1f1b_bubble']:.2f} "
+                         f"(peak act per stage zb {peaks}, 1f1b {base} MiB)")
+        if "over_torch" in by.get("1f1b", {}):
+            parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f}")
+        lines.append(f"m={m}: " + "; ".join(parts))
     return "\n".join(lines)
 
 
