@@ -27,12 +27,14 @@ micro-batch:
   were sent, and the validator has checked that both ends list them in the
   same order, so posting them all ahead matches each to its micro-batch.
 
-On MPI a stage waits by polling: for ``SPIN_S`` it asks in a tight loop (a
-neighbour that is about to finish: the steady state of 1F1B), then with short
-sleeps (the bubble lasts whole forwards of the neighbour, and a spinning wait
-would take a core from the ranks that compute). ``MPIRING_IDLE=spin`` keeps
-the tight loop throughout. After ``POLL_S`` the communicator's own wait takes
-over, with its deadline and stall report.
+On MPI a stage waits by polling (``wait_all``). A spinning wait would take a
+core from the ranks that compute (the bubble lasts whole forwards of the
+neighbour); a sleeping one sees the message up to a sleep late, at every
+dependency of the schedule. So the wait sleeps between polls through most of
+the time the same wait took on the last step, then polls in a tight loop for
+``SPIN_S`` around the moment the message is due, then sleeps again.
+``MPIRING_IDLE=spin`` keeps the tight loop throughout. After ``POLL_S`` the
+communicator's own wait takes over, with its deadline and stall report.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 8
+NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                torch.int16, torch.int8, torch.uint8, torch.bool)
 #: Seconds a wait polls in a tight loop before it sleeps between polls.
 SPIN_S = 1e-3
 #: Seconds between polls after that (the kernel's timer slack is added to it).
@@ -73,20 +77,56 @@ def from_header(h: np.ndarray) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(int(v) for v in h[2:2 + int(h[1])]), DTYPES[int(h[0])]
 
 
-def wait_all(reqs: list, spin_s: float = SPIN_S, sleep_s: float | None = SLEEP_S) -> None:
-    """Complete ``reqs``: poll (tight, then sleeping), then the communicator's own wait."""
+def _timer_slack(ns: int | None) -> int | None:
+    """Set this thread's timer slack (Linux ``prctl``); returns the old value, or None."""
+    if _PRCTL is None:
+        return None
+    old = _PRCTL(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+    if ns is not None and old >= 0:
+        _PRCTL(29, ns, 0, 0, 0)  # PR_SET_TIMERSLACK
+    return old if old >= 0 else None
+
+
+def _load_prctl():
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl if os.uname().sysname == "Linux" else None
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def wait_all(reqs: list, spin_s: float = SPIN_S, sleep_s: float | None = SLEEP_S,
+             expect_s: float = 0.0) -> float:
+    """Complete ``reqs``: poll (sleeping, tight, then sleeping), then the communicator's wait.
+
+    ``expect_s``: how long this wait took last time. Up to 80% of it passes in
+    sleeping polls, then the loop polls tightly for ``spin_s``; a message that
+    comes early is seen at the next sleeping poll. Returns the seconds waited.
+    """
     pending = [r for r in reqs if not r.test()]
     if not pending:
-        return
-    now = time.perf_counter()
-    spin_until, poll_until = now + spin_s, now + POLL_S
-    while pending and now < poll_until:
-        if sleep_s is not None and now >= spin_until:
-            time.sleep(sleep_s)
-        pending = [r for r in pending if not r.test()]
-        now = time.perf_counter()
+        return 0.0
+    start = now = time.perf_counter()
+    spin_from = start + 0.8 * expect_s if sleep_s is not None else start
+    spin_until, poll_until = spin_from + spin_s, start + POLL_S
+    # Sleeps end on time only with a fine timer slack (the default adds 50 us to each);
+    # this thread's own setting, put back when the wait ends.
+    slack = _timer_slack(1000) if sleep_s is not None else None
+    try:
+        while pending and now < poll_until:
+            if sleep_s is not None and not spin_from <= now < spin_until:
+                time.sleep(sleep_s)
+            pending = [r for r in pending if not r.test()]
+            now = time.perf_counter()
+    finally:
+        if slack is not None:
+            _timer_slack(slack)
     for r in pending:  # still not there: wait under the deadline (stall report, abort)
         r.wait()
+    return time.perf_counter() - start
 
 
 class Transport:
@@ -113,6 +153,7 @@ class Transport:
         self.fresh = True
         self.bufs: dict[tuple[str, int], torch.Tensor] = {}
         self.posted: dict[tuple[str, int], tuple] = {}
+        self.waited: dict[tuple[str, int], float] = {}  # a group's wait, last step
 
     def start_step(self, program: list[Action]) -> None:
         """Post every receive of this rank's program ahead (MPI, shapes known)."""
@@ -146,6 +187,11 @@ class Transport:
     def send(self, a: Action, t: torch.Tensor, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
         comm = self.checked if self.fresh else self.fast
+        if not self.fresh and t.device.type == "cpu" and t.dtype in NUMPY_DTYPES:
+            # The array view (it keeps ``t`` alive until the send completes): right
+            # after a compute action, wrapping a torch tensor for MPI (reshape,
+            # DLPack) runs cold and costs more than the message itself.
+            t = t.numpy()
         if a.kind == SEND_F:
             if a.mb not in self.meta_sent:
                 sends.append(self.checked.isend(header(t), a.peer, TAG_META))
@@ -189,7 +235,9 @@ class Transport:
                 elif key in outgoing:
                     self.send(a, outgoing.pop(key), sends)
         if self.mpi:
-            wait_all(recvs, sleep_s=self.sleep_s)
+            key = (run[0].kind, run[0].mb)
+            self.waited[key] = wait_all(recvs, sleep_s=self.sleep_s,
+                                        expect_s=self.waited.get(key, 0.0))
         else:
             for req in recvs:
                 req.wait()
