@@ -18,6 +18,9 @@ rank), the same step on every rank.
 * replay: the same simulation with each action's own measured time instead
   of the stage's mean (what a runtime with no overhead would have done with
   exactly these compute times).
+* msg us: the median time from a producer's compute end to the consumer's
+  compute start, over the messages the consumer was waiting for (posting,
+  transfer, noticing it, the runtime's steps in between).
 * peak act: the bytes autograd saved for backward (and, between B and W, the
   bytes W keeps), per stage.
 """
@@ -25,6 +28,7 @@ rank), the same step on every rank.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 
 import torch
@@ -58,6 +62,22 @@ def _fastest(comm, times: list[float]) -> tuple[int, float]:
     per_step = [max(col) for col in zip(*table)]
     best = per_step.index(min(per_step))
     return best, per_step[best]
+
+
+def message_delay(spans: list[list[Span]]) -> float | None:
+    """Median seconds from a producer's compute end to the consumer's compute start, over
+    the messages the consumer sat waiting for (the runtime's whole per-message path)."""
+    p = len(spans)
+    ends = {s.action: s.end for row in spans for s in row}
+    delays = []
+    for row in spans:
+        for prev, s in zip(row, row[1:]):
+            a = s.action
+            dep = (Action(a.stage - 1, "F", a.mb) if a.kind == "F" and a.stage > 0 else
+                   Action(a.stage + 1, "B", a.mb) if a.kind == "B" and a.stage < p - 1 else None)
+            if dep in ends and ends[dep] > prev.end:
+                delays.append(s.start - ends[dep])
+    return statistics.median(delays) if delays else None
 
 
 def transfer_time(comm, shape, dtype=torch.float32, rounds: int = 40) -> float:
@@ -116,6 +136,7 @@ class _Mpiring:
                 "predicted": max(predicted_bubble(acts, spans, transfer=transfer)),
                 "replay": max(predicted_bubble(acts, spans, transfer=transfer, replay=True)),
                 "transfer_us": 1e6 * transfer,
+                "msg_us": None if (d := message_delay(spans)) is None else 1e6 * d,
                 "peak_act_mib": max(peaks) / 2**20,
                 "peak_act_mib_per_stage": [v / 2**20 for v in peaks]}, spans
 
@@ -202,7 +223,7 @@ def _ratios(rows: list[dict]) -> None:
 def format_pp_table(rows: list[dict]) -> str:
     """The rows as a fixed-width table, then the goals' ratios per m."""
     head = (f"{'schedule':<16} {'m':>3} {'step ms':>9} {'x 1f1b':>7} {'bubble':>7} "
-            f"{'predicted':>9} {'meas/pred':>9} {'replay':>7} {'meas/rep':>8} {'peak act MiB':>12}")
+            f"{'predicted':>9} {'meas/pred':>9} {'replay':>7} {'meas/rep':>8} {'msg us':>6} {'peak act MiB':>12}")
     lines = [head, "-" * len(head)]
 
     def pct(v):
@@ -212,10 +233,11 @@ def format_pp_table(rows: list[dict]) -> str:
         return f"{a / b:.2f}" if a and b else "-"
     for r in rows:
         act = f"{r['peak_act_mib']:.2f}" if r["peak_act_mib"] is not None else "-"
+        msg = f"{r['msg_us']:.0f}" if r.get("msg_us") is not None else "-"
         lines.append(f"{r['mode']:<16} {r['m']:>3} {r['step_ms']:>9.1f} "
                      f"{r.get('x_1f1b', float('nan')):>7.2f} {pct(r['bubble']):>7} "
                      f"{pct(r['predicted']):>9} {ratio(r['bubble'], r['predicted']):>9} "
-                     f"{pct(r['replay']):>7} {ratio(r['bubble'], r['replay']):>8} {act:>12}")
+                     f"{pct(r['replay']):>7} {ratio(r['bubble'], r['replay']):>8} {msg:>6} {act:>12}")
     if rows and rows[0].get("transfer_us") is not None:
         lines.append(f"per-transfer time (measured, in the prediction): "
                      f"{rows[0]['transfer_us']:.0f} us")
