@@ -85,3 +85,16 @@ def test_calibration_times_the_layouts_it_names():
     assert got["attention"]["1x2x8x4"] > 0 and got["stream_bw"] > 0 and got["ranks"] == 1
     assert all(v > 0 for v in got["gemm"].values())
     assert torch.get_num_threads() >= 1
+
+
+def test_two_calibrations_combine_as_one_stretch_of_time():
+    from mpiring.tools.plan import calibrate
+
+    def cal(rate, att, bw):
+        return {"gemm": {"g": rate}, "attention": {"a": att}, "probe": {"p": bw},
+                "stream_bw": bw, "ranks": 1, "seconds": 1.0, "spread": 0.0}
+    got = calibrate.combine(cal(100.0, 1.0, 10.0), cal(300.0, 3.0, 30.0))
+    # Equal work in each: 1/100 + 1/300 seconds for 2 units is a rate of 150.
+    assert got["gemm"]["g"] == pytest.approx(150.0) and got["attention"]["a"] == 2.0
+    assert got["probe"]["p"] == pytest.approx(15.0) and got["stream_bw"] == pytest.approx(15.0)
+    assert got["per_rank"][0]["gemm"]["g"] == pytest.approx(150.0) and got["seconds"] == 2.0

@@ -133,9 +133,43 @@ def test_plan_local_runs_the_benches_and_compares(world, tmp_path_factory):
     assert got["alpha_s"] > 0 and got["beta_Bps"] > 0 and got["cores"] >= 1
     for cal in got["calib"][0].values():  # each bench's, timed on both ranks of its job
         assert cal["ranks"] == 2 and min(cal["gemm"].values()) > 0 and cal["stream_bw"] > 0
+        assert len(cal["bench_share"]) == 2 and min(cal["bench_share"]) > 0
+        assert min(cal["oncore"]["gemm"].values()) > 0
     for r in got["rows"]:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["flop_rate"] > 0, r
+        assert r["oncore_predicted_ms"] > 0, r
         assert f"{r['predicted_ms']:.1f}" in proc.stdout
     assert "load" in proc.stdout and "ring fit" in proc.stdout
     assert subprocess.run([sys.executable, "-m", "mpiring", "plan", "--local", "a.json"],
                           cwd=ROOT, env=scrubbed_env(), capture_output=True).returncode == 2
+
+
+def test_each_ranks_own_calibration_prices_the_slowest_rank():
+    runs = _rows()
+    cal = _flat_calibration(runs)
+    slow = {**cal, "gemm": {k: v / 3 for k, v in cal["gemm"].items()}}
+    work = lw.tp_work(128, 128, 2)
+    got = lw.price(work, {**cal, "per_rank": [cal, slow]})
+    assert got == lw.price(work, slow) and got["gemm"] == pytest.approx(
+        3 * lw.price(work, cal)["gemm"])
+
+
+def test_oncore_pricing_stretches_the_cpu_rates_by_the_benchs_share_of_a_core():
+    runs = _rows()
+    cal = _flat_calibration(runs)
+    work = lw.tp_work(128, 128, 2)
+    rank = {**cal, "oncore": cal}
+    both = {**cal, "per_rank": [rank, rank], "bench_share": [1.0, 0.5]}
+    got, flat = lw.price(work, both, oncore=True), lw.price(work, cal)
+    # The rank with half a core is the slowest: every second doubles, every rate halves.
+    assert got["compute"] == pytest.approx(2 * flat["compute"])
+    assert got["gemm_rate"] == pytest.approx(flat["gemm_rate"] / 2)
+    # A share above 1 (the comm thread's CPU time) is a whole core, not a faster one.
+    over = lw.price(work, {**both, "bench_share": [1.6, 1.2]}, oncore=True)
+    assert over["compute"] == pytest.approx(flat["compute"])
+    with pytest.raises(ValueError, match="plan --calibrate"):
+        lw.price(work, cal, oncore=True)
+    rows = local.compare_runs(runs, AB, {**both, "bench_share": [0.5, 0.5]}, pp_preset="tiny",
+                              pp_mb_rows=1, ranks=2, cores=2, oncore=True)
+    base = local.compare_runs(runs, AB, cal, pp_preset="tiny", pp_mb_rows=1, ranks=2, cores=2)
+    assert rows[0]["compute_ms"] == pytest.approx(2 * base[0]["compute_ms"])

@@ -130,19 +130,39 @@ def _cores() -> int:
 
 
 _HEAD = (f"{'round':>5} {'run':<14} {'what':<36} {'measured':>9} {'predicted':>9} {'resid':>6} "
-         f"{'GEMM GF/s':>9} {'gemm':>7} {'attn':>6} {'elem':>6} {'comm':>6}")
+         f"{'GEMM GF/s':>9} {'gemm':>7} {'attn':>6} {'elem':>6} {'other':>6} {'one set':>8} "
+         f"{'on-core':>9} {'resid':>6} {'share':>5}")
 
 
-def _line(i, r: dict) -> str:
-    comm = (r.get("tp_comm_ms", 0) + r.get("pp_comm_ms", 0) + r.get("bubble_ms", 0)
-            + r.get("dp_exposed_ms", 0))
+def _line(i, r: dict, one: dict | None = None, oc: dict | None = None,
+          share: float | None = None) -> str:
+    other = (r.get("tp_comm_ms", 0) + r.get("pp_comm_ms", 0) + r.get("bubble_ms", 0)
+             + r.get("dp_exposed_ms", 0) + r.get("optimizer_ms", 0) + r.get("bucket_ms", 0))
+    tail = f" {one['residual'] * 100:>+7.0f}%" if one else ""
+    if oc:
+        tail += f" {oc['predicted_ms']:>9.1f} {oc['residual'] * 100:>+5.0f}% {share:>5.2f}"
     return (f"{i:>5} {r['run']:<14} {r['what']:<36} {r['measured_ms']:>9.1f} "
             f"{r['predicted_ms']:>9.1f} {r['residual'] * 100:>+5.0f}% {r['gemm_rate'] / 1e9:>9.1f} "
             f"{r['host_gemm_ms']:>7.1f} {r['host_attention_ms']:>6.1f} "
-            f"{r['host_elementwise_ms']:>6.1f} {comm:>6.1f}")
+            f"{r['host_elementwise_ms']:>6.1f} {other:>6.1f}{tail}")
+
+
+def _ddp_check(rows: list[dict]) -> dict | None:
+    """DDP's cost over compute alone and its bucket AllReduces, predicted against measured."""
+    by = {r["run"]: r for r in rows}
+    base, ddp = by.get("compute alone"), next((r for r in rows if r["run"].startswith("DDP")), None)
+    if not base or not ddp:
+        return None
+    return {"extra_measured_ms": ddp["measured_ms"] - base["measured_ms"],
+            "extra_predicted_ms": ddp["predicted_ms"] - base["predicted_ms"],
+            "ring_exposed_ms": ddp["dp_exposed_ms"], "copies_ms": ddp["bucket_ms"],
+            "allreduce_measured_ms": ddp.get("comm_measured_ms"),
+            "allreduce_predicted_ms": ddp["dp_total_ms"]}
 
 
 def _calibrate_then(args) -> int:
+    import time
+
     import mpiring
     from mpiring.cli import main
     from mpiring.tools.plan import calibrate
@@ -150,11 +170,18 @@ def _calibrate_then(args) -> int:
     comm = mpiring.init()
     with open(args.calibrate[0]) as f:
         spec = json.load(f)
-    got = calibrate.calibrate(comm, spec)
+    # Before and after the command: the pair brackets it, so a change of the host's
+    # load while it runs shows up in the rates as it does in the command's times.
+    before = calibrate.calibrate(comm, spec)
+    wall, cpu = time.perf_counter(), time.process_time()
+    rc = main(args.then) if args.then else 0
+    share = (time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall)
+    got = calibrate.combine(before, calibrate.calibrate(comm, spec))
+    got["bench_share"] = comm.control.allgather_json(share) if comm.size > 1 else [share]
     if comm.rank == 0:
         with open(args.calibrate[1], "w") as f:
             json.dump(got, f)
-    return main(args.then) if args.then else 0
+    return rc
 
 
 def _local_all(args) -> int:
@@ -172,17 +199,37 @@ def _local_all(args) -> int:
     print(f"ring fit: {ab.describe()}; {got['ranks']} ranks on {got['cores']} cores; "
           f"load {load0:.2f} before")
     print(_HEAD)
-    table = []
+    table, checks = [], []
     for i, (runs, cal) in enumerate(zip(got["runs"], got["calib"])):
         rows = local.compare_runs(runs, ab, cal, pp_preset=preset, pp_mb_rows=mb_rows,
                                   ranks=got["ranks"], cores=got["cores"])
         kinds = {"compute alone": "ddp", "TP": "tp", "PP": "pp"}
-        for r in rows:
+        # The same rows priced with one calibration for all three (the DDP job's).
+        ones = local.compare_runs(runs, ab, cal["ddp"], pp_preset=preset, pp_mb_rows=mb_rows,
+                                  ranks=got["ranks"], cores=got["cores"])
+        # And at the CPU-time rates over the share of a core each bench measured.
+        ocs = local.compare_runs(runs, ab, cal, pp_preset=preset, pp_mb_rows=mb_rows,
+                                 ranks=got["ranks"], cores=got["cores"], oncore=True)
+        for r, one, oc in zip(rows, ones, ocs):
             kind = next((v for k, v in kinds.items() if r["run"].startswith(k)), "ddp")
-            print(_line(i, r))
-            table.append({"round": i, "load": got["loads"][i][kind], **r})
+            share = min(cal[kind]["bench_share"])
+            print(_line(i, r, one, oc, share))
+            table.append({"round": i, "load": got["loads"][i][kind], "bench_share":
+                          cal[kind]["bench_share"], "residual_one_set": one["residual"],
+                          "oncore_predicted_ms": oc["predicted_ms"],
+                          "oncore_residual": oc["residual"], **r})
+        chk = _ddp_check(rows)
+        if chk:
+            ar = chk["allreduce_measured_ms"]
+            print(f"      DDP over compute alone: measured {chk['extra_measured_ms']:.1f} ms, "
+                  f"predicted {chk['extra_predicted_ms']:.1f} (ring {chk['ring_exposed_ms']:.1f} "
+                  f"exposed: no free core for the comm thread; bucket copies "
+                  f"{chk['copies_ms']:.1f}); bucket AllReduces measured "
+                  f"{ar if ar is not None else float('nan'):.1f} ms, ring fit "
+                  f"{chk['allreduce_predicted_ms']:.1f}")
+            checks.append({"round": i, **chk})
         c = cal["ddp"]
-        print(f"      calibration before DDP: {len(c['gemm'])} GEMM shapes "
+        print(f"      calibration around DDP: {len(c['gemm'])} GEMM shapes "
               f"{min(c['gemm'].values()) / 1e9:.0f}-{max(c['gemm'].values()) / 1e9:.0f} GFLOP/s, "
               f"elementwise {min(c['probe'].values()) / 1e9:.1f}-"
               f"{max(c['probe'].values()) / 1e9:.1f} GB/s, stream {c['stream_bw'] / 1e9:.1f} GB/s; "
@@ -192,7 +239,8 @@ def _local_all(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"alpha_s": ab.alpha, "beta_Bps": ab.beta, "load_before": load0,
                        "load_after": os.getloadavg()[0], "cores": got["cores"], "rows": table,
-                       "calib": got["calib"]}, f, indent=1)
+                       "ddp_check": checks, "calib": got["calib"],
+                       "bench_rows": got["runs"]}, f, indent=1)
     return 0
 
 

@@ -4,7 +4,7 @@
 ranks at once with one torch thread each, right before the bench: so the GEMMs
 share the cores, caches and memory bus exactly as the bench's steps will, and
 the host's load at that moment is in both. It times, each the median of
-``repeat`` runs after one warm-up:
+``repeat`` turns after one warm-up (``measure``):
 
 * every GEMM shape the spec lists (``mpiring.core.hostcost.Gemm``: the shapes
   and operand layouts the model's linears run), as FLOP/s;
@@ -15,7 +15,15 @@ the host's load at that moment is in both. It times, each the median of
 * a streaming add over ``stream_mib`` MiB (the optimizer's and the reducer's
   whole-parameter passes), as bytes/s.
 
-Every rank's figures are averaged (the ranks run the same shapes at once). The
+Each figure comes twice: over wall-clock time (what the bench's clock sees, the
+host's other load included) and over this thread's CPU time ("oncore": the rate
+while the rank holds a core). ``plan --calibrate`` runs it once before the bench
+and once after, in the same job, ``combine`` joins the two, and it records each
+rank's share of a core during the bench (process CPU time / wall time,
+``bench_share``), the load the bench itself saw.
+
+Each rank's figures are kept, and their mean (the ranks run the same shapes at
+once; on a loaded host one may get less of a core than the other). The
 spec is JSON: {"gemm": [[m, k, n, layout], ...], "attention": [[b, h, s, hd]],
 "probe": [[tokens, d, ffn]], "stream_mib": 64}.
 """
@@ -40,16 +48,6 @@ def shape_key(shape) -> str:
     return "x".join(str(int(v)) for v in shape)
 
 
-def _median_s(fn, repeat: int) -> float:
-    fn()  # warm-up: first-touch pages, the kernel's packing buffers
-    times = []
-    for _ in range(max(1, repeat)):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times)
-
-
 def gemm_operands(m: int, k: int, n: int, layout: str):
     """(a, b) with a @ b of shape (m, n), strided as autograd has them (see ``Gemm``)."""
     import torch
@@ -63,18 +61,18 @@ def gemm_operands(m: int, k: int, n: int, layout: str):
     raise ValueError(f"layout {layout!r}: use nt, nn or tn")
 
 
-def time_gemm(m: int, k: int, n: int, layout: str, repeat: int = 5) -> float:
-    """FLOP/s of one (m x k) @ (k x n) multiply in ``layout``."""
+def gemm_probe(m: int, k: int, n: int, layout: str):
+    """(run once, FLOPs) of one (m x k) @ (k x n) multiply in ``layout``."""
     import torch
 
     a, b = gemm_operands(m, k, n, layout)
     out = torch.empty(m, n)
-    return 2.0 * m * k * n / _median_s(lambda: torch.mm(a, b, out=out), repeat)
+    return (lambda: torch.mm(a, b, out=out)), 2.0 * m * k * n
 
 
-def time_attention(b: int, h: int, s: int, hd: int, repeat: int = 5) -> float:
-    """Seconds of one causal ``scaled_dot_product_attention`` forward and backward, with
-    q, k, v cut from one (b, s, 3 h hd) tensor as the GPT block cuts them."""
+def attention_probe(b: int, h: int, s: int, hd: int):
+    """(run once, 1 call) of a causal ``scaled_dot_product_attention`` forward and
+    backward, with q, k, v cut from one (b, s, 3 h hd) tensor as the GPT block cuts them."""
     import torch
     from torch.nn import functional as F
 
@@ -82,14 +80,16 @@ def time_attention(b: int, h: int, s: int, hd: int, repeat: int = 5) -> float:
     grad = torch.randn(b, h, s, hd)
 
     def step():
-        q, k, v = (z.view(b, s, h, hd).transpose(1, 2) for z in qkv.split(h * hd, dim=2))
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        with torch.enable_grad():
+            q, k, v = (z.view(b, s, h, hd).transpose(1, 2) for z in qkv.split(h * hd, dim=2))
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
         qkv.grad = None
-    return _median_s(step, repeat)
+    return step, 1.0
 
 
-def time_probe(tokens: int, d: int, ffn: int, repeat: int = 5) -> float:
-    """Bytes/s of the elementwise probe: LayerNorm and GELU forward and backward, one add."""
+def elementwise_probe(tokens: int, d: int, ffn: int):
+    """(run once, bytes) of LayerNorm and GELU forward and backward and one add
+    (``hostcost.probe_bytes``)."""
     import torch
     from torch.nn import functional as F
 
@@ -99,49 +99,85 @@ def time_probe(tokens: int, d: int, ffn: int, repeat: int = 5) -> float:
     gx, gu, out = torch.randn(tokens, d), torch.randn(tokens, ffn), torch.empty(tokens, d)
 
     def step():
-        F.layer_norm(x, (d,), w, bias).backward(gx)
-        F.gelu(u).backward(gu)
+        with torch.enable_grad():
+            F.layer_norm(x, (d,), w, bias).backward(gx)
+            F.gelu(u).backward(gu)
         torch.add(gx, gx, out=out)
         x.grad = u.grad = w.grad = bias.grad = None
-    return probe_bytes(tokens, d, ffn) / _median_s(step, repeat)
+    return step, probe_bytes(tokens, d, ffn)
 
 
-def time_stream(mib: float = 64.0, repeat: int = 5) -> float:
-    """Bytes/s of an out-of-place float32 add over ``mib`` MiB (2 reads + 1 write)."""
+def stream_probe(mib: float = 64.0):
+    """(run once, bytes) of an out-of-place float32 add over ``mib`` MiB (2 reads, 1 write)."""
     import torch
 
     n = int(mib * (1 << 20)) // 4
     a, b, out = torch.ones(n), torch.ones(n), torch.empty(n)
-    return 3 * 4 * n / _median_s(lambda: torch.add(a, b, out=out), repeat)
+    return (lambda: torch.add(a, b, out=out)), 3 * 4.0 * n
+
+
+def _probes(spec: dict) -> list[tuple[str, str, object, float]]:
+    out = [("gemm", gemm_key(g), *gemm_probe(*g)) for g in spec.get("gemm", [])]
+    out += [("attention", shape_key(a), *attention_probe(*a)) for a in spec.get("attention", [])]
+    out += [("probe", shape_key(p), *elementwise_probe(*p)) for p in spec.get("probe", [])]
+    return out + [("stream", "stream", *stream_probe(spec.get("stream_mib", 64.0)))]
 
 
 def measure(spec: dict, repeat: int = 5) -> dict:
-    """This process's figures for every shape of ``spec``, with one torch thread."""
+    """This process's figures for every shape of ``spec``, with one torch thread.
+
+    The probes take turns, one run each, ``repeat`` rounds after a warm-up round,
+    and each figure is its work over its *total* time (the mean, not the best or
+    the median): a step of the bench is one long stretch in which this rank loses
+    its core to others now and then, and a mean over turns spread across the
+    whole calibration sees those losses in the same proportion; a median of short
+    runs would skip them.
+    """
     import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            gemm = {gemm_key(g): time_gemm(*g, repeat=repeat) for g in spec.get("gemm", [])}
-        att = {shape_key(a): time_attention(*a, repeat=repeat) for a in spec.get("attention", [])}
-        probe = {shape_key(p): time_probe(*p, repeat=repeat) for p in spec.get("probe", [])}
-        stream = time_stream(spec.get("stream_mib", 64.0), repeat)
+            probes = _probes(spec)
+            for _, _, fn, _ in probes:
+                fn()  # warm-up: first-touch pages, the kernels' packing buffers
+            spent, cpu = [0.0] * len(probes), [0.0] * len(probes)
+            for _ in range(max(1, repeat)):
+                for i, (_, _, fn, _) in enumerate(probes):
+                    t0, c0 = clock(), time.thread_time()
+                    fn()
+                    spent[i] += clock() - t0
+                    cpu[i] += time.thread_time() - c0
     finally:
         torch.set_num_threads(old)
-    return {"gemm": gemm, "attention": att, "probe": probe, "stream_bw": stream}
+    return {**_figures(probes, spent, repeat), "oncore": _figures(probes, cpu, repeat)}
+
+
+def _figures(probes, seconds: list[float], repeat: int) -> dict:
+    out: dict = {"gemm": {}, "attention": {}, "probe": {}}
+    for (part, key, _, work), t in zip(probes, seconds):
+        mean = max(t, 1e-9) / max(1, repeat)
+        if part == "stream":
+            out["stream_bw"] = work / mean
+        else:  # attention: seconds per call; the others: work per second
+            out[part][key] = mean if part == "attention" else work / mean
+    return out
 
 
 def _mean_over(rows: list[dict]) -> dict:
     out: dict = {"stream_bw": statistics.fmean(r["stream_bw"] for r in rows)}
     for part in ("gemm", "attention", "probe"):
         out[part] = {k: statistics.fmean(r[part][k] for r in rows) for k in rows[0][part]}
+    if all("oncore" in r for r in rows):
+        out["oncore"] = _mean_over([r["oncore"] for r in rows])
     return out
 
 
 def calibrate(comm, spec: dict, repeat: int = 5) -> dict:
-    """``measure`` on every rank of ``comm`` at once (None: this process alone); the
-    ranks' figures averaged, the same dict on every rank."""
+    """``measure`` on every rank of ``comm`` at once (None: this process alone): the
+    ranks' figures averaged, and each rank's own under "per_rank" (the same dict on
+    every rank)."""
     t0 = time.time()
     if comm is None or comm.size == 1:
         rows = [measure(spec, repeat)]
@@ -149,7 +185,25 @@ def calibrate(comm, spec: dict, repeat: int = 5) -> dict:
         comm.barrier()  # every rank starts together: the GEMMs share the cores as in the bench
         rows = comm.control.allgather_json(measure(spec, repeat))
     return {**_mean_over(rows), "ranks": len(rows), "seconds": time.time() - t0,
-            "spread": _spread(rows)}
+            "spread": _spread(rows), "per_rank": rows}
+
+
+def combine(a: dict, b: dict) -> dict:
+    """Two calibrations of the same spec as one: each figure's work over the two times
+    added (for rates the harmonic mean, for attention's seconds the mean), per rank too."""
+    def one(x: dict, y: dict) -> dict:
+        out = {"stream_bw": 2 / (1 / x["stream_bw"] + 1 / y["stream_bw"]),
+               "attention": {k: (v + y["attention"][k]) / 2 for k, v in x["attention"].items()}}
+        for part in ("gemm", "probe"):
+            out[part] = {k: 2 / (1 / v + 1 / y[part][k]) for k, v in x[part].items()}
+        if "oncore" in x and "oncore" in y:
+            out["oncore"] = one(x["oncore"], y["oncore"])
+        return out
+    rows = [one(x, y) for x, y in zip(a.get("per_rank") or [a], b.get("per_rank") or [b])]
+    return {**one(a, b), "ranks": a["ranks"], "seconds": a["seconds"] + b["seconds"],
+            "spread": max(a["spread"], b["spread"]), "per_rank": rows,
+            "before": {k: a[k] for k in ("gemm", "stream_bw")},
+            "after": {k: b[k] for k in ("gemm", "stream_bw")}}
 
 
 def _spread(rows: list[dict]) -> float:

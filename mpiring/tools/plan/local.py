@@ -112,23 +112,24 @@ def _priced(g, layout, batch, tokens, ab, host, per_rank_s):
             "elementwise_bw": host["elementwise_bw"], **extra, **pred}
 
 
-def _tp_row(r: dict, ab: AlphaBeta, calib: dict) -> dict:
+def _tp_row(r: dict, ab: AlphaBeta, calib: dict, oncore: bool = False) -> dict:
     # One GPT block (d/64 heads, 64-token windows), forward + backward, no head, no optimizer.
     d, k = r["width"], r["ranks"]
     g = sm.GPT(1, d, max(1, d // 64), lw.TP_WINDOW, 1, name="tp-block")
     b = max(1, r["tokens"] // lw.TP_WINDOW)
-    host = lw.price(lw.tp_work(d, r["tokens"], k), calib)
+    host = lw.price(lw.tp_work(d, r["tokens"], k), calib, oncore)
     lay = Layout(dp=1, tp=k, micro_batch=b, act_bytes=4)
     pred = _priced(g, lay, b, b * lw.TP_WINDOW, ab, host, host["compute"])
     return {"run": f"TP={k}", "what": f"GPT block d={d}, {r['tokens']} tokens",
             **pred, **compare(r["step_ms"], pred)}
 
 
-def _pp_row(r: dict, cfg, mb_rows: int, ranks: int, ab: AlphaBeta, calib: dict) -> dict:
+def _pp_row(r: dict, cfg, mb_rows: int, ranks: int, ab: AlphaBeta, calib: dict,
+            oncore: bool = False) -> dict:
     g = local_model(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.vocab_size)
     work = lw.pp_work(cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.vocab_size,
                       mb_rows, r["m"])
-    host = lw.price(work, calib)
+    host = lw.price(work, calib, oncore)
     lay = Layout(dp=1, pp=ranks, micro_batch=mb_rows, schedule="1f1b", act_bytes=4)
     # The step model splits the layers evenly: each stage does 1/pp of the whole.
     pred = _priced(g, lay, r["m"] * mb_rows, r["m"] * mb_rows * cfg.seq_len, ab, host,
@@ -137,12 +138,13 @@ def _pp_row(r: dict, cfg, mb_rows: int, ranks: int, ab: AlphaBeta, calib: dict) 
             f" x {mb_rows}", **pred, **compare(r["step_ms"], pred)}
 
 
-def _ddp_row(r: dict, cfg, ab: AlphaBeta, calib: dict, overlap: float) -> dict:
+def _ddp_row(r: dict, cfg, ab: AlphaBeta, calib: dict, overlap: float,
+             oncore: bool = False) -> dict:
     g = local_model(cfg.d_model, cfg.n_layers, cfg.n_heads, r["seq_len"], cfg.vocab_size)
     dp = r["ranks"] if r["mode"] == "ddp" else 1
     work = lw.ddp_work(cfg.d_model, cfg.n_layers, cfg.n_heads, r["seq_len"], cfg.vocab_size,
                        r["batch"], r["params"], reducer=dp > 1)
-    host = lw.price(work, calib)
+    host = lw.price(work, calib, oncore)
     lay = Layout(dp=dp, micro_batch=r["batch"], overlap_dp=overlap)
     pred = _priced(g, lay, r["batch"] * dp, r["batch"] * r["seq_len"] * dp, ab, host,
                    host["compute"])
@@ -177,12 +179,14 @@ def run_works(runs: dict, *, pp_preset: str, pp_mb_rows: int) -> list[lw.Work]:
 
 
 def compare_runs(runs: dict, ab: AlphaBeta, calib: dict, *, pp_preset: str, pp_mb_rows: int,
-                 ranks: int, cores: int) -> list[dict]:
+                 ranks: int, cores: int, oncore: bool = False) -> list[dict]:
     """Predicted beside measured for one round of bench rows {"ddp", "tp", "pp": rows}.
 
     ``calib`` is one calibration (``calibrate.calibrate``) or {kind: calibration}
     (each bench's own, measured in its job right before it); DDP's overlap is
-    ``cpu_overlap`` with one communication thread per rank.
+    ``cpu_overlap`` with one communication thread per rank. ``oncore``: price the
+    compute at the CPU-time rates over the bench's measured share of a core
+    (``local_work.price``).
     """
     from mpiring.tools.models.gpt import PRESETS as GPT_PRESETS
 
@@ -192,11 +196,12 @@ def compare_runs(runs: dict, ab: AlphaBeta, calib: dict, *, pp_preset: str, pp_m
     for r in runs.get("ddp", []):
         if r["mode"] in ("compute", "ddp"):
             overlap = cpu_overlap(r["ranks"], 1, 1, cores)
-            out.append(_ddp_row(r, GPT_PRESETS[r["preset"]], ab, cal("ddp"), overlap))
+            out.append(_ddp_row(r, GPT_PRESETS[r["preset"]], ab, cal("ddp"), overlap, oncore))
     for r in runs.get("tp", []):
         if r["mode"] == "mpiring" and r["block"] == "layer":
-            out.append(_tp_row(r, ab, cal("tp")))
+            out.append(_tp_row(r, ab, cal("tp"), oncore))
     for r in runs.get("pp", []):
         if r["mode"] == "1f1b":
-            out.append(_pp_row(r, GPT_PRESETS[pp_preset], pp_mb_rows, ranks, ab, cal("pp")))
+            out.append(_pp_row(r, GPT_PRESETS[pp_preset], pp_mb_rows, ranks, ab, cal("pp"),
+                               oncore))
     return out

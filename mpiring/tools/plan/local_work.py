@@ -106,9 +106,38 @@ def spec_for(works) -> dict:
             "probe": list(probe.values()), "stream_mib": 64.0}
 
 
-def price(work: Work, calib: dict) -> dict[str, float]:
-    """Seconds of one rank's step by part, from the calibration's rates (KeyError-free:
-    a shape the calibration lacks is a ValueError naming it)."""
+def price(work: Work, calib: dict, oncore: bool = False) -> dict[str, float]:
+    """Seconds of one rank's step by part, from the calibration's rates; with each
+    rank's own figures ("per_rank") the slowest rank's, as the benches time a step
+    by its slowest rank. A shape the calibration lacks is a ValueError naming it.
+
+    ``oncore``: each rank's CPU-time rates over its share of a core during the
+    bench (``bench_share``): the work at the speed of a held core, stretched by
+    the load the bench saw, instead of by the load the calibration saw.
+    """
+    if oncore:
+        rows, shares = calib.get("per_rank") or [calib], calib.get("bench_share")
+        if not shares or len(shares) != len(rows) or any("oncore" not in r for r in rows):
+            raise ValueError("oncore pricing needs a calibration from plan --calibrate ... --then")
+        return max((_stretch(_price_one(work, r["oncore"]), sh) for r, sh in zip(rows, shares)),
+                   key=lambda p: p["compute"] + p["optimizer"] + p["bucket"])
+    if calib.get("per_rank"):
+        return max((_price_one(work, r) for r in calib["per_rank"]),
+                   key=lambda p: p["compute"] + p["optimizer"] + p["bucket"])
+    return _price_one(work, calib)
+
+
+def _stretch(p: dict[str, float], share: float) -> dict[str, float]:
+    if not 0 < share:
+        raise ValueError(f"a share of a core must be positive, got {share}")
+    f = 1 / min(1.0, share)  # a share above 1 is the comm thread's: the step's core is whole
+    return {k: (v * f if k in _SECONDS else v / f) for k, v in p.items()}
+
+
+_SECONDS = ("gemm", "attention", "elementwise", "compute", "optimizer", "bucket")
+
+
+def _price_one(work: Work, calib: dict) -> dict[str, float]:
     def lookup(part: str, key: str) -> float:
         try:
             return calib[part][key]
