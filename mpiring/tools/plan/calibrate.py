@@ -25,7 +25,7 @@ rank's share of a core during the bench (process CPU time / wall time,
 Each rank's figures are kept, and their mean (the ranks run the same shapes at
 once; on a loaded host one may get less of a core than the other). The
 spec is JSON: {"gemm": [[m, k, n, layout], ...], "attention": [[b, h, s, hd]],
-"probe": [[tokens, d, ffn]], "stream_mib": 64}.
+"probe": [[tokens, d, ffn]], "stream_mib": 64, "repeat": 5}.
 """
 
 from __future__ import annotations
@@ -174,10 +174,11 @@ def _mean_over(rows: list[dict]) -> dict:
     return out
 
 
-def calibrate(comm, spec: dict, repeat: int = 5) -> dict:
+def calibrate(comm, spec: dict, repeat: int | None = None) -> dict:
     """``measure`` on every rank of ``comm`` at once (None: this process alone): the
     ranks' figures averaged, and each rank's own under "per_rank" (the same dict on
-    every rank)."""
+    every rank). ``repeat``: turns per probe (default the spec's "repeat", else 5)."""
+    repeat = repeat or int(spec.get("repeat", 5))
     t0 = time.time()
     if comm is None or comm.size == 1:
         rows = [measure(spec, repeat)]
