@@ -2,16 +2,18 @@
 
 The constants come from measurements, not from a datasheet: alpha and beta
 from ``python -m mpiring bench`` (the ring AllReduce rows, fitted with the
-ring's own formula), the FLOP rate from timing a matrix multiply of the
-model's shape with the threads each rank gets. The prediction is then the
-step model's, with a one-GPU-per-rank "cluster" whose peak is that FLOP rate.
+ring's own formula); every GEMM shape's FLOP rate, attention's time and the
+elementwise and streaming bandwidths from ``calibrate``, run inside each
+bench's own job (``local_runs``). ``local_work`` lists and prices each run's
+work (``mpiring.core.hostcost``); the step model then adds the communication,
+bubble and reduction terms with a one-GPU-per-rank "cluster" whose peak is
+the effective rate of that priced compute (``effective_rate``).
 
-Two host terms the GPU model has no need of: the AdamW update (memory-bound,
-``adamw_seconds``), and the cores: on a GPU the copy engines and NICs move
-the gradients while the SMs compute, on a CPU the communication thread needs
-a core of its own, or it time-slices with backward and the reduction adds to
-the step (``cpu_overlap``). ``compare_runs`` prices the DDP, TP and PP bench
-rows that ``local_runs.measure_all`` collects.
+One host term the GPU model has no need of: the cores. On a GPU the copy
+engines and NICs move the gradients while the SMs compute; on a CPU the
+communication thread needs a core of its own, or it time-slices with backward
+and the reduction adds to the step (``cpu_overlap``). ``compare_runs`` prices
+the DDP, TP and PP bench rows that ``local_runs.measure_all`` collects.
 """
 
 from __future__ import annotations
