@@ -15,6 +15,7 @@ from mpiring.tools.bench.tp import (
     TimedComm,
     TPBenchConfig,
     _build,
+    bench_device,
     format_table,
     measure,
     torch_can_split,
@@ -23,9 +24,10 @@ from mpiring.tools.bench.tp import (
 D = 64 * 12  # 12 heads: whole heads on 1, 2, 3 and 4 ranks
 
 
-def _run(block, mode, world):
+def _run(block, mode, world, device="cpu"):
     timed = TimedComm(world)
-    model, x, fwd = _build(block, mode, D, 64, world, timed, "ring")
+    model, x, fwd = _build(block, mode, D, 64, world, timed, "ring",
+                           bench_device(device, world))
     x = x.clone().requires_grad_()
     y = fwd(x)
     y.float().pow(2).mean().backward()
@@ -36,19 +38,21 @@ def _run(block, mode, world):
     return y.detach(), x.grad
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
 @pytest.mark.parametrize("block", ["mlp", "layer"])
-def test_the_modes_compute_the_same_block(world, block):
+def test_the_modes_compute_the_same_block(world, block, device):
     from mpiring.tools.train.torch_pg import destroy_torch_process_group, init_torch_process_group
 
-    want_y, want_g = _run(block, "single", world)
-    got_y, got_g = _run(block, "mpiring", world)
+    want_y, want_g = _run(block, "single", world, device)
+    got_y, got_g = _run(block, "mpiring", world, device)
     torch.testing.assert_close(got_y, want_y, rtol=1e-4, atol=1e-5, msg="mpiring forward")
     torch.testing.assert_close(got_g, want_g, rtol=1e-4, atol=1e-7, msg="mpiring input grad")
     if not torch_can_split(block, D, world.size):
         pytest.skip("torch's TP cannot split this block evenly (mpiring's case ran above)")
-    init_torch_process_group(world, torch.device("cpu"))
+    init_torch_process_group(world, torch.device(device), backend="gloo")
     try:
-        got_y, got_g = _run(block, "torch", world)
+        got_y, got_g = _run(block, "torch", world, device)
     finally:
         destroy_torch_process_group(world)
     torch.testing.assert_close(got_y, want_y, rtol=1e-4, atol=1e-5, msg="torch forward")
@@ -56,6 +60,8 @@ def test_the_modes_compute_the_same_block(world, block):
 
 
 def test_heads_must_divide_for_torch_only():
+    with pytest.raises(ValueError, match="use cpu"):
+        bench_device("tpu", None)
     assert torch_can_split("mlp", 96, 3) and not torch_can_split("mlp", 100, 3)
     assert torch_can_split("layer", 64 * 6, 3) and not torch_can_split("layer", 64 * 4, 3)
 

@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
                    help="mpiring's collective algorithm (default ring)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the blocks run (default cpu; cuda: each rank on its local "
+                        "GPU, mpiring over MPI, torch's TP still over gloo)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     add_backend_arguments(p)
 
@@ -67,19 +70,25 @@ def run(args) -> int:
               f"{MODES}, steps >= 1, tokens >= 64, widths >= 64", file=sys.stderr)
         return 2
     if args.backend != "mpi":
-        print("mpiring bench-tp: runs on the MPI backend (CPU): use --backend mpi",
+        print("mpiring bench-tp: runs on the MPI backend (CUDA-aware or host-staged on a GPU): "
+              "use --backend mpi", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("mpiring bench-tp: --device cuda needs a GPU that torch can see: use --device cpu",
               file=sys.stderr)
         return 2
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # one thread per rank everywhere, the 1-rank row included
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     cfg = TPBenchConfig(widths=args.widths, blocks=args.blocks, modes=args.modes,
-                        tokens=args.tokens, steps=args.steps, warmup=args.warmup, algo=args.algo)
+                        tokens=args.tokens, steps=args.steps, warmup=args.warmup, algo=args.algo,
+                        device=args.device)
     gloo = None
     if "torch" in cfg.modes:
         from mpiring.tools.train.torch_pg import init_torch_process_group
 
-        gloo = init_torch_process_group(comm, torch.device("cpu"))
+        # gloo on either device: the baseline (and two ranks can share one GPU).
+        gloo = init_torch_process_group(comm, torch.device(cfg.device), backend="gloo")
     rows = []
     try:
         for block in cfg.blocks:
@@ -98,7 +107,8 @@ def run(args) -> int:
 
             destroy_torch_process_group(comm)
     if comm.rank == 0:
-        print(f"bench-tp: {comm.size} ranks, {torch.get_num_threads()} thread(s) per rank, "
+        print(f"bench-tp: {comm.size} ranks on {cfg.device}, "
+              f"{torch.get_num_threads()} thread(s) per rank, "
               f"{cfg.tokens} tokens, fp32, median of {cfg.steps} steps, algo {cfg.algo}")
         print(format_table(rows))
         if args.json:

@@ -65,6 +65,7 @@ class TPBenchConfig:
     steps: int = 5
     warmup: int = 1
     algo: str = "ring"
+    device: str = "cpu"  # "cuda": every rank on its local GPU (mpiring on MPI, torch on gloo)
 
 
 def _mlp(d: int) -> nn.Sequential:
@@ -104,13 +105,27 @@ def torch_can_split(block: str, d: int, ranks: int) -> bool:
     return (4 * d) % ranks == 0 and (block == "mlp" or max(1, d // 64) % ranks == 0)
 
 
-def _build(block: str, mode: str, d: int, tokens: int, comm, timed: TimedComm, algo: str):
+def bench_device(name: str, comm) -> torch.device:
+    """The device of this rank's blocks: the CPU, or the local rank's GPU (round robin)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: use cpu, or cuda on a host with a GPU")
+    device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # torch.cuda.synchronize() and new tensors follow it
+    return device
+
+
+def _build(block: str, mode: str, d: int, tokens: int, comm, timed: TimedComm, algo: str,
+           device: torch.device | None = None):
     """(module, input, forward) for one measurement; the same full weights in every mode."""
     torch.manual_seed(0)
     full = _mlp(d) if block == "mlp" else Block(GPTConfig(d_model=d, n_heads=max(1, d // 64),
                                                           seq_len=64))
     seq = 64 if block == "layer" else 1
     x = torch.randn(seq, max(1, tokens // seq), d)  # sequence-first, as the TP block takes it
+    device = device or torch.device("cpu")
+    full, x = full.to(device), x.to(device)
     if mode == "single":
         if block == "layer":
             return full, x.transpose(0, 1).contiguous(), full
@@ -123,7 +138,7 @@ def _build(block: str, mode: str, d: int, tokens: int, comm, timed: TimedComm, a
             parallelize_module,
         )
 
-        mesh = init_device_mesh("cpu", (comm.size,))
+        mesh = init_device_mesh(device.type, (comm.size,))
         if block == "mlp":
             plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
         else:
@@ -160,17 +175,22 @@ def measure(comm, cfg: TPBenchConfig, block: str, mode: str, d: int) -> dict | N
     timed = TimedComm(comm)
     active = mode != "single" or comm.rank == 0
     times, comm_s = [], []
+    device = bench_device(cfg.device, comm)
+    # GPU kernels run ahead of the clock: a step is timed to its last kernel's end.
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if active:
-        model, x, fwd = _build(block, mode, d, cfg.tokens, comm, timed, cfg.algo)
+        model, x, fwd = _build(block, mode, d, cfg.tokens, comm, timed, cfg.algo, device)
     for i in range(cfg.warmup + cfg.steps):
         _wait(comm)
         if not active:
             continue
         timed.seconds = 0.0
+        sync()
         t0 = clock()
         y = fwd(x)
         y.float().pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
+        sync()
         if i >= cfg.warmup:
             times.append(clock() - t0)
             comm_s.append(timed.seconds)
@@ -183,7 +203,7 @@ def measure(comm, cfg: TPBenchConfig, block: str, mode: str, d: int) -> dict | N
         weight += (local() if local else p).numel() * p.element_size()
     step = statistics.median(times)
     return {"block": block, "mode": mode, "width": d, "ranks": 1 if mode == "single" else comm.size,
-            "tokens": cfg.tokens, "step_ms": step * 1e3,
+            "tokens": cfg.tokens, "device": cfg.device, "step_ms": step * 1e3,
             "comm_share": (statistics.median(comm_s) / step) if mode == "mpiring" else None,
             "weight_mib": weight / 2**20}
 

@@ -24,10 +24,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_torch_process_group(comm, device: torch.device, timeout_s: float = 120.0):
+def init_torch_process_group(comm, device: torch.device, timeout_s: float = 120.0,
+                             backend: str | None = None):
     """``torch.distributed.init_process_group`` over ``comm``'s ranks; returns the group.
 
-    The backend is gloo on the CPU and nccl on CUDA devices.
+    The backend is gloo on the CPU and nccl on CUDA devices, unless ``backend``
+    names one (gloo also takes CUDA tensors, through host copies).
     """
     import datetime
 
@@ -44,7 +46,7 @@ def init_torch_process_group(comm, device: torch.device, timeout_s: float = 120.
             raw[:len(name)] = np.frombuffer(name, dtype=np.uint8)
         comm.broadcast(raw, root=0)
         host = raw.tobytes().rstrip(b"\0").decode("ascii", errors="replace")
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     destroy_torch_process_group(comm)  # one left from before: torn down in order, rank 0 last
     dist.init_process_group(backend, init_method=f"tcp://{host}:{int(port[0])}",
                             rank=comm.rank, world_size=comm.size,
