@@ -18,6 +18,7 @@ def test_bench_pp_smoke(comm):
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
         assert r["peak_act_mib"] == max(r["peak_act_mib_per_stage"]) > 0
         assert len(r["peak_act_mib_per_stage"]) == comm.size
+        assert (r["preset"], r["ranks"]) == ("tiny", comm.size) and r["mb_rows"] > 0
     assert rows[0]["x_1f1b"] == 1.0
     assert rows[1]["zb_over_1f1b_bubble"] == pytest.approx(rows[1]["bubble"] / rows[0]["bubble"])
     spans = drawn[("zb", 2)]

@@ -194,6 +194,8 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
                     run.step(x, y, timed=i >= warmup)
             for mode, run in zip(modes, runs):
                 row, spans = run.row(comm, m, transfer)
+                # What a reader of the JSON alone needs to price the row again.
+                row.update(preset=preset, mb_rows=mb_rows, ranks=comm.size)
                 rows.append(row)
                 if spans is not None:
                     drawn[(mode, m)] = spans
