@@ -141,36 +141,6 @@ def test_join_uneven_inputs_equal_the_twin(comm, divide_initial):
     ddp.close()
 
 
-@pytest.mark.deadline(120)
-def test_join_with_no_sync_accumulation_then_training_goes_on(comm):
-    # The ranks still training accumulate one micro-batch under no_sync() per step
-    # while the ranks that ran out shadow only the synced backwards: the status
-    # tail must not count that against them, during join() or after it.
-    def steps_of(r):
-        return 1 + r
-
-    model = net()
-    ref = copy.deepcopy(model)
-    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=SMALL)
-    with ddp.join(divide_by_initial_world_size=False):
-        for step in range(steps_of(comm.rank)):
-            with ddp.no_sync():
-                loss_fn(ddp(batch(comm.rank, 50 + step)[0]), batch(comm.rank, 50 + step)[1]
-                        ).backward()
-            loss_fn(ddp(batch(comm.rank, step)[0]), batch(comm.rank, step)[1]).backward()
-            sgd(model)
-    for step in range(steps_of(comm.size - 1)):
-        active = [r for r in range(comm.size) if steps_of(r) > step]
-        mean_grads(ref, [batch(r, s) for r in active for s in (50 + step, step)], len(active))
-    assert_params(model, ref, f"join with no_sync K={comm.size}")
-    for step in range(2):  # after join(): every rank trains, no false step mismatch
-        with ddp.no_sync():
-            loss_fn(ddp(batch(comm.rank, 70)[0]), batch(comm.rank, 70)[1]).backward()
-        loss_fn(ddp(batch(comm.rank, 80 + step)[0]), batch(comm.rank, 80 + step)[1]).backward()
-        model.zero_grad()
-    ddp.close()
-
-
 @pytest.mark.deadline(60)
 def test_join_throw_on_early_termination_raises_everywhere(comm):
     if comm.size == 1:

@@ -56,13 +56,7 @@ class EndOfBackward:
         self._write_trace(t_end_backward, t_wait, t_done)
         self._synced_forward = True
         self._lost = self._local = 0
-        counted = {s for s in steps if s}  # 0: a rank shadowing under join()
-        if self._shadowing and counted:
-            # Take the training ranks' count, so that after join() this rank agrees
-            # with them whatever they accumulated meanwhile.
-            self._accumulated = (min(counted) - 1 - self.iteration) % STEP_MOD
-        self._shadowing = False
-        if len(counted) > 1:
+        if len(set(steps)) > 1:
             self._raise_steps(steps)
         if any(codes):
             self._raise_status(codes, no_grad)
@@ -87,7 +81,6 @@ class EndOfBackward:
             raise RuntimeError("shadow_backward: a backward is still reducing on this rank")
         self._reset_iteration()
         self._expect = True
-        self._shadowing = True
         self._started = True
         self._t_backward = clock()
         for i in range(len(self.params)):
@@ -112,11 +105,10 @@ class EndOfBackward:
 
     def _raise_steps(self, steps: list[int]) -> None:
         # Every rank read the same tail: all raise, before any optimizer step.
-        counts = " ".join(f"r{r}={s - 1 if s else 'joined'}" for r, s in enumerate(steps))
+        counts = " ".join(f"r{r}={s - 1}" for r, s in enumerate(steps))
         raise RuntimeError(
             "DistributedDataParallel: the ranks reduced gradients of different steps "
-            f"(backwards so far, synced and under no_sync(), mod {STEP_MOD}: {counts}): "
-            "a rank's backward "
+            f"(synced backward count mod {STEP_MOD}: {counts}): a rank's backward "
             "failed and the exception was caught, or a rank ran a step under no_sync() or "
             "skipped one alone. The gradients are mixed; stop training (restart from a "
             "checkpoint), and let a failed backward end the job")

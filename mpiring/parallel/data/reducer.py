@@ -138,11 +138,6 @@ class Reducer(BucketLayout, EndOfBackward):
         # ran here (0: none), and the no_sync() forwards since the last synced backward.
         self._lost = 0
         self._local = 0
-        # Backwards run under no_sync(), all told. The status tail carries
-        # iteration + this, so a rank that accumulated alone is one ahead of the
-        # others at its next synced backward, and every rank raises there.
-        self._accumulated = 0
-        self._shadowing = False  # inside shadow_backward (DDP.join): not compared
         desync.add_context(self._desync_hint)
         self._reset_iteration()
 
@@ -195,12 +190,10 @@ class Reducer(BucketLayout, EndOfBackward):
         self._reset_iteration()
         self._expect = sync
         self._synced_forward = False  # set by _finalize once this forward's backward ran
-        tensors = [t for t in _tensors(outputs) if t.requires_grad]
         if not sync:
             self._local += 1
-            if tensors and tensors[0].grad_fn is not None:
-                tensors[0].register_hook(self._on_output_grad)  # counts the backward
             return
+        tensors = [t for t in _tensors(outputs) if t.requires_grad]
         if self.find_unused_parameters:
             # Like torch DDP: parameters the outputs do not depend on will get no
             # gradient; mark them ready at the first hook so their buckets need
@@ -214,9 +207,7 @@ class Reducer(BucketLayout, EndOfBackward):
     def _on_output_grad(self, grad):
         if self._expect:
             self._start_backward()
-        elif not self._synced_forward:
-            self._accumulated += 1  # a backward under no_sync()
-        else:
+        elif self._synced_forward:
             # The output of a forward whose gradients were reduced already: a second
             # backward (retain_graph) would add unreduced gradients on this rank only.
             raise RuntimeError(
@@ -360,10 +351,7 @@ class Reducer(BucketLayout, EndOfBackward):
         status = torch.zeros(self.size + len(self.params), dtype=torch.float32)
         # One slot per rank for both (a longer tail would move the ring's chunk
         # bounds, and with them the rounding, against a comm hook's reduction).
-        # Backwards so far, synced and no_sync, mod STEP_MOD, plus 1; 0 marks a rank
-        # that shadows under join(): it cannot know how many the others accumulated.
-        count = 0 if self._shadowing else (self.iteration + self._accumulated) % STEP_MOD + 1
-        status[self.rank] = float(self._error_code + _CODES * count)
+        status[self.rank] = float(self._error_code + _CODES * (self.iteration % STEP_MOD + 1))
         for i, fired in enumerate(self._fired):
             if not fired:
                 status[self.size + i] = 1.0
