@@ -60,6 +60,42 @@ def test_waits_that_need_a_rank_that_computes_or_share_one_call_are_not_a_desync
     assert deadlocked(two) == set()
 
 
+def test_a_rooted_call_left_early_while_a_third_rank_computes_is_not_a_desync():
+    # r1 left the Reduce early (it is not the root) and waits for r0 in a barrier
+    # on a sub-communicator; r0 still waits in the Reduce, for r2 too, which
+    # computes (no notice). Nothing is stuck for good.
+    rooted = _notices((0, [_wait("world", "reduce", 1, members=(0, 1, 2), what="Reduce")]),
+                      (1, [_wait("world.split1.0", "barrier", 1, members=(0, 1))]))
+    assert deadlocked(rooted) == set() and desync.desync(rooted) == set()
+
+
+def test_a_user_thread_in_its_own_code_keeps_the_rank_from_being_stuck():
+    import sys
+    import threading
+
+    go, done = threading.Event(), threading.Event()
+
+    def user_code():  # a thread that will make its call later: runs user code now
+        go.set()
+        while not done.is_set():
+            pass
+
+    t = threading.Thread(target=user_code, daemon=True)
+    t.start()
+    go.wait()
+    try:
+        act = Activity(0, 2, watch=False)
+        act.name, act.since, act.collective, act.call = "world", 1.0, "barrier", 1
+        frames = sys._current_frames()
+        # The main thread is made to look blocked (it runs this test): only the
+        # user thread's state decides.
+        frames = {k: v for k, v in frames.items() if k != threading.main_thread().ident}
+        assert desync.stuck_waits([act], 2.0, frames) is None
+    finally:
+        done.set()
+        t.join()
+
+
 def test_a_three_rank_desync_names_every_wait():
     three = _notices((0, [_wait("A", "all_reduce", 1, members=(0, 1, 2))]),
                      (1, [_wait("B", "all_reduce", 1, members=(0, 1, 2))]),

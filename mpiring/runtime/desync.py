@@ -124,6 +124,14 @@ def _thread_state(frame) -> tuple[bool, bool]:
     return relevant, blocked
 
 
+def _user_code(frame) -> bool:
+    while frame is not None:
+        if not _library(frame.f_code.co_filename):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _library(filename: str) -> bool:
     # mpiring, the standard library and installed packages (torch's wrappers):
     # the caller's line is the first frame outside them.
@@ -157,6 +165,13 @@ def stuck_waits(records, at: float, frames: dict | None = None) -> list[dict] | 
         frame = frames.get(ident)
         if frame is not None and not _thread_state(frame)[1]:
             return None  # a thread computes: it may still make the call the others wait for
+    for ident, frame in frames.items():
+        # A thread running the user's own code (any frame of its stack outside
+        # mpiring, the standard library and installed packages) that has made no
+        # collective yet may still make the call the others wait for: the rank is
+        # not stuck. Library threads (timers, progress bars) do not count.
+        if ident not in relevant and _user_code(frame):
+            return None
     waits = []
     for act in records:
         since = act.since
@@ -201,7 +216,10 @@ def deadlocked(notices: dict[int, dict]) -> set[int]:
         for r in sorted(dead):
             for w in notices[r]["waits"]:
                 need = _needs(r, w, notices)
-                if need is None or not any(q in dead for q in need):
+                # Every rank it needs must be stuck too: a wait for all members of
+                # a rooted call (Bcast, Reduce) may need a member that computes
+                # while another has left the call early and waits for us elsewhere.
+                if not need or not all(q in dead for q in need):
                     dead.discard(r)
                     changed = True
                     break
