@@ -110,3 +110,28 @@ def test_split_layer_variants(comm, layer):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
     if not is_emb:
         torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_frozen_parameters_get_no_gradient_from_w(comm):
+    # A frozen layer (LoRA's base weights, a frozen embedding) must end B and W
+    # without a .grad, as it would under plain autograd; the trainable one gets its.
+    torch.manual_seed(3)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 2)).double()
+    # Frozen after a trainable layer, so their backward runs (for the input's gradient).
+    for p in list(ref[1].parameters()) + list(ref[2].parameters()):
+        p.requires_grad_(False)
+    mod = copy.deepcopy(ref)
+    sink = split_backward.install(mod)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    (ref(x) ** 2).sum().backward()
+    sink.queue = queue = []
+    (mod(x) ** 2).sum().backward()
+    sink.queue = None
+    assert len(queue) == 1, "only the trainable layer has weight-gradient work to defer"
+    for item in queue:
+        item.run()
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None, f"{name}: frozen, yet W gave it a gradient"
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)

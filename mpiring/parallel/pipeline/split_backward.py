@@ -54,8 +54,8 @@ class Deferred:
 
     def run(self) -> None:
         for p, g in zip(self.params, self.fn()):
-            if p is None or g is None:
-                continue
+            if p is None or g is None or not p.requires_grad:
+                continue  # a frozen parameter gets no .grad, as in autograd
             if p.grad is None:
                 p.grad = g
             else:
@@ -67,7 +67,8 @@ def _now_or_later(ctx, fn, tensors):
     queue = ctx.sink.queue
     if queue is None:
         return fn()
-    queue.append(Deferred(fn, ctx.params, tensors))
+    if any(p is not None and p.requires_grad for p in ctx.params):  # else nothing to defer
+        queue.append(Deferred(fn, ctx.params, tensors))
     return (None,) * len(ctx.params)
 
 
