@@ -160,18 +160,22 @@ class Transport:
         self.posted = {}
         if self.fresh or not self.mpi:
             return
-        for a in program:
-            if a.kind in (RECV_F, RECV_B):
-                key = (a.channel, a.mb)
-                buf = self.bufs.get(key)
-                if buf is None:  # a step that stopped early left it out: posted in its group
-                    continue
-                if buf.grad is not None:  # last step's input gradient must not accumulate
-                    buf.grad = None
-                if buf.requires_grad:
-                    buf.detach_()
-                tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
-                self.posted[key] = (buf, self.fast.irecv(buf, a.peer, tag))
+        recvs = [a for a in program if a.kind in (RECV_F, RECV_B)]
+        if any((a.channel, a.mb) not in self.bufs for a in recvs):
+            # A step that stopped early left a buffer out. MPI matches receives of
+            # one source and tag in the order they were posted, so posting the
+            # others ahead of it would hand its message to a later micro-batch:
+            # this step posts every receive in its group instead.
+            return
+        for a in recvs:
+            key = (a.channel, a.mb)
+            buf = self.bufs[key]
+            if buf.grad is not None:  # last step's input gradient must not accumulate
+                buf.grad = None
+            if buf.requires_grad:
+                buf.detach_()
+            tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
+            self.posted[key] = (buf, self.fast.irecv(buf, a.peer, tag))
 
     def end_step(self) -> None:
         self.fresh = False
