@@ -264,6 +264,19 @@ def test_cross_entropy_ignore_index_smoothing_reduction(tp, reduction, smoothing
     assert torch.equal(local.grad[1, 0], torch.zeros_like(local.grad[1, 0])), "ignored row"
 
 
+def test_cross_entropy_of_bfloat16_logits_is_summed_in_float32(tp):
+    vocab = 37
+    logits = full(SEQ, BATCH, vocab, seed=15, scale=4.0).to(torch.bfloat16)
+    target = (torch.arange(SEQ * BATCH).view(SEQ, BATCH) * 3) % vocab
+    want = F.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1))
+    local = logits[..., rows(tp, vocab)].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(local, target, tp)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    got.backward()
+    assert local.grad.dtype == torch.bfloat16
+
+
 def test_cross_entropy_all_ignored_is_nan_like_torch(tp):
     local = torch.zeros(3, len(range(*rows(tp, 5).indices(5))), dtype=torch.float64)
     got = vocab_parallel_cross_entropy(local, torch.full((3,), -100), tp, vocab_size=5)

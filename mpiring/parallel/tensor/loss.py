@@ -36,7 +36,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if target.shape != logits.shape[:-1]:
             raise ValueError(f"target shape {tuple(target.shape)} does not match the logits' "
                              f"{tuple(logits.shape[:-1])}: one target per row of logits")
+        # 16-bit logits are summed in float32, as Megatron does: exp-sums over a
+        # 50k vocabulary lose most of bfloat16's 8 bits. The gradient goes back
+        # in the logits' dtype; the loss stays float32.
         z = logits.detach()
+        if z.dtype in (torch.float16, torch.bfloat16):
+            z = z.float()
+        ctx.dtype = logits.dtype
         ignored = target == ignore_index
         # A target outside the vocabulary would be "owned" by no rank and give a
         # silently wrong loss: its flag rides in the max AllReduce's last slot, so
@@ -93,8 +99,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             scale = grad
         else:
             scale = grad / ctx.count if ctx.count else grad * float("nan")
-        g = g * scale
-        return g.masked_fill(ignored.unsqueeze(-1), 0.0), None, None, None, None, None, None, None
+        g = (g * scale).masked_fill(ignored.unsqueeze(-1), 0.0)
+        return g.to(ctx.dtype), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tensor, comm, *,
