@@ -129,6 +129,13 @@ def wait_all(reqs: list, spin_s: float = SPIN_S, sleep_s: float | None = SLEEP_S
     return time.perf_counter() - start
 
 
+def _reused(buf: torch.Tensor) -> torch.Tensor:
+    """A kept receive buffer, ready for this step's message: out of last step's graph."""
+    if buf.grad is not None:  # last step's input gradient must not accumulate
+        buf.grad = None
+    return buf.detach_() if buf.requires_grad else buf
+
+
 class Transport:
     """One stage's point-to-point traffic. ``comm``: the stage's own (duplicated) communicator.
 
@@ -169,11 +176,7 @@ class Transport:
             return
         for a in recvs:
             key = (a.channel, a.mb)
-            buf = self.bufs[key]
-            if buf.grad is not None:  # last step's input gradient must not accumulate
-                buf.grad = None
-            if buf.requires_grad:
-                buf.detach_()
+            buf = _reused(self.bufs[key])
             tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
             self.posted[key] = (buf, self.fast.irecv(buf, a.peer, tag))
 
@@ -184,9 +187,7 @@ class Transport:
         buf = self.bufs.get(key)
         if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
             buf = self.bufs[key] = torch.empty(shape, dtype=dtype)
-        elif buf.grad is not None:  # last step's input gradient must not accumulate
-            buf.grad = None
-        return buf.detach_() if buf.requires_grad else buf
+        return _reused(buf)
 
     def send(self, a: Action, t: torch.Tensor, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
