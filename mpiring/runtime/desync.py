@@ -20,8 +20,8 @@ How (all of it on the watchdog's monitor thread; the hot path pays nothing):
 2. Every monitor keeps the newest notice of each rank and looks for a set of
    stuck ranks that wait only on each other (the largest such set: a wait on
    one peer needs that peer, a wait on every rank needs each member that is
-   not in the same call, and a rank is stuck for good when every one of its
-   waits needs a rank of the set). If that set holds waits of different calls,
+   not in the same call, and a rank is stuck for good when every rank each of
+   its waits needs is in the set). If that set holds waits of different calls,
    and it stays the same (same sequence numbers) for ``CONFIRM`` seconds while
    this rank is one of them, the rank prints the report, sends it to every
    rank (which print it too) and aborts the job.
@@ -189,6 +189,7 @@ def stuck_waits(records, at: float, frames: dict | None = None) -> list[dict] | 
 
 
 # --- the graph ------------------------------------------------------------------------
+#: The Communicator's public point-to-point calls, as ``Activity.collective``.
 P2P = ("send", "recv")
 
 
@@ -208,7 +209,7 @@ def _needs(rank: int, w: dict, notices: dict[int, dict]) -> list[int] | None:
 
 
 def deadlocked(notices: dict[int, dict]) -> set[int]:
-    """The largest set of stuck ranks each of whose waits needs a rank of the set."""
+    """The largest set of stuck ranks each of whose waits needs only ranks of the set."""
     dead = {r for r, n in notices.items() if n.get("waits")}
     changed = True
     while changed:

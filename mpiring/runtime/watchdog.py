@@ -87,8 +87,7 @@ PHASES = {
 _RING_PHASES = ("reduce-scatter", "all-gather")
 
 
-#: The Communicator's public point-to-point calls, as ``Activity.collective``.
-P2P = ("send", "recv")
+P2P = desync.P2P  # the Communicator's public point-to-point calls
 
 
 def parse_timeout(value: float | str | None, default: float = DEFAULT_TIMEOUT) -> float:
