@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from mpiring.core.chunking import chunk_bounds
+
 #: Bytes per element: every run priced here is float32.
 F32 = 4
 
@@ -73,7 +75,8 @@ def shard(n: int, tp: int) -> int:
     rank the others wait for."""
     if tp < 1 or n < 0:
         raise ValueError(f"shard({n}, {tp}): need n >= 0 and tp >= 1")
-    return -(-n // tp)
+    lo, hi = chunk_bounds(n, tp)[0]
+    return hi - lo
 
 
 def tp_widths(d: int, ffn: int, heads: int, tp: int = 1) -> tuple[int, int]:

@@ -65,8 +65,6 @@ def cpu_overlap(ranks: int, threads_per_rank: int, comm_threads_per_rank: int, c
     return max(0.0, min(1.0, free / comm))
 
 
-
-
 def local_model(d_model: int, n_layers: int, n_heads: int, seq_len: int, vocab: int = 256) -> sm.GPT:
     """The project's GPT (mpiring.tools.models.gpt) as the step model sees it."""
     return sm.GPT(n_layers, d_model, n_heads, seq_len, vocab, name="mpiring-gpt")
