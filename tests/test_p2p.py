@@ -188,6 +188,86 @@ def test_every_message_is_one_trace_record(world, tmp_path_factory):
     assert all(r["t_end"] >= r["t_start"] for r in mine)
 
 
+# --- prepared sends and receives ---------------------------------------------------------
+@pytest.mark.parametrize("check", (True, False))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64))
+def test_prepared_sends_and_receives_match_the_plain_calls(comm, check, dtype):
+    """Prepared on one side, plain on the other and both prepared: each message lands in
+    order, with its sender's and index's data, for every size (empty included)."""
+    c = Communicator(comm._be.dup(), comm.tracer, check=check)
+    right, left = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+    for n in sizes(c.size):
+        def out(k, src=c.rank, dst=right, n=n):
+            return torch.from_numpy(message(src, dst, k, n, np.float64)).to(dtype).reshape(n, 1)
+        send = c.prepare_send(torch.empty(n, 1, dtype=dtype), right, tag=4)
+        into = torch.full((n, 1), 99, dtype=dtype)
+        recv = c.prepare_recv(into, left, tag=4)
+        for k in range(3):
+            sent = out(k)
+            kinds = [(True, True), (True, False), (False, True)][k]
+            r = recv.post() if kinds[1] else c.irecv(into, left, tag=4)
+            s = send.post(sent) if kinds[0] else c.isend(sent, right, tag=4)
+            assert s.wait() is sent and r.wait() is into
+            want = out(k, left, c.rank)
+            assert torch.equal(into, want), f"n={n} message {k} kinds {kinds}"
+
+
+def test_prepared_send_refuses_a_tensor_unlike_the_prepared_one(comm):
+    right = (comm.rank + 1) % comm.size
+    send = comm.prepare_send(torch.zeros(4, 3), right, tag=6)
+    bad = [torch.zeros(4, 3, dtype=torch.float64), torch.zeros(5, 3), torch.zeros(3, 4).t()]
+    for x in bad:
+        with pytest.raises(ValueError, match=r"prepared send to r\d+ tag 6: got .* prepared for "
+                                             r"12 x float32 on cpu, contiguous; prepare"):
+            send.post(x)
+    with pytest.raises(ValueError, match="dst=-1 out of range"):
+        comm.prepare_send(torch.zeros(2), -1)
+    with pytest.raises(ValueError, match="tag=-2"):
+        comm.prepare_recv(torch.zeros(2), 0, tag=-2)
+    # Nothing was posted: the next message between the pair is the first.
+    left = (comm.rank - 1) % comm.size
+    got = np.empty(1, np.int64)
+    comm.sendrecv(np.array([comm.rank]), right, got, left, tag=6)
+    assert got[0] == left
+
+
+def test_prepared_messages_are_traced(world, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("p2p-prepared")) if world.rank == 0 else None
+    directory = world.control.bcast_json(directory)
+    traced = Communicator(world._be.dup(), Tracer(world.rank, directory), check=False)
+    right, left = (world.rank + 1) % world.size, (world.rank - 1) % world.size
+    send = traced.prepare_send(torch.zeros(5), right, tag=2)
+    recv = traced.prepare_recv(torch.zeros(5), left, tag=2)
+    for _ in range(2):
+        r = recv.post()
+        send.post(torch.ones(5)).wait()
+        while not r.test():
+            pass
+    traced.tracer.close()
+    world.control.barrier()
+    mine = [r for r in read_trace(directory) if r.get("type") == "p2p" and r["rank"] == world.rank]
+    assert sorted((r["op"], r["peer"], r["bytes"]) for r in mine) == sorted(
+        [("send", right, 20)] * 2 + [("recv", left, 20)] * 2)
+
+
+def test_test_names_a_longer_message_than_the_buffer(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    fast = Communicator(comm._be.dup(), comm.tracer, check=False)
+    if comm.rank == 1:
+        req = fast.irecv(np.zeros(2, np.float32), 0, tag=9)
+        comm.control.barrier()
+        deadline = time.monotonic() + 30
+        with pytest.raises(ValueError, match="the message from r0 is longer than the receive"):
+            while not req.test():
+                assert time.monotonic() < deadline, "the message never arrived"
+    else:
+        comm.control.barrier()
+        if comm.rank == 0:
+            fast.send(np.zeros(8, np.float32), 1, tag=9)
+    comm.control.barrier()
+
+
 # --- the NCCL backend's path, with NCCL faked over MPI ------------------------------------
 def test_over_nccl_sends_and_receives_go_in_one_group(comm):
     fake = Communicator(fake_backend(comm.mpi_comm), comm.tracer, check=True)

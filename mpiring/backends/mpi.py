@@ -31,6 +31,8 @@ def _bytes(a):
     """
     if isinstance(a, np.ndarray):
         return [a, MPI.BYTE]
+    if isinstance(a, MPI.buffer):  # raw host memory (``MPIBackend.host_buffer``)
+        return [a, MPI.BYTE]
     return _byte_view(a)
 
 
@@ -120,12 +122,16 @@ def world_backend() -> MPIBackend:
 
 
 class _Msg:
-    """A public message in flight: its MPI requests and the receiver's descriptor check."""
+    """A public message in flight: its MPI requests and the receiver's descriptor check.
 
-    __slots__ = ("reqs", "check")
+    ``settled``: ``done`` saw it complete with nothing left to check, so ``complete``
+    has nothing to do (the cheap path of a receive that is polled until it lands).
+    """
 
-    def __init__(self, reqs: list, check):
-        self.reqs, self.check = reqs, check
+    __slots__ = ("reqs", "check", "peer", "settled")
+
+    def __init__(self, reqs: list, check, peer: int):
+        self.reqs, self.check, self.peer, self.settled = reqs, check, peer, False
 
 
 class MPIBackend:
@@ -219,7 +225,7 @@ class MPIBackend:
         """Start sending ``header`` (if any), then ``buf``, to ``dst``."""
         reqs = [] if header is None else [self.comm.Isend(header, dest=dst, tag=P2P_TAG0 + 2 * tag)]
         reqs.append(self.comm.Isend(_bytes(buf), dest=dst, tag=P2P_TAG0 + 2 * tag + 1))
-        return _Msg(reqs, None)
+        return _Msg(reqs, None, dst)
 
     def post_recv(self, buf, src: int, tag: int, header: np.ndarray | None, check=None) -> _Msg:
         """Post the receives of ``src``'s descriptor (into ``header``) and data (into ``buf``).
@@ -230,7 +236,17 @@ class MPIBackend:
         reqs = [] if header is None else [self.comm.Irecv(header, source=src,
                                                           tag=P2P_TAG0 + 2 * tag)]
         reqs.append(self.comm.Irecv(_bytes(buf), source=src, tag=P2P_TAG0 + 2 * tag + 1))
-        return _Msg(reqs, check)
+        return _Msg(reqs, check, src)
+
+    @staticmethod
+    def host_buffer(address: int, nbytes: int):
+        """``nbytes`` of host memory at ``address``, as a message buffer for ``post_send``.
+
+        What a prepared send posts a torch tensor as: its data pointer, without the
+        NumPy view and DLPack export that cost more than the message right after
+        the compute that made the tensor.
+        """
+        return MPI.buffer.fromaddress(address, nbytes)
 
     def complete(self, msg: _Msg, what: str, peer: int) -> None:
         """Wait for a message under the deadline; raise what its check raises.
@@ -238,6 +254,8 @@ class MPIBackend:
         Raises:
             ValueError: the data that arrived is longer than the receive buffer.
         """
+        if msg.settled:
+            return
         if msg.check is not None:
             self._wait_p2p(msg.reqs[:1], what, peer)
             check, msg.check = msg.check, None
@@ -266,8 +284,33 @@ class MPIBackend:
             act.since = 0.0
 
     def done(self, msg: _Msg) -> bool:
-        """Whether the message has arrived or left (does not block)."""
-        return MPI.Request.Testall(msg.reqs)
+        """Whether the message has arrived or left (does not block).
+
+        Raises:
+            ValueError: the data that arrived is longer than the receive buffer.
+        """
+        if msg.settled:
+            return True
+        if msg.check is not None:
+            # Descriptor and data both in: ``complete`` compares the descriptor. A
+            # longer message fails its data request here; ``complete`` then names the
+            # sizes that differ (MismatchError), which says more than a truncation.
+            if not msg.reqs[0].Test():
+                return False
+            try:
+                return msg.reqs[1].Test()
+            except MPI.Exception as exc:
+                if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                    raise
+                return True
+        try:
+            msg.settled = all(req.Test() for req in msg.reqs)  # in order; a done one stays done
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            raise ValueError(f"the message from r{msg.peer} is longer than the receive "
+                             "buffer") from None
+        return msg.settled
 
     def flush(self) -> None:
         """Issue what is posted but not yet issued: nothing, MPI issues at once."""

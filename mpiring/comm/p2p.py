@@ -39,12 +39,13 @@ class Request:
     """A message in flight, from ``isend``/``irecv``: ``wait()`` completes it, ``test()`` asks."""
 
     __slots__ = ("_comm", "_op", "_buf", "_peer", "_tag", "_handle", "_staged", "_t0", "_call",
-                 "_done", "_header", "_keep")
+                 "_done", "_header", "_keep", "_obj")
 
-    def __init__(self, comm, op: str, buf: Buffer, peer: int, tag: int, call: int):
+    def __init__(self, comm, op: str, buf: Buffer, peer: int, tag: int, call: int, obj=None):
         self._comm, self._op, self._buf, self._peer, self._tag = comm, op, buf, peer, tag
         self._call, self._t0, self._done = call, clock(), False
         self._handle = self._staged = self._header = self._keep = None
+        self._obj = buf.obj if obj is None else obj  # what ``wait`` hands back
 
     @property
     def what(self) -> str:
@@ -54,19 +55,120 @@ class Request:
     def wait(self):
         """Block until the message has left (send) or arrived (recv); returns the buffer."""
         if not self._done:
-            be = self._comm._be
-            be.complete(self._handle, f"Wait({self.what})", self._peer)
+            handle = self._handle
+            if not getattr(handle, "settled", False):  # else ``test`` saw it complete
+                comm = self._comm
+                comm._act.begin(self._op, self._call, None)  # what a stall report names
+                comm._be.complete(handle, f"Wait({self.what})", self._peer)
             self._done = True
             if self._staged is not None:  # a CUDA buffer received through host memory
                 from_host(self._buf.array, self._staged)
             self._comm._record(self)
-        return self._buf.obj
+        return self._obj
 
     def test(self) -> bool:
         """True once the message is complete (then ``wait`` returns at once); never blocks."""
         if not self._done and self._comm._be.done(self._handle):
             self.wait()
         return self._done
+
+
+class PreparedSend:
+    """Sends of tensors shaped like one buffer to one peer and tag, checked once.
+
+    ``comm.prepare_send(like, dst, tag)`` does what ``isend`` does before each
+    message (wrap the buffer, check peer, tag and dtype, build the descriptor)
+    once; ``post(x)`` then only checks that ``x`` has ``like``'s dtype, size and
+    layout and posts it. On the MPI backend a CPU tensor goes as its data
+    pointer: right after the compute that made it, wrapping a tensor for MPI
+    costs several times the message itself. Each message is a ``Request``,
+    traced and waited for under the deadline like any other.
+    """
+
+    __slots__ = ("_comm", "_peer", "_tag", "_like", "_nbytes", "_raw", "_header")
+
+    def __init__(self, comm, like, dst: int, tag: int):
+        self._comm, self._peer, self._tag = comm, check_peer(comm, dst, "dst"), check_tag(tag)
+        self._like = buf = as_buffer(like)
+        self._nbytes = buf.nbytes
+        self._header = descriptor(buf)
+        # The pointer path: a torch CPU tensor on a backend that sends raw host bytes.
+        self._raw = (buf.kind == "torch" and buf.device == "cpu"
+                     and getattr(comm._be, "host_buffer", None) is not None)
+
+    def post(self, x) -> Request:
+        """Start sending ``x`` (the prepared dtype and size, contiguous); returns its Request.
+
+        Raises:
+            ValueError: ``x`` is not like the prepared buffer (nothing is sent).
+        """
+        like, comm = self._like, self._comm
+        if not self._raw:
+            got = as_buffer(x)
+            if got.dtype != like.dtype or got.count != like.count or got.device != like.device:
+                raise self._unlike(x)
+            return comm._post("send", x, self._peer, self._tag)
+        if (x.dtype != like.obj.dtype or x.numel() != like.count or not x.is_cpu
+                or not x.is_contiguous()):
+            raise self._unlike(x)
+        comm._p2p_calls += 1
+        req = Request(comm, "send", like, self._peer, self._tag, comm._p2p_calls, obj=x)
+        req._keep = x  # the backend reads it until the message completes
+        be = comm._be
+        req._header = header = self._header if comm.check else None
+        req._handle = be.post_send(be.host_buffer(x.data_ptr(), self._nbytes), self._peer,
+                                   self._tag, header)
+        if comm._group_reqs is not None:
+            comm._group_reqs.append(req)
+        return req
+
+    def _unlike(self, x) -> ValueError:
+        like = self._like
+        return ValueError(
+            f"[r{self._comm.rank}] prepared send to r{self._peer} tag {self._tag}: got "
+            f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))},"
+            f" prepared for {like.count} x {like.dtype} on {like.device}, contiguous; prepare "
+            "a send for this one (comm.prepare_send(x, dst, tag))")
+
+
+class PreparedRecv:
+    """Receives into one buffer from one peer and tag, checked once (``comm.prepare_recv``).
+
+    ``post()`` starts the next receive into the buffer: no wrapping and no
+    checks, only the post. The buffer must not be read between ``post()`` and
+    the request's completion.
+    """
+
+    __slots__ = ("_comm", "_peer", "_tag", "_buf", "_fast")
+
+    def __init__(self, comm, buf, src: int, tag: int):
+        self._comm, self._peer, self._tag = comm, check_peer(comm, src, "src"), check_tag(tag)
+        self._buf = as_buffer(buf)
+        # Host memory on a host backend; device memory and NCCL take the general path
+        # (its staging, stream and buffer rules).
+        self._fast = self._buf.device == "cpu" and not getattr(comm._be, "accepts_cuda", False)
+
+    @property
+    def buffer(self):
+        """The caller's buffer, as it was given."""
+        return self._buf.obj
+
+    def post(self) -> Request:
+        """Start receiving the next message into the buffer; returns its Request."""
+        comm, buf = self._comm, self._buf
+        if not self._fast:
+            return comm._post("recv", buf.obj, self._peer, self._tag)
+        comm._p2p_calls += 1
+        req = Request(comm, "recv", buf, self._peer, self._tag, comm._p2p_calls)
+        req._keep = buf.array
+        mine = descriptor(buf) if comm.check else None
+        got = None if mine is None else np.empty(3, dtype=np.int64)
+        check = None if got is None else (lambda: comm._compare(req, mine, got))
+        req._header = mine
+        req._handle = comm._be.post_recv(buf.array, self._peer, self._tag, got, check)
+        if comm._group_reqs is not None:
+            comm._group_reqs.append(req)
+        return req
 
 
 def check_peer(comm, peer, name: str) -> int:
@@ -163,6 +265,20 @@ class PointToPoint:
         difference raises ``MismatchError`` at ``wait()``).
         """
         return self._post("recv", x, src, tag)
+
+    def prepare_send(self, like, dst: int, tag: int = 0) -> PreparedSend:
+        """Check once what sends of buffers like ``like`` to ``dst`` on ``tag`` need.
+
+        ``prepared.post(x)`` then starts one such send and returns its Request:
+        the cheap path for a message that goes out again and again (a pipeline's
+        activations), each one still traced and deadline-checked.
+        """
+        return PreparedSend(self, like, dst, tag)
+
+    def prepare_recv(self, buf, src: int, tag: int = 0) -> PreparedRecv:
+        """Check once what receives into ``buf`` from ``src`` on ``tag`` need;
+        ``prepared.post()`` then starts one and returns its Request."""
+        return PreparedRecv(self, buf, src, tag)
 
     def send(self, x, dst: int, tag: int = 0) -> None:
         """Send ``x`` to rank ``dst`` and return once it has left ``x``."""
