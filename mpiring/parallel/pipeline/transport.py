@@ -32,7 +32,11 @@ core from the ranks that compute (the bubble lasts whole forwards of the
 neighbour); a sleeping one sees the message up to a sleep late, at every
 dependency of the schedule. So the wait sleeps between polls through most of
 the time the same wait took on the last step, then polls in a tight loop for
-``SPIN_S`` around the moment the message is due, then sleeps again.
+``SPIN_S`` around the moment the message is due, then sleeps again. Every wait
+starts with ``FIRST_S`` of tight polling: a message that came while the rank
+was computing is still in the MPI library's shared-memory queue, and taking it
+out needs more than one test (the first finds it, a later one copies it), so a
+sleep after the first miss would add itself to a message that is already there.
 ``MPIRING_IDLE=spin`` keeps the tight loop throughout. After ``POLL_S`` the
 communicator's own wait takes over, with its deadline and stall report.
 """
@@ -52,10 +56,10 @@ TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 8
-NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
-                torch.int16, torch.int8, torch.uint8, torch.bool)
 #: Seconds a wait polls in a tight loop before it sleeps between polls.
 SPIN_S = 1e-3
+#: Seconds every wait polls in a tight loop before its first sleep.
+FIRST_S = 1e-4
 #: Seconds between polls after that (the kernel's timer slack is added to it).
 SLEEP_S = 2e-5
 #: Seconds of polling before the communicator's blocking wait (deadline, stall report).
@@ -100,11 +104,12 @@ _PRCTL = _load_prctl()
 
 def wait_all(reqs: list, spin_s: float = SPIN_S, sleep_s: float | None = SLEEP_S,
              expect_s: float = 0.0) -> float:
-    """Complete ``reqs``: poll (sleeping, tight, then sleeping), then the communicator's wait.
+    """Complete ``reqs``: poll (tight, sleeping, tight, sleeping), then the communicator's wait.
 
-    ``expect_s``: how long this wait took last time. Up to 80% of it passes in
-    sleeping polls, then the loop polls tightly for ``spin_s``; a message that
-    comes early is seen at the next sleeping poll. Returns the seconds waited.
+    The first ``FIRST_S`` polls tightly. ``expect_s``: how long this wait took
+    last time; up to 80% of it passes in sleeping polls, then the loop polls
+    tightly for ``spin_s``; a message that comes early is seen at the next
+    sleeping poll. Returns the seconds waited.
     """
     pending = [r for r in reqs if not r.test()]
     if not pending:
@@ -112,17 +117,20 @@ def wait_all(reqs: list, spin_s: float = SPIN_S, sleep_s: float | None = SLEEP_S
     start = now = time.perf_counter()
     spin_from = start + 0.8 * expect_s if sleep_s is not None else start
     spin_until, poll_until = spin_from + spin_s, start + POLL_S
-    # Sleeps end on time only with a fine timer slack (the default adds 50 us to each);
-    # this thread's own setting, put back when the wait ends.
-    slack = _timer_slack(1000) if sleep_s is not None else None
+    first_until = start + FIRST_S
+    slack = None
     try:
         while pending and now < poll_until:
-            if sleep_s is not None and not spin_from <= now < spin_until:
+            if sleep_s is not None and now >= first_until and not spin_from <= now < spin_until:
+                if slack is None:
+                    # Sleeps end on time only with a fine timer slack (the default adds
+                    # 50 us to each); this thread's own setting, put back when the wait ends.
+                    slack = _timer_slack(1000) or 0
                 time.sleep(sleep_s)
             pending = [r for r in pending if not r.test()]
             now = time.perf_counter()
     finally:
-        if slack is not None:
+        if slack:
             _timer_slack(slack)
     for r in pending:  # still not there: wait under the deadline (stall report, abort)
         r.wait()
@@ -159,6 +167,9 @@ class Transport:
         self.meta_sent: set[int] = set()
         self.fresh = True
         self.bufs: dict[tuple[str, int], torch.Tensor] = {}
+        # The fast steps' sends and receives, checked once (``comm.prepare_send``).
+        self.prepared_sends: dict[tuple[str, int], object] = {}
+        self.prepared_recvs: dict[tuple[str, int], object] = {}
         self.posted: dict[tuple[str, int], tuple] = {}
         self.waited: dict[tuple[str, int], float] = {}  # a group's wait, last step
 
@@ -177,8 +188,11 @@ class Transport:
         for a in recvs:
             key = (a.channel, a.mb)
             buf = _reused(self.bufs[key])
-            tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
-            self.posted[key] = (buf, self.fast.irecv(buf, a.peer, tag))
+            prepared = self.prepared_recvs.get(key)
+            if prepared is None or prepared.buffer is not buf:
+                tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
+                prepared = self.prepared_recvs[key] = self.fast.prepare_recv(buf, a.peer, tag)
+            self.posted[key] = (buf, prepared.post())
 
     def end_step(self) -> None:
         self.fresh = False
@@ -191,12 +205,17 @@ class Transport:
 
     def send(self, a: Action, t: torch.Tensor, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
+        tag = TAG_ACT if a.kind == SEND_F else TAG_GRAD
+        if not self.fresh and self.mpi:
+            # Checked once per micro-batch and channel: right after a compute action,
+            # wrapping a tensor for MPI runs cold and costs more than the message.
+            key = (a.channel, a.mb)
+            prepared = self.prepared_sends.get(key)
+            if prepared is None:
+                prepared = self.prepared_sends[key] = self.fast.prepare_send(t, a.peer, tag)
+            sends.append(prepared.post(t))
+            return
         comm = self.checked if self.fresh else self.fast
-        if not self.fresh and t.device.type == "cpu" and t.dtype in NUMPY_DTYPES:
-            # The array view (it keeps ``t`` alive until the send completes): right
-            # after a compute action, wrapping a torch tensor for MPI (reshape,
-            # DLPack) runs cold and costs more than the message itself.
-            t = t.numpy()
         if a.kind == SEND_F:
             if a.mb not in self.meta_sent:
                 sends.append(self.checked.isend(header(t), a.peer, TAG_META))
