@@ -1,26 +1,21 @@
 """Split a backward into B (input gradient) and W (weight gradient), for zero bubble.
 
-Every parameter-holding layer of a stage that autograd lets us split gets a
-forward through a ``torch.autograd.Function`` of its own: ``nn.Linear`` (the
-attention projections, the MLP and the LM head included), ``nn.LayerNorm`` and
-``nn.Embedding``. Its backward returns the input's gradient at once and, while
-a micro-batch's B runs with a queue set, pushes the weight-gradient work onto
-that queue instead of doing it:
+Every ``nn.Linear`` of a stage (the attention projections, the MLP and the LM
+head) gets a forward through a ``torch.autograd.Function`` of its own. Its
+backward returns dX = dY W at once and, while a micro-batch's B runs with a
+queue set, pushes dW = dY^T X and db = sum dY onto that queue instead of
+computing them; the W action runs them.
 
-* Linear: dX = dY W in B; dW = dY^T X, db = sum dY in W;
-* LayerNorm: dX in B, dgamma and dbeta in W (the same ATen kernel,
-  ``native_layer_norm_backward``, asked for different outputs);
-* Embedding: no input gradient (the input is token ids); the whole
-  ``embedding_dense_backward`` (a scatter-add of dY into the table) in W.
-
-That is the zero-bubble paper's split: every weight gradient in W, so W costs
-about what B does (two GEMMs per Linear, one each). The zero-bubble repository
-does the same at the linear layer (``WeightGradStore``);
-torch.distributed.pipelining instead walks the autograd graph. A layer of
-another kind (a convolution, a custom module's own parameter) keeps its weight
-gradient in B: correct, only less deferred. An Embedding with ``max_norm`` or
-``sparse=True`` stays unsplit too (its forward or gradient is not the dense
-one written here).
+The Linear layers only, as the zero-bubble repository (``WeightGradStore`` in
+Megatron's linear layers) and DeepSeek's DualPipe do: they hold nearly all of
+the weight-gradient time (two GEMMs per Linear, one in B and one in W). What
+decides it is the memory between B and W: a deferred layer keeps its input
+and its output gradient alive until W. For the Linear layers of a transformer
+block that is 16 d-wide rows per token, as much as the forward saved, so
+ZB-H1 holds no more than 1F1B. LayerNorm's dgamma and dbeta would keep its
+input and output gradient (4 more rows per block) for two reductions that
+cost next to nothing, and an embedding's would keep dY for one scatter-add:
+their weight gradients, and those of any other layer, stay in B.
 
 Each queued item keeps the tensors W needs (``Deferred.tensors``: X and dY), so
 that the stage can count the bytes a micro-batch holds between its B and its W.
@@ -33,8 +28,6 @@ import types
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-aten = torch.ops.aten
 
 
 class WeightGradSink:
@@ -96,77 +89,13 @@ class DeferredLinear(torch.autograd.Function):
         return (gx, *_now_or_later(ctx, weight_grads, (x, gy)), None)
 
 
-class DeferredLayerNorm(torch.autograd.Function):
-    """LayerNorm over the last dims. Backward: dX now; dgamma, dbeta now or queued."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps, sink):
-        out, mean, rstd = aten.native_layer_norm(x, shape, weight, bias, eps)
-        # What torch's own LayerNorm saves (input, mean, rstd; the weight is a parameter).
-        ctx.save_for_backward(x, mean, rstd, weight, bias)
-        ctx.params, ctx.sink, ctx.shape = (weight, bias), sink, shape
-        return out
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, mean, rstd, weight, bias = ctx.saved_tensors
-        shape = ctx.shape
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = aten.native_layer_norm_backward(gy, x, shape, mean, rstd, weight, bias,
-                                                 [True, False, False])[0]
-
-        def weight_grads():
-            _, gw, gb = aten.native_layer_norm_backward(
-                gy, x, shape, mean, rstd, weight, bias,
-                [False, weight is not None, bias is not None])
-            return gw, gb
-        return (gx, *_now_or_later(ctx, weight_grads, (x, mean, rstd, gy)), None, None, None)
-
-
-class DeferredEmbedding(torch.autograd.Function):
-    """table[ids]. Backward: nothing for the ids; d(table) now or queued."""
-
-    @staticmethod
-    def forward(ctx, ids, weight, padding_idx, scale_by_freq, sink):
-        ctx.save_for_backward(ids)
-        ctx.params, ctx.sink = (weight,), sink
-        ctx.rows, ctx.padding, ctx.scale = weight.shape[0], padding_idx, scale_by_freq
-        return F.embedding(ids, weight, padding_idx, None, 2.0, scale_by_freq, False)
-
-    @staticmethod
-    def backward(ctx, gy):
-        (ids,) = ctx.saved_tensors
-        padding = -1 if ctx.padding is None else ctx.padding
-
-        def weight_grads():
-            return (aten.embedding_dense_backward(gy, ids, ctx.rows, padding, ctx.scale),)
-        return (None, *_now_or_later(ctx, weight_grads, (ids, gy)), None, None, None)
-
-
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return DeferredLinear.apply(x, self.weight, self.bias, self._mpiring_wsink)
 
 
-def _layer_norm(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return DeferredLayerNorm.apply(x, self.weight, self.bias, list(self.normalized_shape),
-                                   self.eps, self._mpiring_wsink)
-
-
-def _embedding(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    return DeferredEmbedding.apply(ids, self.weight, self.padding_idx, self.scale_grad_by_freq,
-                                   self._mpiring_wsink)
-
-
 def _splittable(m: nn.Module):
     """The deferring forward for ``m``, or None where its weight gradient stays in B."""
-    if isinstance(m, nn.Linear):
-        return _linear
-    if isinstance(m, nn.LayerNorm) and m.weight is not None:
-        return _layer_norm
-    if isinstance(m, nn.Embedding) and m.max_norm is None and not m.sparse:
-        return _embedding
-    return None
+    return _linear if isinstance(m, nn.Linear) else None
 
 
 def install(module: nn.Module) -> WeightGradSink:

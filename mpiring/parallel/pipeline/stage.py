@@ -6,8 +6,8 @@ requires grad, so that backward leaves the gradient to send back in
 
 * recomputation (GPipe's re-materialisation): F runs under ``no_grad`` and keeps
   only the input and the RNG state; B runs the forward again, then backward;
-* split backward (zero bubble): B computes the input gradient, W the weight
-  gradients of the Linear, LayerNorm and Embedding layers (``split_backward``);
+* split backward (zero bubble): B computes the input gradient, W the Linear
+  layers' weight gradients (``split_backward``);
 * weight stashing (PipeDream): F runs on a snapshot of the weights that B uses
   again, while the live weights move on after every backward.
 
