@@ -77,7 +77,7 @@ def test_schedule_matches_unsplit_model(comm, name, m):
     # Uneven stages: 10 modules (5 Linear + 5 Tanh) over K stages, array_split bounds.
     lo, hi = bounds(len(full), comm.size)[comm.rank]
     part = copy.deepcopy(full[lo:hi])
-    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    stage = PipelineStage(part, comm.rank, comm.size, comm, count_activations=True)
     sched = SCHEDULES[name](stage, m, mse)
     for salt in (0, 1):  # the second step reuses the agreed shapes and the stage state
         x, y = data(salt)
@@ -94,6 +94,7 @@ def test_schedule_matches_unsplit_model(comm, name, m):
         for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
             torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
     assert stage.live_bytes == 0  # every micro-batch's activations released
+    assert stage.peak_activation_bytes > 0  # ... after they were counted
 
 
 def test_gpt_with_tied_embedding(comm):
@@ -304,3 +305,32 @@ def test_sends_posted_by_the_action_that_makes_them(comm):
         assert sched.transport.posted == {}  # every posted receive was used
         for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
             torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_activation_memory_of_each_schedule(comm):
+    """The counted peaks follow the schedules' memory models, per stage (A: one
+    micro-batch's activations): GPipe m A, 1F1B min(p - i, m) A, GPipe with
+    recomputation A plus the m stage inputs, ZB-H1 at most p A (its W keeps each
+    Linear's input and output gradient, no more than the forward saved)."""
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=4, n_heads=2)
+    m, rows = 4, 8
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, 11, (rows, 5), generator=g), torch.randint(0, 11, (rows, 5), generator=g)
+    peaks = {}
+    for name, make in [("gpipe", lambda s: ScheduleGPipe(s, m, lm_loss)),
+                       ("recompute", lambda s: ScheduleGPipe(s, m, lm_loss, recompute=True)),
+                       ("1f1b", lambda s: Schedule1F1B(s, m, lm_loss)),
+                       ("zb", lambda s: ScheduleZeroBubble(s, m, lm_loss))]:
+        torch.manual_seed(0)
+        module, tied = split_gpt(GPT(cfg).double(), comm.size, comm.rank)
+        stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied,
+                              count_activations=True)
+        make(stage).step(x if stage.is_first else None, target=y if stage.is_last else None)
+        peaks[name] = stage.peak_activation_bytes
+    p, i = comm.size, comm.rank
+    one = peaks["gpipe"] / m
+    inp = rows // m * 5 * (8 if i == 0 else 8 * cfg.d_model)  # int64 ids, or float64 rows
+    assert one > 0 and peaks["gpipe"] == m * one
+    assert peaks["1f1b"] == min(p - i, m) * one, peaks
+    assert peaks["recompute"] == one + m * inp, peaks
+    assert one <= peaks["zb"] <= min(p, m) * one, peaks

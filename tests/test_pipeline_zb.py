@@ -38,7 +38,8 @@ def test_zero_bubble_gpt_matches_unsplit_model(comm, m):
     torch.manual_seed(5)
     full = GPT(CFG).double()
     module, tied = split_gpt(full, comm.size, comm.rank)
-    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied)
+    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied,
+                          count_activations=True)
     sched = ScheduleZeroBubble(stage, m, lm_loss)
     for salt in (0, 1):  # the second step: agreed shapes, kept buffers, posted receives
         x, y = _batch(9, 20 + salt + comm.size)
@@ -65,7 +66,7 @@ def test_the_linear_weight_gradients_wait_for_w(comm):
     torch.manual_seed(1)
     full = GPT(CFG).double()
     mine = copy.deepcopy(full)
-    stage = PipelineStage(mine, 0, 1, comm)
+    stage = PipelineStage(mine, 0, 1, comm, count_activations=True)
     stage.split_backward()
     x, y = _batch(4, 3)
     stage.forward(0, x, target=y, loss_fn=lm_loss)

@@ -11,10 +11,12 @@ requires grad, so that backward leaves the gradient to send back in
 * weight stashing (PipeDream): F runs on a snapshot of the weights that B uses
   again, while the live weights move on after every backward.
 
-The bytes autograd saves for backward are counted (``peak_activation_bytes``) so
-that a bench can compare the schedules' activation memory; between a split
-micro-batch's B and its W, the bytes its queued weight gradients keep (each
-layer's input and output gradient) are counted instead.
+With ``count_activations`` on, the bytes autograd saves for backward are
+counted (``live_bytes``, ``peak_activation_bytes``) so that a bench can compare
+the schedules' activation memory; between a split micro-batch's B and its W,
+the bytes its queued weight gradients keep (each Linear's input and output
+gradient) are counted instead. Off by default: counting runs a Python hook for
+every tensor autograd saves, a few percent of a small model's forward.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class PipelineStage:
         tied_parameters: parameters shared between the first and the last stage
             (a tied embedding): the same number, shapes and order on both; after
             each step their gradients are summed between the two stages.
+        count_activations: count the activation bytes held per micro-batch
+            (``live_bytes``, ``peak_activation_bytes``; also an attribute, to turn
+            on for some steps only).
 
     Raises:
         ValueError: on every rank, when any rank's stage_index, num_stages or
@@ -48,7 +53,8 @@ class PipelineStage:
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, comm, *,
-                 tied_parameters: list[nn.Parameter] | None = None):
+                 tied_parameters: list[nn.Parameter] | None = None,
+                 count_activations: bool = False):
         tied = list(tied_parameters or [])
         mine = {"stage": stage_index, "stages": num_stages,
                 "tied": [list(p.shape) for p in tied]}
@@ -68,6 +74,7 @@ class PipelineStage:
         if num_stages > 1 and table[0]["tied"]:
             self.tied_comm = self.comm.split(0 if stage_index in ends else None, key=stage_index)
         self._sink: split_backward.WeightGradSink | None = None
+        self.count_activations = count_activations
         self.reset()
 
     # --- per-step state -------------------------------------------------------
@@ -96,24 +103,32 @@ class PipelineStage:
         """Run micro-batch ``mb``'s forward; returns the output (the loss on the last stage)."""
         inp = x.requires_grad_(True) if x.is_floating_point() and not self.is_first else x
         self._inp[mb] = inp
+        last = self.is_last
         if recompute:
             self._rng[mb] = torch.get_rng_state()
             with torch.no_grad():
                 out = self.module(inp)
-            self._held[mb] = inp.nelement() * inp.element_size()
+                loss = loss_fn(out, target) if last else None
+            self._loss_args[mb] = (loss_fn, target, scale)
+            if self.count_activations:
+                self._held[mb] = inp.nelement() * inp.element_size()
         else:
             params = None
             if stash:  # PipeDream: this micro-batch's weights, kept until its backward
                 params = {n: p.detach().clone().requires_grad_(p.requires_grad)
                           for n, p in self.module.named_parameters()}
                 self._stash[mb] = params
-            out, self._held[mb] = self._counted(lambda: self._call(inp, params))
-        self._grow(self._held[mb])
-        if self.is_last:
-            loss = loss_fn(out, target)
+
+            def run():  # the loss's saved tensors (the log-softmax) count as activations too
+                y = self._call(inp, params)
+                return y, (loss_fn(y, target) if last else None)
+            if self.count_activations:
+                (out, loss), self._held[mb] = self._counted(run)
+            else:
+                out, loss = run()
+        self._grow(self._held.get(mb, 0))
+        if last:
             self._out[mb] = loss * scale
-            if recompute:
-                self._loss_args[mb] = (loss_fn, target, scale)
             return out, loss
         self._out[mb] = out
         return out, None
@@ -157,12 +172,17 @@ class PipelineStage:
             inp = inp.detach().requires_grad_(inp.requires_grad)
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(self._rng.pop(mb))
-                out, extra = self._counted(lambda: self.module(inp))
-            self._grow(extra)
-            self._grow(-extra)  # freed by the backward below
-            if self.is_last:
                 loss_fn, target, scale = self._loss_args.pop(mb)
-                out = loss_fn(out, target) * scale
+
+                def run():
+                    y = self.module(inp)
+                    return loss_fn(y, target) * scale if self.is_last else y
+                if self.count_activations:
+                    out, extra = self._counted(run)
+                    self._grow(extra)
+                    self._grow(-extra)  # freed by the backward below
+                else:
+                    out = run()
         if self._sink is not None:
             self._sink.queue = self._wq.setdefault(mb, []) if split else None
         if sync and self.ddp is not None:
@@ -173,7 +193,7 @@ class PipelineStage:
             if self._sink is not None:
                 self._sink.queue = None
         self._release(mb)
-        if split:  # autograd freed the graph; what W needs (X, dY) stays until W
+        if split and self.count_activations:  # autograd freed the graph; W's X and dY stay
             self._held[mb] = split_backward.held_bytes(self._wq.get(mb, []))
             self._grow(self._held[mb])
         return None if self.is_first else inp.grad
