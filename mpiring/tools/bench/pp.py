@@ -18,6 +18,9 @@ rank), the same step on every rank.
 * replay: the same simulation with each action's own measured time instead
   of the stage's mean (what a runtime with no overhead would have done with
   exactly these compute times).
+* ideal ms (JSON): the simulated step of the same program with those times,
+  from the first compute start to the last compute end: the compute bound
+  that the torch row is compared with.
 * msg us: the median time from a producer's compute end to the consumer's
   compute start, over the messages the consumer was waiting for (posting,
   transfer, noticing it, the runtime's steps in between).
@@ -38,7 +41,13 @@ import torch
 from mpiring.parallel.pipeline.actions import Action
 from mpiring.parallel.pipeline.diagram import draw
 from mpiring.parallel.pipeline.transport import wait_all
-from mpiring.parallel.pipeline.validate import Span, bubble, predicted_bubble
+from mpiring.parallel.pipeline.validate import (
+    Span,
+    bubble,
+    measured_costs,
+    predicted_bubble,
+    simulate,
+)
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
@@ -135,7 +144,10 @@ class _Mpiring:
         spans = _gather_spans(comm, self.timelines[best])
         acts = self.sched.actions
         peaks = comm.control.allgather_json(int(self.peak)) if comm.size > 1 else [self.peak]
+        ideal = simulate(acts, measured_costs(acts, spans), transfer=transfer)
         return {"mode": self.mode, "m": m, "step_ms": 1e3 * seconds,
+                "ideal_ms": 1e3 * (max(r[-1].end for r in ideal if r) -
+                                   min(r[0].start for r in ideal if r)),
                 "bubble": max(bubble(spans)),
                 "predicted": max(predicted_bubble(acts, spans, transfer=transfer)),
                 "replay": max(predicted_bubble(acts, spans, transfer=transfer, replay=True)),
@@ -226,6 +238,9 @@ def _ratios(rows: list[dict]) -> None:
         by["zb"]["zb_over_1f1b_bubble"] = by["zb"]["bubble"] / base["bubble"]
     if base is not None and "torch-1f1b" in by:
         base["over_torch"] = base["step_ms"] / by["torch-1f1b"]["step_ms"]
+        # How far torch's step is from the schedule's compute bound on these stages:
+        # no runtime running the same kernels can be faster than that bound.
+        base["torch_over_ideal"] = by["torch-1f1b"]["step_ms"] / base["ideal_ms"]
 
 
 def format_pp_table(rows: list[dict]) -> str:
@@ -261,7 +276,8 @@ def format_pp_table(rows: list[dict]) -> str:
             parts.append(f"zb/1f1b bubble {by['zb']['zb_over_1f1b_bubble']:.2f} "
                          f"(peak act per stage zb {peaks}, 1f1b {base} MiB)")
         if "over_torch" in by.get("1f1b", {}):
-            parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f}")
+            parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f} (torch step / 1f1b's "
+                         f"simulated compute bound {by['1f1b']['torch_over_ideal']:.2f})")
         lines.append(f"m={m}: " + "; ".join(parts))
     return "\n".join(lines)
 
