@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# docs/pipeline-bench.md from one run: bench-pp on 2 ranks (one thread each) for the
+# small and the tiny GPT, their JSON and output in out/pipeline/, then the page written
+# from them (scripts/pipeline_page.py). About a minute on 2 cores (sets up .venv on first use).
+#   scripts/pipeline_bench.sh               # writes docs/pipeline-bench.md
+#   QUICK=1 scripts/pipeline_bench.sh       # a smoke run: the page stays in out/pipeline/
+# Measure on a quiet machine if you can: other jobs on the same cores move every number.
+source "$(dirname "$0")/_venv.sh"
+OUT="${PERF_DIR:-out/pipeline}"
+rm -rf "$OUT"
+mkdir -p "$OUT"
+unset MPIRING_TRACE MPIRING_LOG MPIRING_CHECK MPIRING_IDLE
+if [ "${QUICK:-0}" = 1 ]; then
+    PAGE="$OUT/pipeline-bench.md"; SMALL=(--m 2 -n 1 -w 0); TINY=(--m 2 -n 1 -w 0)
+else
+    PAGE=docs/pipeline-bench.md; SMALL=(); TINY=(-n 10 -w 3)
+fi
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+git diff --quiet HEAD -- mpiring scripts 2>/dev/null || COMMIT="$COMMIT with local changes"
+load() { cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo "?"; }
+BEFORE="$(load)"
+mpiexec -n 2 python -m mpiring bench-pp "${SMALL[@]}" --draw 1f1b:8,zb:8 \
+    --json "$OUT/small.json" > "$OUT/small.txt"
+mpiexec -n 2 python -m mpiring bench-pp --preset tiny "${TINY[@]}" --draw "" \
+    --json "$OUT/tiny.json" > "$OUT/tiny.txt"
+printf '{"cores": %s, "load_before": "%s", "load_after": "%s"}\n' \
+    "$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 0)" "$BEFORE" "$(load)" > "$OUT/machine.json"
+python scripts/pipeline_page.py "$OUT" --commit "$COMMIT" > "$PAGE"
+echo "wrote $PAGE" >&2

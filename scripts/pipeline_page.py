@@ -1,0 +1,111 @@
+"""docs/pipeline-bench.md from one run of scripts/pipeline_bench.sh (its JSON and text).
+
+    python scripts/pipeline_page.py out/pipeline --commit abc1234 > docs/pipeline-bench.md
+
+The goals of the pipeline work, each computed from the rows of that one run:
+bubble measured against the schedule's prediction (GPipe, 1F1B), ZB-H1's
+bubble and peak activations against 1F1B's, 1F1B's step against torch's
+Schedule1F1B (and torch's against the schedule's compute bound), GPipe with
+recomputation's memory against its model. Then the bench's own tables and a
+measured step drawn to scale, as printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mpiring.tools.models.gpt import PRESETS  # noqa: E402
+
+PRESET_NOTES = {"small": "d=256, 4 blocks, 64 tokens: compute-bound",
+                "tiny": "d=64, 2 blocks, 32 tokens: the runtime's share is large"}
+
+
+def _by(rows):
+    return {(r["mode"], r["m"]): r for r in rows}
+
+
+def _input_mib(preset: str, mb_rows: int, stage: int) -> float:
+    """One micro-batch's stage input: token ids (int64) on stage 0, float32 rows after."""
+    cfg = PRESETS[preset]
+    per_token = 8 if stage == 0 else 4 * cfg.d_model
+    return mb_rows * cfg.seq_len * per_token / 2**20
+
+
+def goals(rows: list[dict]) -> list[str]:
+    by = _by(rows)
+    ms = sorted({r["m"] for r in rows})
+    preset, mb_rows = rows[0]["preset"], rows[0]["mb_rows"]
+    out = ["| goal | " + " | ".join(f"m={m}" for m in ms) + " |",
+           "|---|" + "---:|" * len(ms)]
+
+    def line(name, fn):
+        cells = []
+        for m in ms:
+            try:
+                cells.append(fn(m))
+            except (KeyError, TypeError, ZeroDivisionError):
+                cells.append("-")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    line("GPipe bubble, measured / predicted (goal <= 1.10)",
+         lambda m: f"{by['gpipe', m]['bubble'] / by['gpipe', m]['predicted']:.2f}")
+    line("1F1B bubble, measured / predicted (goal <= 1.10)",
+         lambda m: f"{by['1f1b', m]['bubble'] / by['1f1b', m]['predicted']:.2f}")
+    line("ZB-H1 / 1F1B bubble, measured (goal <= 0.5)",
+         lambda m: f"{by['zb', m]['bubble'] / by['1f1b', m]['bubble']:.2f}")
+    line("ZB-H1 / 1F1B bubble, the schedules' prediction",
+         lambda m: f"{by['zb', m]['predicted'] / by['1f1b', m]['predicted']:.2f}")
+    line("peak activations MiB, ZB-H1 / 1F1B (max over stages)",
+         lambda m: f"{by['zb', m]['peak_act_mib']:.2f} / {by['1f1b', m]['peak_act_mib']:.2f}")
+    line("1F1B step / torch Schedule1F1B step (goal <= 0.9)",
+         lambda m: f"{by['1f1b', m]['step_ms'] / by['torch-1f1b', m]['step_ms']:.2f}")
+    line("torch step / 1F1B's simulated compute bound",
+         lambda m: f"{by['torch-1f1b', m]['step_ms'] / by['1f1b', m]['ideal_ms']:.2f}")
+
+    def recompute_mem(m):
+        r, g = by["gpipe-recompute", m], by["gpipe", m]
+        pred = [g["peak_act_mib_per_stage"][s] / m + m * _input_mib(preset, mb_rows, s)
+                for s in range(r["ranks"])]
+        return f"{r['peak_act_mib']:.2f} / {max(pred):.2f}"
+    line("GPipe recompute peak MiB, measured / m inputs + one micro-batch", recompute_mem)
+    line("GPipe recompute step / GPipe step",
+         lambda m: f"{by['gpipe-recompute', m]['step_ms'] / by['gpipe', m]['step_ms']:.2f}")
+    return out
+
+
+def page(directory: str, commit: str) -> str:
+    machine = json.load(open(os.path.join(directory, "machine.json")))
+    parts = ["# Pipeline benchmark", "",
+             "Written by `scripts/pipeline_bench.sh` from one run (commit "
+             f"`{commit}`; {machine['cores']} cores, load average {machine['load_before']} before "
+             f"and {machine['load_after']} after). Ratios compare modes of the same launch, whose "
+             "steps went round-robin; each row is its mode's fastest step. The columns and the "
+             "definitions are in [pipeline.md](pipeline.md#benchmark).", ""]
+    for preset in ("small", "tiny"):
+        path = os.path.join(directory, f"{preset}.json")
+        if not os.path.exists(path):
+            continue
+        rows = json.load(open(path))
+        parts += [f"## {preset} ({PRESET_NOTES.get(preset, '')})", ""]
+        parts += goals(rows)
+        parts += ["", "As printed:", "", "```"]
+        parts += open(os.path.join(directory, f"{preset}.txt")).read().rstrip().splitlines()
+        parts += ["```", ""]
+    return "\n".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("directory")
+    p.add_argument("--commit", default="unknown")
+    args = p.parse_args(argv)
+    sys.stdout.write(page(args.directory, args.commit))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
