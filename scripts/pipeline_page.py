@@ -59,6 +59,10 @@ def goals(rows: list[dict]) -> list[str]:
          lambda m: f"{by['zb', m]['bubble'] / by['1f1b', m]['bubble']:.2f}")
     line("ZB-H1 / 1F1B bubble, the schedules' prediction",
          lambda m: f"{by['zb', m]['predicted'] / by['1f1b', m]['predicted']:.2f}")
+    line("ZB-H1 / 1F1B bubble of the busiest stage, measured (goal <= 0.5)",
+         lambda m: f"{by['zb', m]['bubble_busiest'] / by['1f1b', m]['bubble_busiest']:.2f}")
+    line("ZB-H1 / 1F1B bubble of the busiest stage, predicted",
+         lambda m: f"{by['zb', m]['predicted_busiest'] / by['1f1b', m]['predicted_busiest']:.2f}")
     line("peak activations MiB, ZB-H1 / 1F1B (max over stages)",
          lambda m: f"{by['zb', m]['peak_act_mib']:.2f} / {by['1f1b', m]['peak_act_mib']:.2f}")
     line("1F1B step / torch Schedule1F1B step (goal <= 0.9)",

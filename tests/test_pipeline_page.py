@@ -23,12 +23,15 @@ def _rows(m: int):
     common = {"m": m, "preset": "tiny", "mb_rows": 2, "ranks": 2}
     return [
         {"mode": "gpipe", "step_ms": 10.0, "bubble": 0.30, "predicted": 0.25, "ideal_ms": 9.0,
+         "bubble_busiest": 0.2, "predicted_busiest": 0.2,
          "peak_act_mib": 4.0, "peak_act_mib_per_stage": [4.0, 3.0], **common},
         {"mode": "gpipe-recompute", "step_ms": 13.0, "bubble": 0.3, "predicted": 0.3,
-         "ideal_ms": 12.0, "peak_act_mib": 1.5, "peak_act_mib_per_stage": [1.0, 1.5], **common},
+         "bubble_busiest": 0.2, "predicted_busiest": 0.2, "ideal_ms": 12.0, "peak_act_mib": 1.5, "peak_act_mib_per_stage": [1.0, 1.5], **common},
         {"mode": "1f1b", "step_ms": 9.0, "bubble": 0.20, "predicted": 0.16, "ideal_ms": 8.0,
+         "bubble_busiest": 0.10, "predicted_busiest": 0.08,
          "peak_act_mib": 2.0, "peak_act_mib_per_stage": [2.0, 0.75], **common},
         {"mode": "zb", "step_ms": 8.0, "bubble": 0.05, "predicted": 0.04, "ideal_ms": 7.5,
+         "bubble_busiest": 0.03, "predicted_busiest": 0.02,
          "peak_act_mib": 2.1, "peak_act_mib_per_stage": [2.0, 2.1], **common},
         {"mode": "torch-1f1b", "step_ms": 12.0, "bubble": None, "predicted": None,
          "peak_act_mib": None, **common},
@@ -42,6 +45,8 @@ def test_goals_are_the_ratios_of_the_rows():
     assert "| 1F1B bubble, measured / predicted (goal <= 1.10) | 1.25 |" in table
     assert "| ZB-H1 / 1F1B bubble, measured (goal <= 0.5) | 0.25 |" in table
     assert "| ZB-H1 / 1F1B bubble, the schedules' prediction | 0.25 |" in table
+    assert "| ZB-H1 / 1F1B bubble of the busiest stage, measured (goal <= 0.5) | 0.30 |" in table
+    assert "| ZB-H1 / 1F1B bubble of the busiest stage, predicted | 0.25 |" in table
     assert "| peak activations MiB, ZB-H1 / 1F1B (max over stages) | 2.10 / 2.00 |" in table
     assert "| 1F1B step / torch Schedule1F1B step (goal <= 0.9) | 0.75 |" in table
     assert "| torch step / 1F1B's simulated compute bound | 1.50 |" in table

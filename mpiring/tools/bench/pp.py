@@ -10,7 +10,10 @@ rank), the same step on every rank.
 
 * bubble: the worst rank's share of that step (first start to last end over
   every rank) spent outside F, B and W: waiting, and its own sends and
-  receives, are all counted as bubble.
+  receives, are all counted as bubble. busiest (JSON bubble_busiest,
+  predicted_busiest): the same share for the stage with the most compute,
+  whose idle time is what the schedule adds to the step (a lighter stage
+  also idles for the uneven split, in every schedule alike).
 * predicted: the validator's simulation of the same schedule with each
   stage's measured mean F, B and W times, and each message taking the
   measured per-transfer time (the fastest of 40 ping-pongs of the activation
@@ -145,11 +148,16 @@ class _Mpiring:
         acts = self.sched.actions
         peaks = comm.control.allgather_json(int(self.peak)) if comm.size > 1 else [self.peak]
         ideal = simulate(acts, measured_costs(acts, spans), transfer=transfer)
+        # The stage with the most compute: the step cannot be shorter than its work, so its
+        # idle share is what the schedule costs; a lighter stage's extra idle is the split's.
+        busiest = max(range(len(spans)), key=lambda r: sum(x.end - x.start for x in spans[r]))
         return {"mode": self.mode, "m": m, "step_ms": 1e3 * seconds,
                 "ideal_ms": 1e3 * (max(r[-1].end for r in ideal if r) -
                                    min(r[0].start for r in ideal if r)),
                 "bubble": max(bubble(spans)),
                 "predicted": max(predicted_bubble(acts, spans, transfer=transfer)),
+                "bubble_busiest": bubble(spans)[busiest],
+                "predicted_busiest": bubble(ideal)[busiest],
                 "replay": max(predicted_bubble(acts, spans, transfer=transfer, replay=True)),
                 "transfer_us": 1e6 * transfer,
                 "msg_us": None if (d := message_delay(spans)) is None else 1e6 * d,
@@ -236,6 +244,9 @@ def _ratios(rows: list[dict]) -> None:
             r["x_1f1b"] = r["step_ms"] / base["step_ms"]
     if base is not None and "zb" in by and base["bubble"]:
         by["zb"]["zb_over_1f1b_bubble"] = by["zb"]["bubble"] / base["bubble"]
+        if base["bubble_busiest"]:
+            by["zb"]["zb_over_1f1b_busiest"] = (by["zb"]["bubble_busiest"] /
+                                                base["bubble_busiest"])
     if base is not None and "torch-1f1b" in by:
         base["over_torch"] = base["step_ms"] / by["torch-1f1b"]["step_ms"]
         # How far torch's step is from the schedule's compute bound on these stages:
@@ -246,7 +257,8 @@ def _ratios(rows: list[dict]) -> None:
 def format_pp_table(rows: list[dict]) -> str:
     """The rows as a fixed-width table, then the goals' ratios per m."""
     head = (f"{'schedule':<16} {'m':>3} {'step ms':>9} {'x 1f1b':>7} {'bubble':>7} "
-            f"{'predicted':>9} {'meas/pred':>9} {'replay':>7} {'meas/rep':>8} {'msg us':>6} {'peak act MiB':>12}")
+            f"{'busiest':>7} {'predicted':>9} {'meas/pred':>9} {'replay':>7} {'meas/rep':>8} "
+            f"{'msg us':>6} {'peak act MiB':>12}")
     lines = [head, "-" * len(head)]
 
     def pct(v):
@@ -259,7 +271,8 @@ def format_pp_table(rows: list[dict]) -> str:
         msg = f"{r['msg_us']:.0f}" if r.get("msg_us") is not None else "-"
         lines.append(f"{r['mode']:<16} {r['m']:>3} {r['step_ms']:>9.1f} "
                      f"{r.get('x_1f1b', float('nan')):>7.2f} {pct(r['bubble']):>7} "
-                     f"{pct(r['predicted']):>9} {ratio(r['bubble'], r['predicted']):>9} "
+                     f"{pct(r.get('bubble_busiest')):>7} {pct(r['predicted']):>9} "
+                     f"{ratio(r['bubble'], r['predicted']):>9} "
                      f"{pct(r['replay']):>7} {ratio(r['bubble'], r['replay']):>8} {msg:>6} {act:>12}")
     if rows and rows[0].get("transfer_us") is not None:
         lines.append(f"per-transfer time (measured, in the prediction): "
@@ -273,8 +286,10 @@ def format_pp_table(rows: list[dict]) -> str:
         if "zb_over_1f1b_bubble" in by.get("zb", {}):
             peaks = "/".join(f"{v:.2f}" for v in by["zb"]["peak_act_mib_per_stage"])
             base = "/".join(f"{v:.2f}" for v in by["1f1b"]["peak_act_mib_per_stage"])
-            parts.append(f"zb/1f1b bubble {by['zb']['zb_over_1f1b_bubble']:.2f} "
-                         f"(peak act per stage zb {peaks}, 1f1b {base} MiB)")
+            busy = by["zb"].get("zb_over_1f1b_busiest")
+            parts.append(f"zb/1f1b bubble {by['zb']['zb_over_1f1b_bubble']:.2f}"
+                         + (f", busiest stage {busy:.2f}" if busy is not None else "")
+                         + f" (peak act per stage zb {peaks}, 1f1b {base} MiB)")
         if "over_torch" in by.get("1f1b", {}):
             parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f} (torch step / 1f1b's "
                          f"simulated compute bound {by['1f1b']['torch_over_ideal']:.2f})")
