@@ -85,7 +85,8 @@ class PreparedSend:
     traced and waited for under the deadline like any other.
     """
 
-    __slots__ = ("_comm", "_peer", "_tag", "_like", "_nbytes", "_raw", "_header")
+    __slots__ = ("_comm", "_peer", "_tag", "_like", "_nbytes", "_raw", "_header", "_dtype",
+                 "_count")
 
     def __init__(self, comm, like, dst: int, tag: int):
         self._comm, self._peer, self._tag = comm, check_peer(comm, dst, "dst"), check_tag(tag)
@@ -95,6 +96,7 @@ class PreparedSend:
         # The pointer path: a torch CPU tensor on a backend that sends raw host bytes.
         self._raw = (buf.kind == "torch" and buf.device == "cpu"
                      and getattr(comm._be, "host_buffer", None) is not None)
+        self._dtype, self._count = getattr(like, "dtype", None), buf.count
 
     def post(self, x) -> Request:
         """Start sending ``x`` (the prepared dtype and size, contiguous); returns its Request.
@@ -108,16 +110,18 @@ class PreparedSend:
             if got.dtype != like.dtype or got.count != like.count or got.device != like.device:
                 raise self._unlike(x)
             return comm._post("send", x, self._peer, self._tag)
-        if (x.dtype != like.obj.dtype or x.numel() != like.count or not x.is_cpu
+        if (x.dtype is not self._dtype or x.numel() != self._count or not x.is_cpu
                 or not x.is_contiguous()):
             raise self._unlike(x)
+        # The message first, the bookkeeping while it travels (right after a compute
+        # action every step here runs cold).
+        be = comm._be
+        header = self._header if comm.check else None
+        handle = be.post_send(be.host_buffer(x.data_ptr(), self._nbytes), self._peer,
+                              self._tag, header)
         comm._p2p_calls += 1
         req = Request(comm, "send", like, self._peer, self._tag, comm._p2p_calls, obj=x)
-        req._keep = x  # the backend reads it until the message completes
-        be = comm._be
-        req._header = header = self._header if comm.check else None
-        req._handle = be.post_send(be.host_buffer(x.data_ptr(), self._nbytes), self._peer,
-                                   self._tag, header)
+        req._keep, req._header, req._handle = x, header, handle  # x: read until complete
         if comm._group_reqs is not None:
             comm._group_reqs.append(req)
         return req
