@@ -25,7 +25,11 @@ micro-batch:
   message lands whenever it comes and the wait is all that is left between two
   compute actions. Messages between a pair on one tag arrive in the order they
   were sent, and the validator has checked that both ends list them in the
-  same order, so posting them all ahead matches each to its micro-batch.
+  same order, so posting them all ahead matches each to its micro-batch;
+* the posts: on MPI the fast steps send and receive through
+  ``comm.prepare_send``/``prepare_recv``, checked once per micro-batch and
+  channel, so that posting a send right after the compute that made its
+  tensor is the MPI call and little else.
 
 On MPI a stage waits by polling (``wait_all``). A spinning wait would take a
 core from the ranks that compute (the bubble lasts whole forwards of the
