@@ -250,21 +250,29 @@ def test_prepared_messages_are_traced(world, tmp_path_factory):
         [("send", right, 20)] * 2 + [("recv", left, 20)] * 2)
 
 
-def test_test_names_a_longer_message_than_the_buffer(comm):
+@pytest.mark.parametrize("check", (False, True))
+def test_test_names_a_longer_message_than_the_buffer_and_wait_says_it_again(comm, check):
     if comm.size == 1:
         pytest.skip("needs two ranks")
-    fast = Communicator(comm._be.dup(), comm.tracer, check=False)
+    c = Communicator(comm._be.dup(), comm.tracer, check=check)
+    error = (MismatchError, r"r0 sent 8 x float32 .* into 2 x float32") if check else \
+        (ValueError, r"recv from r0 tag 9: the message from r0 is longer than the receive")
     if comm.rank == 1:
-        req = fast.irecv(np.zeros(2, np.float32), 0, tag=9)
+        req = c.irecv(np.zeros(2, np.float32), 0, tag=9)
         comm.control.barrier()
         deadline = time.monotonic() + 30
-        with pytest.raises(ValueError, match="the message from r0 is longer than the receive"):
+        with pytest.raises(error[0], match=error[1]):
             while not req.test():
                 assert time.monotonic() < deadline, "the message never arrived"
+        # MPI freed the request when it reported the error: the error must stay.
+        with pytest.raises(error[0], match=error[1]):
+            req.wait()
+        with pytest.raises(error[0], match=error[1]):
+            req.test()
     else:
         comm.control.barrier()
         if comm.rank == 0:
-            fast.send(np.zeros(8, np.float32), 1, tag=9)
+            c.send(np.zeros(8, np.float32), 1, tag=9)
     comm.control.barrier()
 
 

@@ -126,12 +126,17 @@ class _Msg:
 
     ``settled``: ``done`` saw it complete with nothing left to check, so ``complete``
     has nothing to do (the cheap path of a receive that is polled until it lands).
+    ``error``: what refused the message (a failed check, a longer message), raised
+    again by every later ``done`` or ``complete``: MPI frees a request once it has
+    reported its error, so a second wait would otherwise return the buffer as if
+    nothing had happened.
     """
 
-    __slots__ = ("reqs", "check", "peer", "settled")
+    __slots__ = ("reqs", "check", "peer", "tag", "settled", "error")
 
-    def __init__(self, reqs: list, check, peer: int):
-        self.reqs, self.check, self.peer, self.settled = reqs, check, peer, False
+    def __init__(self, reqs: list, check, peer: int, tag: int):
+        self.reqs, self.check, self.peer, self.tag = reqs, check, peer, tag
+        self.settled, self.error = False, None
 
 
 class MPIBackend:
@@ -225,7 +230,7 @@ class MPIBackend:
         """Start sending ``header`` (if any), then ``buf``, to ``dst``."""
         reqs = [] if header is None else [self.comm.Isend(header, dest=dst, tag=P2P_TAG0 + 2 * tag)]
         reqs.append(self.comm.Isend(_bytes(buf), dest=dst, tag=P2P_TAG0 + 2 * tag + 1))
-        return _Msg(reqs, None, dst)
+        return _Msg(reqs, None, dst, tag)
 
     def post_recv(self, buf, src: int, tag: int, header: np.ndarray | None, check=None) -> _Msg:
         """Post the receives of ``src``'s descriptor (into ``header``) and data (into ``buf``).
@@ -236,7 +241,7 @@ class MPIBackend:
         reqs = [] if header is None else [self.comm.Irecv(header, source=src,
                                                           tag=P2P_TAG0 + 2 * tag)]
         reqs.append(self.comm.Irecv(_bytes(buf), source=src, tag=P2P_TAG0 + 2 * tag + 1))
-        return _Msg(reqs, check, src)
+        return _Msg(reqs, check, src, tag)
 
     @staticmethod
     def host_buffer(address: int, nbytes: int):
@@ -256,18 +261,24 @@ class MPIBackend:
         """
         if msg.settled:
             return
-        if msg.check is not None:
-            self._wait_p2p(msg.reqs[:1], what, peer)
-            check, msg.check = msg.check, None
-            try:
-                check()
-            except Exception:
+        if msg.error is not None:
+            raise msg.error
+        try:
+            if msg.check is not None:
+                self._wait_p2p(msg.reqs[:1], what, peer)
+                check, msg.check = msg.check, None
                 try:
-                    self._wait_p2p(msg.reqs[1:], what, peer)
-                except ValueError:
-                    pass  # a longer message, refused anyway: the check's error says why
-                raise
-        self._wait_p2p(msg.reqs, what, peer)
+                    check()
+                except Exception:
+                    try:
+                        self._wait_p2p(msg.reqs[1:], what, peer)
+                    except ValueError:
+                        pass  # a longer message, refused anyway: the check's error says why
+                    raise
+            self._wait_p2p(msg.reqs, what, peer)
+        except Exception as exc:
+            msg.error = exc
+            raise
 
     def _wait_p2p(self, reqs, what: str, peer: int) -> None:
         act = self.activity
@@ -291,6 +302,8 @@ class MPIBackend:
         """
         if msg.settled:
             return True
+        if msg.error is not None:
+            raise msg.error
         if msg.check is not None:
             # Descriptor and data both in: ``complete`` compares the descriptor. A
             # longer message fails its data request here; ``complete`` then names the
@@ -308,8 +321,9 @@ class MPIBackend:
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise
-            raise ValueError(f"the message from r{msg.peer} is longer than the receive "
-                             "buffer") from None
+            msg.error = ValueError(f"recv from r{msg.peer} tag {msg.tag}: the message from "
+                                   f"r{msg.peer} is longer than the receive buffer")
+            raise msg.error from None
         return msg.settled
 
     def flush(self) -> None:

@@ -73,6 +73,18 @@ class Request:
         return self._done
 
 
+class _Sent:
+    """What a prepared send's Request records of its message: not the prepared tensor,
+    which the caller may free (its Buffer would keep it alive as long as the prepared send)."""
+
+    __slots__ = ("obj", "dtype", "nbytes", "count", "device", "array")
+
+    def __init__(self, buf: Buffer):
+        self.obj, self.array = None, None
+        self.dtype, self.nbytes, self.count, self.device = (buf.dtype, buf.nbytes, buf.count,
+                                                            buf.device)
+
+
 class PreparedSend:
     """Sends of tensors shaped like one buffer to one peer and tag, checked once.
 
@@ -82,21 +94,22 @@ class PreparedSend:
     layout and posts it. On the MPI backend a CPU tensor goes as its data
     pointer: right after the compute that made it, wrapping a tensor for MPI
     costs several times the message itself. Each message is a ``Request``,
-    traced and waited for under the deadline like any other.
+    traced and waited for under the deadline like any other. ``like`` itself
+    is not kept.
     """
 
-    __slots__ = ("_comm", "_peer", "_tag", "_like", "_nbytes", "_raw", "_header", "_dtype",
-                 "_count")
+    __slots__ = ("_comm", "_peer", "_tag", "_meta", "_raw", "_header", "_dtype")
 
     def __init__(self, comm, like, dst: int, tag: int):
         self._comm, self._peer, self._tag = comm, check_peer(comm, dst, "dst"), check_tag(tag)
-        self._like = buf = as_buffer(like)
-        self._nbytes = buf.nbytes
-        self._header = descriptor(buf)
+        buf = as_buffer(like)
+        if getattr(comm._be, "accepts_cuda", False):  # NCCL: device memory only, said now
+            comm._be.check_buffer(buf, "send", "p2p", None)
+        self._meta, self._header = _Sent(buf), descriptor(buf)
         # The pointer path: a torch CPU tensor on a backend that sends raw host bytes.
         self._raw = (buf.kind == "torch" and buf.device == "cpu"
                      and getattr(comm._be, "host_buffer", None) is not None)
-        self._dtype, self._count = getattr(like, "dtype", None), buf.count
+        self._dtype = getattr(like, "dtype", None)
 
     def post(self, x) -> Request:
         """Start sending ``x`` (the prepared dtype and size, contiguous); returns its Request.
@@ -104,34 +117,41 @@ class PreparedSend:
         Raises:
             ValueError: ``x`` is not like the prepared buffer (nothing is sent).
         """
-        like, comm = self._like, self._comm
+        meta, comm = self._meta, self._comm
         if not self._raw:
             got = as_buffer(x)
-            if got.dtype != like.dtype or got.count != like.count or got.device != like.device:
+            if got.dtype != meta.dtype or got.count != meta.count or got.device != meta.device:
                 raise self._unlike(x)
             return comm._post("send", x, self._peer, self._tag)
-        if (x.dtype is not self._dtype or x.numel() != self._count or not x.is_cpu
-                or not x.is_contiguous()):
+        try:
+            unlike = (x.dtype is not self._dtype or x.numel() != meta.count or not x.is_cpu
+                      or not x.is_contiguous() or x.requires_grad)
+        except AttributeError:  # not a tensor at all
+            unlike = True
+        if unlike:
             raise self._unlike(x)
         # The message first, the bookkeeping while it travels (right after a compute
         # action every step here runs cold).
         be = comm._be
         header = self._header if comm.check else None
-        handle = be.post_send(be.host_buffer(x.data_ptr(), self._nbytes), self._peer,
+        handle = be.post_send(be.host_buffer(x.data_ptr(), meta.nbytes), self._peer,
                               self._tag, header)
         comm._p2p_calls += 1
-        req = Request(comm, "send", like, self._peer, self._tag, comm._p2p_calls, obj=x)
+        req = Request(comm, "send", meta, self._peer, self._tag, comm._p2p_calls, obj=x)
         req._keep, req._header, req._handle = x, header, handle  # x: read until complete
         if comm._group_reqs is not None:
             comm._group_reqs.append(req)
         return req
 
     def _unlike(self, x) -> ValueError:
-        like = self._like
+        meta = self._meta
+        what = (f"{getattr(x, 'dtype', type(x).__name__)} of shape "
+                f"{tuple(getattr(x, 'shape', ()))}")
+        if getattr(x, "requires_grad", False):
+            what += " that requires grad (pass x.detach())"
         return ValueError(
-            f"[r{self._comm.rank}] prepared send to r{self._peer} tag {self._tag}: got "
-            f"{getattr(x, 'dtype', type(x).__name__)} of shape {tuple(getattr(x, 'shape', ()))},"
-            f" prepared for {like.count} x {like.dtype} on {like.device}, contiguous; prepare "
+            f"[r{self._comm.rank}] prepared send to r{self._peer} tag {self._tag}: got {what}, "
+            f"prepared for {meta.count} x {meta.dtype} on {meta.device}, contiguous; prepare "
             "a send for this one (comm.prepare_send(x, dst, tag))")
 
 
@@ -148,6 +168,8 @@ class PreparedRecv:
     def __init__(self, comm, buf, src: int, tag: int):
         self._comm, self._peer, self._tag = comm, check_peer(comm, src, "src"), check_tag(tag)
         self._buf = as_buffer(buf)
+        if getattr(comm._be, "accepts_cuda", False):  # NCCL: device memory only, said now
+            comm._be.check_buffer(self._buf, "recv", "p2p", None)
         # Host memory on a host backend; device memory and NCCL take the general path
         # (its staging, stream and buffer rules).
         self._fast = self._buf.device == "cpu" and not getattr(comm._be, "accepts_cuda", False)
