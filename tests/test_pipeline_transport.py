@@ -46,3 +46,33 @@ def test_timer_slack_put_back(comm):
         pytest.skip("no prctl timer slack on this system")
     transport.wait_all([FakeRequest(20)], spin_s=0.0)
     assert transport._timer_slack(None) == before
+
+
+def test_every_wait_starts_with_a_tight_poll(comm, monkeypatch):
+    # A message that came during the compute is copied out by a later test than the
+    # one that found it: no sleep may come between them.
+    sleeps = []
+    monkeypatch.setattr(transport.time, "sleep", lambda s: sleeps.append(s))
+    transport.wait_all([FakeRequest(5)], sleep_s=transport.SLEEP_S, expect_s=1.0)
+    assert sleeps == []
+    # Past FIRST_S, with the message not due yet (expect_s), the wait sleeps between polls.
+    monkeypatch.setattr(transport, "FIRST_S", 0.0)
+    transport.wait_all([FakeRequest(5)], sleep_s=transport.SLEEP_S, expect_s=1.0)
+    assert len(sleeps) == 5
+
+
+def test_a_changed_shape_names_renegotiate(comm):
+    import torch
+
+    from mpiring.parallel.pipeline.actions import SEND_F, Action
+
+    if comm.size == 1:
+        pytest.skip("a send needs a neighbour")
+    t = transport.Transport(comm)
+    t.fresh = False  # a fast step: the shapes were agreed
+    if comm.rank == 0:
+        a = Action(0, SEND_F, 3)
+        t.prepared_sends[(a.channel, a.mb)] = t.fast.prepare_send(torch.zeros(2, 4), 1, 1)
+        with pytest.raises(ValueError, match=r"0SEND_F3: this micro-batch's tensor is not the "
+                                             r"shape agreed .* sched.transport.renegotiate\(\)"):
+            t.send(a, torch.zeros(3, 4), [])

@@ -217,7 +217,13 @@ class Transport:
             prepared = self.prepared_sends.get(key)
             if prepared is None:
                 prepared = self.prepared_sends[key] = self.fast.prepare_send(t, a.peer, tag)
-            sends.append(prepared.post(t))
+            try:
+                sends.append(prepared.post(t))
+            except ValueError as exc:  # the agreed shape changed without a new input shape
+                raise ValueError(f"{a}: this micro-batch's tensor is not the shape agreed on the "
+                                 f"first step ({exc}); a stage whose output shape depends on "
+                                 "the data must call sched.transport.renegotiate() before "
+                                 "such a step") from None
             return
         comm = self.checked if self.fresh else self.fast
         if a.kind == SEND_F:
