@@ -6,9 +6,9 @@
 #   QUICK=1 scripts/pipeline_bench.sh       # a smoke run: the page stays in out/pipeline/
 # Measure on a quiet machine if you can: other jobs on the same cores move every number.
 source "$(dirname "$0")/_venv.sh"
-OUT="${PERF_DIR:-out/pipeline}"
-rm -rf "$OUT"
+OUT="${PIPE_DIR:-out/pipeline}"  # its own variable: PERF_DIR is performance.sh's
 mkdir -p "$OUT"
+rm -f "$OUT"/small.json "$OUT"/small.txt "$OUT"/tiny.json "$OUT"/tiny.txt "$OUT"/machine.json
 unset MPIRING_TRACE MPIRING_LOG MPIRING_CHECK MPIRING_IDLE
 if [ "${QUICK:-0}" = 1 ]; then
     PAGE="$OUT/pipeline-bench.md"; SMALL=(--m 2 -n 1 -w 0); TINY=(--m 2 -n 1 -w 0)

@@ -17,7 +17,7 @@ def test_bench_pp_smoke(comm):
         assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
         assert 0 < r["ideal_ms"] < 2 * r["step_ms"]
-        assert 0 <= r["bubble_busiest"] <= r["bubble"] and 0 <= r["predicted_busiest"] < 1
+        assert 0 <= r["bubble_busiest"] < 1 and 0 <= r["predicted_busiest"] < 1
         assert r["peak_act_mib"] == max(r["peak_act_mib_per_stage"]) > 0
         assert len(r["peak_act_mib_per_stage"]) == comm.size
         assert (r["preset"], r["ranks"]) == ("tiny", comm.size) and r["mb_rows"] > 0

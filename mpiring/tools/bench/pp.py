@@ -249,8 +249,9 @@ def _ratios(rows: list[dict]) -> None:
                                                 base["bubble_busiest"])
     if base is not None and "torch-1f1b" in by:
         base["over_torch"] = base["step_ms"] / by["torch-1f1b"]["step_ms"]
-        # How far torch's step is from the schedule's compute bound on these stages:
-        # no runtime running the same kernels can be faster than that bound.
+        # How far torch's step is from the schedule's simulated bound on these stages (from
+        # mpiring's own mean F, B, W and the fastest ping-pong): a runtime running the same
+        # kernels can beat torch by about as much as torch lies above it.
         base["torch_over_ideal"] = by["torch-1f1b"]["step_ms"] / base["ideal_ms"]
 
 
