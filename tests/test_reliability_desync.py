@@ -31,6 +31,23 @@ def _notices(*per_rank):
     return {r: {"r": r, "seq": 1, "waits": waits, "ctx": []} for r, waits in per_rank}
 
 
+@pytest.mark.parametrize("value, seconds", [("", PROBE), ("on", PROBE), ("off", 0.0),
+                                            ("0", 0.0), ("5", 5.0), (" 2.5s ", 2.5)])
+def test_the_probe_time_from_the_environment(monkeypatch, value, seconds):
+    monkeypatch.setenv("MPIRING_DESYNC", value)
+    assert desync.probe_seconds() == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf", "nan"])
+def test_a_bad_probe_time_is_refused_at_init_naming_the_fix(monkeypatch, value):
+    import mpiring
+
+    monkeypatch.setenv("MPIRING_DESYNC", value)
+    with pytest.raises(ValueError, match=rf"MPIRING_DESYNC='{value}': give the probe time in "
+                                         r"seconds \(e\.g\. 3\), or off"):
+        mpiring.init()
+
+
 def test_a_cycle_across_communicators_is_a_desync_naming_both_waits():
     notices = _notices((0, [_wait("world", "all_reduce", 7, peer=1, site="at train.py:41")]),
                        (1, [_wait("world.dup1", "all_reduce", 3)]))

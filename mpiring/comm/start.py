@@ -30,6 +30,9 @@ def init(backend: str = "mpi", *, trace: str | None = None, log: str | None = No
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    from mpiring.runtime.desync import probe_seconds
+
+    probe_seconds()  # a bad MPIRING_DESYNC fails here, on every rank, before any byte moves
     from mpiring.backends.mpi import world_backend, world_rank
     from mpiring.runtime.trace import Tracer
 

@@ -62,16 +62,26 @@ _contexts: list[Callable[[], Callable[[], str] | None]] = []
 
 
 def probe_seconds() -> float:
-    """``MPIRING_DESYNC`` (seconds; ``0``/``off`` disables the detector), else ``PROBE``."""
-    text = os.environ.get("MPIRING_DESYNC", "").strip().lower()
+    """``MPIRING_DESYNC`` (seconds; ``0``/``off`` disables the detector), else ``PROBE``.
+
+    Raises:
+        ValueError: a value that is neither a number of seconds nor on/off
+            (``mpiring.init`` reads it first, so the error comes there).
+    """
+    raw = os.environ.get("MPIRING_DESYNC", "")
+    text = raw.strip().lower()
     if text in ("", "on"):
         return PROBE
     if text in ("0", "off", "no", "false"):
         return 0.0
     try:
-        return max(0.0, float(text.removesuffix("s")))
+        seconds = float(text.removesuffix("s"))
     except ValueError:
-        return PROBE
+        seconds = float("nan")
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"MPIRING_DESYNC={raw!r}: give the probe time in seconds (e.g. 3), "
+                         "or off to turn the desync detector off")
+    return seconds
 
 
 def blocking_code(*functions, idle: bool = False) -> None:

@@ -429,7 +429,10 @@ def _monitor() -> None:
 def _check_desync(at: float) -> None:
     global _detector
     detector = _detector
-    probe = desync.probe_seconds()
+    try:
+        probe = desync.probe_seconds()
+    except ValueError:  # checked at init; changed since by the program itself
+        probe = desync.PROBE
     if detector is None or not probe or _fired:
         return
     records = _watched(None)
