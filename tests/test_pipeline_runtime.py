@@ -8,6 +8,7 @@ micro-batches, with the gradient of the mean of the micro-batch losses.
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -205,28 +206,53 @@ def test_bad_arguments_raise_on_every_rank(comm):
                       comm.size, comm)
 
 
-def test_a_stage_that_raises(rank0_subprocess):
+def _failing_pipeline(rank0_subprocess, ranks: int, timeout: int, layer: str, steps: int):
+    """Run a 1F1B pipeline of Linear stages whose stage 1 is ``layer`` (its class source,
+    named Bad) in a job of its own, which must fail within 30 s; its output, or None on
+    the ranks that do not run it."""
     code = (
-        "import sys, time, torch, mpiring\n"
+        "import time, torch, mpiring\n"
         "from torch import nn\n"
         "from mpiring.parallel.pipeline import PipelineStage, Schedule1F1B\n"
-        "comm = mpiring.init(timeout=4)\n"
-        "class Boom(nn.Module):\n"
-        "    def forward(self, x):\n"
-        "        raise RuntimeError('boom in the middle stage')\n"
-        "mod = Boom() if comm.rank == 1 else nn.Linear(3, 3).double()\n"
+        f"comm = mpiring.init(timeout={timeout})\n" + layer +
+        "mod = Bad(3, 3).double() if comm.rank == 1 else nn.Linear(3, 3).double()\n"
         "st = PipelineStage(mod, comm.rank, comm.size, comm)\n"
         "s = Schedule1F1B(st, 2, lambda o, t: ((o - t) ** 2).mean())\n"
         "x = torch.zeros(4, 3, dtype=torch.float64)\n"
-        "s.step(x if st.is_first else None, target=x if st.is_last else None)\n"
+        f"for _ in range({steps}):\n"
+        "    s.step(x if st.is_first else None, target=x if st.is_last else None)\n"
     )
-    result = rank0_subprocess(3, ["-c", code], timeout=60)
+    result = rank0_subprocess(ranks, ["-c", code], timeout=60)
     if result is None:
-        return
+        return None
     rc, out, seconds = result
-    assert rc != 0, out
-    assert "pipeline stage 1 failed in 1F0" in out and "boom in the middle stage" in out, out
-    assert seconds < 30, out
+    assert rc != 0 and seconds < 30, out
+    return out
+
+
+def test_a_stage_that_raises(rank0_subprocess):
+    layer = ("class Bad(nn.Linear):\n"
+             "    def forward(self, x):\n"
+             "        raise RuntimeError('boom in the middle stage')\n")
+    out = _failing_pipeline(rank0_subprocess, 3, 4, layer, steps=1)
+    if out is not None:
+        assert "pipeline stage 1 failed in 1F0" in out and "boom in the middle stage" in out, out
+
+
+def test_a_stage_that_hangs_ends_at_the_deadline_naming_the_shared_slot(rank0_subprocess):
+    # Past the first step the stages talk through shared memory: a wait there keeps the
+    # communicator's deadline, and its report names the slot and the peer.
+    layer = ("class Bad(nn.Linear):\n"
+             "    calls = 0\n"
+             "    def forward(self, x):\n"
+             "        Bad.calls += 1\n"
+             "        if Bad.calls == 3:  # the second step's first forward\n"
+             "            time.sleep(120)\n"
+             "        return super().forward(x)\n")
+    out = _failing_pipeline(rank0_subprocess, 2, 3, layer, steps=2)
+    if out is not None:
+        assert re.search(r"\[r0\] mpiring stall: .*Wait\(shared slot B0 from r1, step 1\)",
+                         out), out
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb"])

@@ -139,6 +139,29 @@ class _Msg:
         self.settled, self.error = False, None
 
 
+class SharedWindow:
+    """Memory every rank of a communicator on one host can read and write.
+
+    ``segments[r]``: rank r's bytes (a NumPy uint8 array over the shared memory).
+    ``sync()``: a memory barrier, between writing data and the flag that announces
+    it, and between seeing the flag and reading the data. ``free()``: collective.
+    """
+
+    def __init__(self, be, win, node, segments):
+        self._be, self._win, self._node, self.segments = be, win, node, segments
+
+    def sync(self) -> None:
+        self._win.Sync()
+
+    def free(self) -> None:
+        if self._win is None:
+            return
+        win, self._win, self.segments = self._win, None, []
+        win.Unlock_all()
+        self._be._collective("Win_free", win.Free)
+        self._node.Free()
+
+
 class MPIBackend:
     """Point-to-point and native collectives on one ``MPI.Comm``.
 
@@ -418,6 +441,25 @@ class MPIBackend:
 
     def dup(self):
         return MPIBackend(self._collective("Comm_dup", self.comm.Dup))
+
+    def shared_window(self, nbytes: int):
+        """Collective: ``nbytes`` of memory per rank that every rank of this communicator
+        can read and write (an MPI-3 shared-memory window), or None on every rank when
+        the ranks are not all on one host."""
+        node = self._collective("Comm_split_type", self.comm.Split_type,
+                                MPI.COMM_TYPE_SHARED, self.rank)
+        together = self.control.allreduce_scalar(float(node.Get_size() == self.size), "min")
+        if together < 1:
+            node.Free()
+            return None
+        win = self._collective("Win_allocate_shared", MPI.Win.Allocate_shared, max(nbytes, 0),
+                               1, MPI.INFO_NULL, node)
+        # One passive epoch for the window's whole life: Win_sync (the memory barrier
+        # between a write and the flag that announces it) is allowed only inside one.
+        win.Lock_all(MPI.MODE_NOCHECK)
+        # Split_type kept this communicator's order (key = rank): node rank r is rank r.
+        segments = [np.frombuffer(win.Shared_query(r)[0], dtype=np.uint8) for r in range(self.size)]
+        return SharedWindow(self, win, node, segments)
 
     def local_rank(self) -> tuple[int, int]:
         node = self._collective("Comm_split_type", self.comm.Split_type,

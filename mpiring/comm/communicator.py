@@ -352,6 +352,20 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         self._act.begin("barrier", self._next_call("barrier"), None)
         self._be.barrier()
 
+    def shared_window(self, nbytes: int):
+        """Collective: ``nbytes`` per rank of memory every rank can read and write.
+
+        Returns an object with ``segments[r]`` (rank r's bytes, a NumPy uint8
+        array), ``sync()`` (a memory barrier) and ``free()`` (collective), or None
+        on every rank when the ranks are not all on one host or the backend has
+        no shared memory (NCCL).
+        """
+        self._act.begin("shared_window", self._next_call("shared_window"), None)
+        make = getattr(self._be, "shared_window", None)
+        if make is None or getattr(self._be, "accepts_cuda", False):
+            return None
+        return make(int(nbytes))
+
     def abort(self, code: int = 1) -> None:
         """End the whole job now, every rank, with exit status ``code`` (traces flushed).
 

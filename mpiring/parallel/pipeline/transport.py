@@ -29,7 +29,10 @@ micro-batch:
 * the posts: on MPI the fast steps send and receive through
   ``comm.prepare_send``/``prepare_recv``, checked once per micro-batch and
   channel, so that posting a send right after the compute that made its
-  tensor is the MPI call and little else.
+  tensor is the MPI call and little else;
+* the library: when every stage runs on one host, the first step's end lays
+  out a shared-memory window with a slot per incoming message (``shared``),
+  and the fast steps copy each tensor straight into its consumer's slot.
 
 On MPI a stage waits by polling (``wait_all``). A spinning wait would take a
 core from the ranks that compute (the bubble lasts whole forwards of the
@@ -54,6 +57,7 @@ import time
 import numpy as np
 import torch
 
+from mpiring.parallel.pipeline import shared
 from mpiring.parallel.pipeline.actions import RECV_B, RECV_F, SEND_F, Action
 
 TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
@@ -163,6 +167,10 @@ class Transport:
         # The tight loop only where the user asked for spinning waits.
         spin = os.environ.get("MPIRING_IDLE", "").strip().lower() == "spin"
         self.sleep_s = None if spin else SLEEP_S
+        # Stages on one host: messages through a shared window (``shared``), once the
+        # first step has agreed the shapes.
+        self.use_shared = self.mpi and comm.size > 1 and shared.enabled()
+        self.shared: shared.SharedSlots | None = None
         self.renegotiate()
 
     def renegotiate(self) -> None:
@@ -176,10 +184,26 @@ class Transport:
         self.prepared_recvs: dict[tuple[str, int], object] = {}
         self.posted: dict[tuple[str, int], tuple] = {}
         self.waited: dict[tuple[str, int], float] = {}  # a group's wait, last step
+        # The first step's sends, (channel, mb) -> (peer, shape, dtype): what the shared
+        # slots are laid out for. The old window is freed at the next first step's end
+        # (collective), not here: renegotiate() may run on one rank before the others.
+        self.sent: dict[tuple[str, int], tuple] = {}
+        self.shared_on, self.step_no = False, 0
 
     def start_step(self, program: list[Action]) -> None:
         """Post every receive of this rank's program ahead (MPI, shapes known)."""
         self.posted = {}
+        if self.shared_on:
+            self.step_no += 1  # the same on every rank: every step() comes here once
+            for a in program:
+                if a.kind in (RECV_F, RECV_B):
+                    # A new tensor over the slot each step: last step's one is a leaf of
+                    # last step's graph, and a view cannot be detached in place.
+                    buf = self.shared.buffer(a.channel, a.mb).detach()
+                    tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
+                    self.posted[(a.channel, a.mb)] = (
+                        buf, self.shared.arrival(a.channel, a.mb, a.peer, self.step_no, tag))
+            return
         if self.fresh or not self.mpi:
             return
         recvs = [a for a in program if a.kind in (RECV_F, RECV_B)]
@@ -199,6 +223,12 @@ class Transport:
             self.posted[key] = (buf, prepared.post())
 
     def end_step(self) -> None:
+        if self.fresh and self.use_shared:  # every rank, after the same first step
+            if self.shared is not None:
+                self.shared.free()
+            incoming = {key: (tuple(b.shape), b.dtype) for key, b in self.bufs.items()}
+            self.shared = shared.SharedSlots.create(self.fast, incoming, self.sent)
+            self.shared_on, self.step_no = self.shared is not None, 0
         self.fresh = False
 
     def _buffer(self, key: tuple[str, int], shape, dtype) -> torch.Tensor:
@@ -210,6 +240,14 @@ class Transport:
     def send(self, a: Action, t: torch.Tensor, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
         tag = TAG_ACT if a.kind == SEND_F else TAG_GRAD
+        if self.fresh:
+            self.sent[(a.channel, a.mb)] = (a.peer, tuple(t.shape), t.dtype)
+        elif self.shared_on:
+            try:
+                self.shared.send(a.channel, a.mb, a.peer, t, self.step_no, tag)
+            except ValueError as exc:
+                raise self._changed(a, exc) from None
+            return
         if not self.fresh and self.mpi:
             # Checked once per micro-batch and channel: right after a compute action,
             # wrapping a tensor for MPI runs cold and costs more than the message.
@@ -219,11 +257,8 @@ class Transport:
                 prepared = self.prepared_sends[key] = self.fast.prepare_send(t, a.peer, tag)
             try:
                 sends.append(prepared.post(t))
-            except ValueError as exc:  # the agreed shape changed without a new input shape
-                raise ValueError(f"{a}: this micro-batch's tensor is not the shape agreed on the "
-                                 f"first step ({exc}); a stage whose output shape depends on "
-                                 "the data must call sched.transport.renegotiate() before "
-                                 "such a step") from None
+            except ValueError as exc:
+                raise self._changed(a, exc) from None
             return
         comm = self.checked if self.fresh else self.fast
         if a.kind == SEND_F:
@@ -233,6 +268,13 @@ class Transport:
             sends.append(comm.isend(t, a.peer, TAG_ACT))
         else:
             sends.append(comm.isend(t, a.peer, TAG_GRAD))
+
+    @staticmethod
+    def _changed(a: Action, exc: Exception) -> ValueError:
+        """The agreed shape changed without a new input shape."""
+        return ValueError(f"{a}: this micro-batch's tensor is not the shape agreed on the first "
+                          f"step ({exc}); a stage whose output shape depends on the data must "
+                          "call sched.transport.renegotiate() before such a step")
 
     def exchange(self, run: list[Action], outgoing: dict, incoming: dict, grad_like,
                  sends: list) -> None:

@@ -1,0 +1,189 @@
+"""Activations and gradients through shared memory, for the stages of a pipeline on one host.
+
+Over MPI a 128 KB activation is copied twice, into the library's shared-memory
+queue by the sender's ``Isend`` and out of it by the receiver's test, and
+each side pays the library's calls, cold, right after a compute action. When
+every stage of the pipeline runs on one host, the transport instead gives each
+of a rank's incoming messages a slot in one MPI-3 shared-memory window
+(``comm.shared_window``), laid out once the first step has agreed the shapes:
+
+    [flag: int64, padding to 64 bytes][data, padded to 64 bytes] per (channel, mb)
+
+The producer copies its tensor straight into the consumer's slot, issues a
+memory barrier (``Win_sync``) and writes the step's number into the flag; the
+consumer polls the flag, issues the barrier, and computes on the slot itself
+(no copy: the slot is its input, or its output's gradient). One copy, no
+library call on either side.
+
+A slot is written again only in the next step, and every step starts with the
+schedule's argument exchange, a collective: by then the consumer is done with
+what the slot held. Waits keep the communicator's deadline (its stall report
+names the slot and the peer) and every message is one trace record, as over
+MPI (``"via": "shared"``). ``MPIRING_PP_SHARED=0`` keeps the MPI path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from mpiring.runtime.trace import clock
+
+ALIGN = 64
+#: Seconds between polls of a flag, once a wait has handed over to the deadline.
+SLEEP_S = 2e-5
+
+
+def enabled() -> bool:
+    """``MPIRING_PP_SHARED``: unset or 1 uses shared memory where it can, 0 never."""
+    value = os.environ.get("MPIRING_PP_SHARED", "1").strip().lower()
+    if value not in ("0", "1", "off", "on", ""):
+        raise ValueError(f"MPIRING_PP_SHARED={value!r}: use 1 (shared memory between stages "
+                         "on one host, the default) or 0 (always MPI messages)")
+    return value in ("1", "on", "")
+
+
+def _round(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _key(channel: str, mb: int) -> str:
+    return f"{channel}{mb}"
+
+
+def _view(segment: np.ndarray, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(segment[offset:offset + nbytes])
+    return raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+
+class SharedSlots:
+    """One pipeline's shared window: this rank's incoming slots and its neighbours'.
+
+    Build it with ``SharedSlots.create`` (collective).
+    """
+
+    def __init__(self, comm, window, layouts: list[dict]):
+        self.comm, self.window, self.layouts = comm, window, layouts
+        mine = window.segments[comm.rank]
+        self._recv = {k: (_view(mine, off + ALIGN, shape, _dtype(dt)), _flag(mine, off))
+                      for k, (off, shape, dt) in layouts[comm.rank].items()}
+        self._send: dict[tuple[str, int, int], tuple[torch.Tensor, np.ndarray]] = {}
+
+    @classmethod
+    def create(cls, comm, incoming: dict, outgoing: dict) -> SharedSlots | None:
+        """Collective over the pipeline's communicator: the window, or None on every rank.
+
+        Args:
+            incoming: (channel, mb) -> (shape, dtype) of what this rank receives.
+            outgoing: (channel, mb) -> (peer, shape, dtype) of what it sends.
+        """
+        layout, offset = {}, 0
+        for (channel, mb), (shape, dtype) in sorted(incoming.items()):
+            layout[_key(channel, mb)] = (offset, list(shape), str(dtype).removeprefix("torch."))
+            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+            offset += ALIGN + _round(nbytes)
+        window = comm.shared_window(offset)
+        if window is None:
+            return None
+        layouts = comm.control.allgather_json(layout)
+        # What each producer sends must be what its consumer laid out (the first step's
+        # agreed shapes, seen from both ends): else the MPI path, on every rank.
+        fits = all(layouts[peer].get(_key(ch, mb), [None, None, None])[1:] ==
+                   [list(shape), str(dtype).removeprefix("torch.")]
+                   for (ch, mb), (peer, shape, dtype) in outgoing.items())
+        if comm.control.allreduce_scalar(float(fits), "min") < 1:
+            window.free()
+            return None
+        slots = cls(comm, window, layouts)
+        for _, flag in slots._recv.values():
+            flag[0] = 0  # the window's memory is not zeroed: no step is numbered 0
+        window.sync()
+        comm.barrier()  # every flag cleared before any producer writes one
+        return slots
+
+    def buffer(self, channel: str, mb: int) -> torch.Tensor:
+        """This rank's slot for (channel, mb): where the message lands, used in place."""
+        return self._recv[_key(channel, mb)][0]
+
+    def send(self, channel: str, mb: int, peer: int, t: torch.Tensor, step: int, tag: int):
+        """Copy ``t`` into ``peer``'s slot and announce it as step ``step``'s."""
+        entry = self._send.get((channel, mb, peer))
+        if entry is None:
+            off, shape, dt = self.layouts[peer][_key(channel, mb)]
+            seg = self.window.segments[peer]
+            entry = self._send[(channel, mb, peer)] = (_view(seg, off + ALIGN, shape, _dtype(dt)),
+                                                       _flag(seg, off))
+        data, flag = entry
+        if t.shape != data.shape or t.dtype != data.dtype:  # copy_ would cast or broadcast
+            raise ValueError(f"got {t.dtype} of shape {tuple(t.shape)}, the slot holds "
+                             f"{data.dtype} of shape {tuple(data.shape)}")
+        t0 = clock()
+        data.copy_(t)
+        self.window.sync()  # the data before the flag, on every memory model
+        flag[0] = step
+        self._record("send", peer, tag, data, t0)
+
+    def arrival(self, channel: str, mb: int, peer: int, step: int, tag: int) -> Arrival:
+        data, flag = self._recv[_key(channel, mb)]
+        return Arrival(self, data, flag, peer, step, tag, f"{channel}{mb}")
+
+    def _record(self, op: str, peer: int, tag: int, data: torch.Tensor, t0: float) -> None:
+        comm = self.comm
+        comm._p2p_calls += 1
+        if comm.tracer.enabled:
+            comm.tracer.write({"type": "p2p", "rank": comm.rank, "op": op,
+                               "call": comm._p2p_calls, "peer": peer, "tag": tag,
+                               "bytes": data.nelement() * data.element_size(),
+                               "dtype": str(data.dtype).removeprefix("torch."),
+                               "via": "shared", "t_start": t0, "t_end": clock()})
+
+    def free(self) -> None:
+        """Collective: release the window."""
+        self._recv, self._send = {}, {}
+        self.window.free()
+
+
+class Arrival:
+    """A message into a shared slot, as a request: ``test()`` reads the flag, ``wait()``
+    waits under the communicator's deadline."""
+
+    __slots__ = ("_slots", "_data", "_flag", "_peer", "_step", "_tag", "_name", "_t0", "_done")
+
+    def __init__(self, slots, data, flag, peer, step, tag, name):
+        self._slots, self._data, self._flag, self._peer = slots, data, flag, peer
+        self._step, self._tag, self._name = step, tag, name
+        self._t0, self._done = clock(), False
+
+    def test(self) -> bool:
+        if not self._done and self._flag[0] == self._step:
+            self._slots.window.sync()  # the flag before the data
+            self._done = True
+            self._slots._record("recv", self._peer, self._tag, self._data, self._t0)
+        return self._done
+
+    def wait(self) -> torch.Tensor:
+        if self.test():
+            return self._data
+        comm = self._slots.comm
+        act = comm._act
+        act.begin("recv", comm._p2p_calls + 1, None)
+        act.blocked(f"Wait(shared slot {self._name} from r{self._peer}, step {self._step})",
+                    self._peer)
+        try:
+            while not self.test():
+                time.sleep(SLEEP_S)
+        finally:
+            act.since = 0.0
+        return self._data
+
+
+def _flag(segment: np.ndarray, offset: int) -> np.ndarray:
+    return segment[offset:offset + 8].view(np.int64)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
