@@ -229,6 +229,8 @@ class Transport:
             incoming = {key: (tuple(b.shape), b.dtype) for key, b in self.bufs.items()}
             self.shared = shared.SharedSlots.create(self.fast, incoming, self.sent)
             self.shared_on, self.step_no = self.shared is not None, 0
+            if self.shared_on:  # the slots are the receive buffers now
+                self.bufs, self.prepared_recvs = {}, {}
         self.fresh = False
 
     def _buffer(self, key: tuple[str, int], shape, dtype) -> torch.Tensor:
