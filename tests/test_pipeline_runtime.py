@@ -211,7 +211,8 @@ def _failing_pipeline(rank0_subprocess, ranks: int, timeout: int, layer: str, st
     named Bad) in a job of its own, which must fail within 30 s; its output, or None on
     the ranks that do not run it."""
     code = (
-        "import time, torch, mpiring\n"
+        "import os, time, torch, mpiring\n"
+        "os.environ['MPIRING_PP_SHARED'] = '1'\n"
         "from torch import nn\n"
         "from mpiring.parallel.pipeline import PipelineStage, Schedule1F1B\n"
         f"comm = mpiring.init(timeout={timeout})\n" + layer +
@@ -251,8 +252,10 @@ def test_a_stage_that_hangs_ends_at_the_deadline_naming_the_shared_slot(rank0_su
              "        return super().forward(x)\n")
     out = _failing_pipeline(rank0_subprocess, 2, 3, layer, steps=2)
     if out is not None:
-        assert re.search(r"\[r0\] mpiring stall: .*Wait\(shared slot B0 from r1, step 1\)",
-                         out), out
+        # Step 2: the user's second step() (the slots are laid out at the first one's end).
+        assert re.search(r"\[r0\] mpiring stall: .*Wait\(shared slot B0 from r1, step 2\), "
+                         r"waiting for r1 to write this slot", out), out
+        assert "has not written this shared-memory slot" in out, out
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb"])

@@ -139,6 +139,15 @@ class _Msg:
         self.settled, self.error = False, None
 
 
+def _shm_room() -> int | None:
+    """Bytes free in /dev/shm, where MPICH and Open MPI map shared windows (None: no such)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 class SharedWindow:
     """Memory every rank of a communicator on one host can read and write.
 
@@ -151,7 +160,8 @@ class SharedWindow:
         self._be, self._win, self._node, self.segments = be, win, node, segments
 
     def sync(self) -> None:
-        self._win.Sync()
+        if self._win is not None:
+            self._win.Sync()
 
     def free(self) -> None:
         if self._win is None:
@@ -448,8 +458,13 @@ class MPIBackend:
         the ranks are not all on one host."""
         node = self._collective("Comm_split_type", self.comm.Split_type,
                                 MPI.COMM_TYPE_SHARED, self.rank)
-        together = self.control.allreduce_scalar(float(node.Get_size() == self.size), "min")
-        if together < 1:
+        together = node.Get_size() == self.size
+        # Room for every rank's part in the host's shared-memory file system: a window
+        # larger than /dev/shm is mapped all the same and dies of SIGBUS at its first touch.
+        total = self.control.allreduce_scalar(float(nbytes), "sum")
+        room = _shm_room()
+        fits = together and room is not None and total <= room / 2
+        if self.control.allreduce_scalar(float(fits), "min") < 1:
             node.Free()
             return None
         win = self._collective("Win_allocate_shared", MPI.Win.Allocate_shared, max(nbytes, 0),

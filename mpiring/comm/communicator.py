@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -29,8 +30,12 @@ from mpiring.comm.auto import AutoChoice
 from mpiring.comm.p2p import PointToPoint
 from mpiring.comm.prepare import Preparation, _is_int
 from mpiring.core.chunking import chunk_bounds
-from mpiring.runtime.trace import Tracer
+from mpiring.runtime.trace import Tracer, clock
 from mpiring.runtime.watchdog import Activity, parse_timeout
+
+#: Seconds between polls in ``wait_until`` (a flag in shared memory costs nothing to read;
+#: the sleep gives the core to the rank being waited for).
+WAIT_SLEEP_S = 2e-5
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -360,11 +365,47 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         on every rank when the ranks are not all on one host or the backend has
         no shared memory (NCCL).
         """
-        self._act.begin("shared_window", self._next_call("shared_window"), None)
+        call = self._next_call("shared_window")
+        self._act.begin("shared_window", call, None)
+        error = None
+        if not _is_int(nbytes) or nbytes < 0:
+            error = ValueError(f"shared_window: nbytes={nbytes!r}: give this rank's size in "
+                               "bytes, an integer >= 0 (0: none, while the others have some)")
+        if self.size > 1:
+            agree_ok(self._be, f"shared_window#{call}", error)
+        elif error is not None:
+            raise error
         make = getattr(self._be, "shared_window", None)
         if make is None or getattr(self._be, "accepts_cuda", False):
             return None
         return make(int(nbytes))
+
+    def wait_until(self, done, what: str, peer: int | None, kind: str = "recv") -> None:
+        """Poll ``done()`` until it is true, under this communicator's deadline.
+
+        For a wait that is not an MPI request (a flag in shared memory): the stall
+        report names ``what`` and ``peer``, and the desync detector sees the wait,
+        as a ``kind`` ("recv": a message from ``peer``).
+        """
+        act = self._act
+        act.begin(kind, self._p2p_calls + 1, None)
+        act.blocked(what, peer)
+        try:
+            while not done():
+                time.sleep(WAIT_SLEEP_S)
+        finally:
+            act.since = 0.0
+
+    def record_message(self, op: str, peer: int, tag: int, nbytes: int, dtype: str,
+                       t_start: float, via: str) -> None:
+        """One point-to-point trace record for a message that did not go through
+        ``isend``/``irecv`` (``via`` says how it went)."""
+        self._p2p_calls += 1
+        if self.tracer.enabled:
+            self.tracer.write({"type": "p2p", "rank": self.rank, "op": op,
+                               "call": self._p2p_calls, "peer": peer, "tag": tag,
+                               "bytes": nbytes, "dtype": dtype, "via": via,
+                               "t_start": t_start, "t_end": clock()})
 
     def abort(self, code: int = 1) -> None:
         """End the whole job now, every rank, with exit status ``code`` (traces flushed).
@@ -405,3 +446,12 @@ def _root_name(act: Activity) -> str:
 
 #: Most sizes a Communicator remembers auto's choice and the pipeline's S for
 #: (a training loop repeats a handful; a sweep over many sizes just stops adding).
+
+
+def _register_blocking() -> None:
+    from mpiring.runtime import desync
+
+    desync.blocking_code(Communicator.wait_until)  # a rank in it waits, it does not compute
+
+
+_register_blocking()

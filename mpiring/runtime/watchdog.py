@@ -267,6 +267,10 @@ class Activity:
             whom = f"waiting for every rank of the {self.size}-rank communicator"
             hint = ("some rank has not reached this call: it is slow, stuck, dead, or "
                     "calling a different collective")
+        elif self.collective in P2P and (self.what or "").startswith("Wait(shared slot"):
+            whom = f"waiting for {self._who(self.peer)} to write this slot"
+            hint = (f"{self._who(self.peer)} has not written this shared-memory slot for this "
+                    "step: it is slow, stuck, dead, or in another step")
         elif self.collective in P2P:
             other = "receive" if self.collective == "send" else "send"
             whom = f"waiting for the matching {other} on {self._who(self.peer)}"

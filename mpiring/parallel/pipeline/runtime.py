@@ -13,7 +13,9 @@ send is an ``isend`` (waited for at the end of the step, so a send never holds
 its rank up), the receives are waited for before the next compute action. On
 NCCL the run is one ``comm.group()``. The shapes and dtypes of the activations
 are agreed once per input shape (``transport``); then each message is its
-tensor alone, into the buffer the step before received into.
+tensor alone, into the buffer the step before received into, or, when every
+stage runs on one host, copied straight into the consumer's slot of a shared
+window (``shared``).
 
 On MPI the neighbour should have its data as soon as it exists: every receive
 of a step is posted when the step starts (``Transport.start_step``), and a
@@ -160,6 +162,11 @@ class PipelineSchedule:
         if losses is not None and st.is_last:
             losses.extend(self._losses[k] for k in range(m))
         return torch.cat([self._outs[k] for k in range(m)]) if st.is_last else None
+
+    def close(self) -> None:
+        """Collective: free what the schedule holds between steps (the shared-memory window
+        of stages on one host). Later steps still run, over MPI messages."""
+        self.transport.close()
 
     def _agree(self, x, target, losses) -> None:
         """Every rank's argument errors and the input's shape, in one small exchange."""

@@ -17,15 +17,21 @@ library call on either side.
 
 A slot is written again only in the next step, and every step starts with the
 schedule's argument exchange, a collective: by then the consumer is done with
-what the slot held. Waits keep the communicator's deadline (its stall report
-names the slot and the peer) and every message is one trace record, as over
-MPI (``"via": "shared"``). ``MPIRING_PP_SHARED=0`` keeps the MPI path.
+what the slot held. So a stage's input is valid during its step only (as
+over MPI, where the next step receives into the same buffer). Waits keep the
+communicator's deadline (its stall report names the slot and the peer) and
+every message is one trace record, as over MPI (``"via": "shared"``).
+
+A new layout reuses the window when it fits, and otherwise takes a new one
+and keeps the old mapped (a tensor the user kept may still point into it)
+until ``close()``. The window needs room in /dev/shm (``comm.shared_window``
+falls back to MPI when there is not). ``MPIRING_PP_SHARED=0`` keeps the MPI
+path.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import torch
@@ -33,8 +39,6 @@ import torch
 from mpiring.runtime.trace import clock
 
 ALIGN = 64
-#: Seconds between polls of a flag, once a wait has handed over to the deadline.
-SLEEP_S = 2e-5
 
 
 def enabled() -> bool:
@@ -74,21 +78,28 @@ class SharedSlots:
         self._send: dict[tuple[str, int, int], tuple[torch.Tensor, np.ndarray]] = {}
 
     @classmethod
-    def create(cls, comm, incoming: dict, outgoing: dict) -> SharedSlots | None:
-        """Collective over the pipeline's communicator: the window, or None on every rank.
+    def create(cls, comm, incoming: dict, outgoing: dict,
+               old: SharedSlots | None = None) -> SharedSlots | None:
+        """Collective over the pipeline's communicator: the slots, or None on every rank.
 
         Args:
             incoming: (channel, mb) -> (shape, dtype) of what this rank receives.
             outgoing: (channel, mb) -> (peer, shape, dtype) of what it sends.
+            old: the slots of the last layout: their window is used again if the new
+                layout fits in it on every rank.
         """
         layout, offset = {}, 0
         for (channel, mb), (shape, dtype) in sorted(incoming.items()):
             layout[_key(channel, mb)] = (offset, list(shape), str(dtype).removeprefix("torch."))
             nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
             offset += ALIGN + _round(nbytes)
-        window = comm.shared_window(offset)
-        if window is None:
-            return None
+        fits_old = old is not None and offset <= len(old.window.segments[comm.rank])
+        if comm.control.allreduce_scalar(float(fits_old), "min") >= 1:
+            window = old.window
+        else:
+            window = comm.shared_window(offset)
+            if window is None:
+                return None
         layouts = comm.control.allgather_json(layout)
         # What each producer sends must be what its consumer laid out (the first step's
         # agreed shapes, seen from both ends): else the MPI path, on every rank.
@@ -96,7 +107,8 @@ class SharedSlots:
                    [list(shape), str(dtype).removeprefix("torch.")]
                    for (ch, mb), (peer, shape, dtype) in outgoing.items())
         if comm.control.allreduce_scalar(float(fits), "min") < 1:
-            window.free()
+            if window is not (old.window if old is not None else None):
+                window.free()
             return None
         slots = cls(comm, window, layouts)
         for _, flag in slots._recv.values():
@@ -132,17 +144,11 @@ class SharedSlots:
         return Arrival(self, data, flag, peer, step, tag, f"{channel}{mb}")
 
     def _record(self, op: str, peer: int, tag: int, data: torch.Tensor, t0: float) -> None:
-        comm = self.comm
-        comm._p2p_calls += 1
-        if comm.tracer.enabled:
-            comm.tracer.write({"type": "p2p", "rank": comm.rank, "op": op,
-                               "call": comm._p2p_calls, "peer": peer, "tag": tag,
-                               "bytes": data.nelement() * data.element_size(),
-                               "dtype": str(data.dtype).removeprefix("torch."),
-                               "via": "shared", "t_start": t0, "t_end": clock()})
+        self.comm.record_message(op, peer, tag, data.nelement() * data.element_size(),
+                                 str(data.dtype).removeprefix("torch."), t0, "shared")
 
     def free(self) -> None:
-        """Collective: release the window."""
+        """Collective: release the window (a tensor over it must not be used after)."""
         self._recv, self._send = {}, {}
         self.window.free()
 
@@ -166,18 +172,10 @@ class Arrival:
         return self._done
 
     def wait(self) -> torch.Tensor:
-        if self.test():
-            return self._data
-        comm = self._slots.comm
-        act = comm._act
-        act.begin("recv", comm._p2p_calls + 1, None)
-        act.blocked(f"Wait(shared slot {self._name} from r{self._peer}, step {self._step})",
-                    self._peer)
-        try:
-            while not self.test():
-                time.sleep(SLEEP_S)
-        finally:
-            act.since = 0.0
+        if not self.test():
+            self._slots.comm.wait_until(
+                self.test, f"Wait(shared slot {self._name} from r{self._peer}, step "
+                           f"{self._step})", self._peer)
         return self._data
 
 

@@ -15,9 +15,9 @@ micro-batch:
   the argument check on (each message carries a descriptor that the receiver
   compares, so a stage whose output does not match what it announced is a
   ``MismatchError``). Later steps send on a duplicate with the check off: one
-  message per tensor instead of two, and no comparison. A stage whose output
-  shape can change while the input's does not (data-dependent shapes) must
-  call ``sched.transport.renegotiate()`` before such a step;
+  message per tensor instead of two, and no comparison. When a stage's output
+  shape can change while the input's does not (data-dependent shapes), every
+  rank must call ``sched.transport.renegotiate()`` before such a step;
 * the buffers: each micro-batch's receive buffer is allocated on the first step
   and received into again on the next ones;
 * the receives: on MPI, once the shapes are known, every receive of the step is
@@ -169,12 +169,29 @@ class Transport:
         self.sleep_s = None if spin else SLEEP_S
         # Stages on one host: messages through a shared window (``shared``), once the
         # first step has agreed the shapes.
-        self.use_shared = self.mpi and comm.size > 1 and shared.enabled()
+        use = self.mpi and comm.size > 1 and shared.enabled()
+        # Agreed: the layout's collectives must run on every rank or none (a launch may
+        # give the ranks different environments).
+        self.use_shared = use and comm.control.allreduce_scalar(float(use), "min") >= 1
         self.shared: shared.SharedSlots | None = None
+        self.retired: list = []  # earlier windows: tensors the user kept may point into them
+        self.steps = 0  # this transport's steps, the same on every rank (the slots' flags)
+        self.renegotiate()
+
+    def close(self) -> None:
+        """Collective: free the shared-memory windows; later steps go over MPI.
+
+        A tensor over a window (a stage input kept past its step) must not be used
+        after this.
+        """
+        windows = ([self.shared.window] if self.shared is not None else []) + self.retired
+        self.shared, self.shared_on, self.retired, self.use_shared = None, False, [], False
+        for window in windows:
+            window.free()
         self.renegotiate()
 
     def renegotiate(self) -> None:
-        """Agree the shapes again (and check them) on the next step."""
+        """Agree the shapes again (and check them) on the next step; call it on every rank."""
         self.meta: dict[int, tuple] = {}
         self.meta_sent: set[int] = set()
         self.fresh = True
@@ -188,13 +205,13 @@ class Transport:
         # slots are laid out for. The old window is freed at the next first step's end
         # (collective), not here: renegotiate() may run on one rank before the others.
         self.sent: dict[tuple[str, int], tuple] = {}
-        self.shared_on, self.step_no = False, 0
+        self.shared_on = False
 
     def start_step(self, program: list[Action]) -> None:
         """Post every receive of this rank's program ahead (MPI, shapes known)."""
         self.posted = {}
+        self.steps += 1  # the same on every rank: every step() comes here once
         if self.shared_on:
-            self.step_no += 1  # the same on every rank: every step() comes here once
             for a in program:
                 if a.kind in (RECV_F, RECV_B):
                     # A new tensor over the slot each step: last step's one is a leaf of
@@ -202,7 +219,7 @@ class Transport:
                     buf = self.shared.buffer(a.channel, a.mb).detach()
                     tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
                     self.posted[(a.channel, a.mb)] = (
-                        buf, self.shared.arrival(a.channel, a.mb, a.peer, self.step_no, tag))
+                        buf, self.shared.arrival(a.channel, a.mb, a.peer, self.steps, tag))
             return
         if self.fresh or not self.mpi:
             return
@@ -224,11 +241,12 @@ class Transport:
 
     def end_step(self) -> None:
         if self.fresh and self.use_shared:  # every rank, after the same first step
-            if self.shared is not None:
-                self.shared.free()
             incoming = {key: (tuple(b.shape), b.dtype) for key, b in self.bufs.items()}
-            self.shared = shared.SharedSlots.create(self.fast, incoming, self.sent)
-            self.shared_on, self.step_no = self.shared is not None, 0
+            old = self.shared
+            self.shared = shared.SharedSlots.create(self.fast, incoming, self.sent, old=old)
+            if old is not None and (self.shared is None or self.shared.window is not old.window):
+                self.retired.append(old.window)  # not unmapped: see ``close``
+            self.shared_on = self.shared is not None
             if self.shared_on:  # the slots are the receive buffers now
                 self.bufs, self.prepared_recvs = {}, {}
         self.fresh = False
@@ -246,7 +264,7 @@ class Transport:
             self.sent[(a.channel, a.mb)] = (a.peer, tuple(t.shape), t.dtype)
         elif self.shared_on:
             try:
-                self.shared.send(a.channel, a.mb, a.peer, t, self.step_no, tag)
+                self.shared.send(a.channel, a.mb, a.peer, t, self.steps, tag)
             except ValueError as exc:
                 raise self._changed(a, exc) from None
             return
@@ -275,8 +293,8 @@ class Transport:
     def _changed(a: Action, exc: Exception) -> ValueError:
         """The agreed shape changed without a new input shape."""
         return ValueError(f"{a}: this micro-batch's tensor is not the shape agreed on the first "
-                          f"step ({exc}); a stage whose output shape depends on the data must "
-                          "call sched.transport.renegotiate() before such a step")
+                          f"step ({exc}); when a stage's output shape depends on the data, call "
+                          "sched.transport.renegotiate() on every rank before such a step")
 
     def exchange(self, run: list[Action], outgoing: dict, incoming: dict, grad_like,
                  sends: list) -> None:
