@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import time
 from contextlib import nullcontext
@@ -137,6 +140,33 @@ class _Msg:
     def __init__(self, reqs: list, check, peer: int, tag: int):
         self.reqs, self.check, self.peer, self.tag = reqs, check, peer, tag
         self.settled, self.error = False, None
+
+
+def _reserve(segment: np.ndarray) -> bool:
+    """Fault in the pages of ``segment`` for writing without writing them
+    (``MADV_POPULATE_WRITE``, Linux 5.14); False when the system has no room for them.
+
+    Where the call does not exist (an older kernel, not Linux) the pages stay
+    unreserved and True is returned: the free-space check is all there is.
+    """
+    if segment.nbytes == 0 or _MADVISE is None:
+        return True
+    page = mmap.PAGESIZE
+    start = segment.ctypes.data // page * page  # a rank's part need not start on a page
+    length = segment.ctypes.data + segment.nbytes - start
+    if _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(length), 23) == 0:  # POPULATE_WRITE
+        return True
+    return ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS)  # not supported here: unknown
+
+
+def _load_madvise():
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - no libc madvise
+        return None
+
+
+_MADVISE = _load_madvise()
 
 
 def _shm_room() -> int | None:
@@ -463,7 +493,7 @@ class MPIBackend:
         # larger than /dev/shm is mapped all the same and dies of SIGBUS at its first touch.
         total = self.control.allreduce_scalar(float(nbytes), "sum")
         room = _shm_room()
-        fits = together and room is not None and total <= room / 2
+        fits = together and (room is None or total <= room / 2)
         if self.control.allreduce_scalar(float(fits), "min") < 1:
             node.Free()
             return None
@@ -474,7 +504,14 @@ class MPIBackend:
         win.Lock_all(MPI.MODE_NOCHECK)
         # Split_type kept this communicator's order (key = rank): node rank r is rank r.
         segments = [np.frombuffer(win.Shared_query(r)[0], dtype=np.uint8) for r in range(self.size)]
-        return SharedWindow(self, win, node, segments)
+        window = SharedWindow(self, win, node, segments)
+        # The window is a sparse file: free space drops only as pages are touched, so other
+        # windows mapped at the same moment passed the same check. Reserving this rank's
+        # pages now turns "no room" into an error here instead of a SIGBUS later.
+        if self.control.allreduce_scalar(float(_reserve(segments[self.rank])), "min") < 1:
+            window.free()
+            return None
+        return window
 
     def local_rank(self) -> tuple[int, int]:
         node = self._collective("Comm_split_type", self.comm.Split_type,

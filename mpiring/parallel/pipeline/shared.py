@@ -147,11 +147,6 @@ class SharedSlots:
         self.comm.record_message(op, peer, tag, data.nelement() * data.element_size(),
                                  str(data.dtype).removeprefix("torch."), t0, "shared")
 
-    def free(self) -> None:
-        """Collective: release the window (a tensor over it must not be used after)."""
-        self._recv, self._send = {}, {}
-        self.window.free()
-
 
 class Arrival:
     """A message into a shared slot, as a request: ``test()`` reads the flag, ``wait()``

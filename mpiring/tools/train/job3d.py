@@ -254,6 +254,8 @@ class GridJob(TrainJob):
                 "losses": list(self.losses)}
 
     def close(self) -> None:
+        if self.sched is not None:
+            self.sched.close()  # collective: the pipeline's shared-memory window
         if self.fsdp is not None:
             self.fsdp.close()
         super().close()
