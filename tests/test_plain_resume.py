@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import pytest
-from test_train_3d import COMMON, DATA, RTOL, _assert_bits, twin_losses
+from test_train_3d import COMMON, DATA, resume_and_compare, twin_losses
 
-from mpiring.parallel import checkpoint as ck
 from mpiring.tools.train.checkpointing import Checkpointer, ResumeError
 from mpiring.tools.train.job3d import make_job
 from mpiring.tools.train.loop import TrainConfig, train
@@ -49,14 +47,8 @@ def test_plain_checkpoint_resumes_at_fewer_ranks(world, subcomms, tmp_path, opti
         sub = subcomms[k]
         if sub is not None:
             again = f"{base}/at{k}"
-            second = plain(sub, 4, G // k, optimizer=optimizer)
-            Checkpointer(base, resume=True, verbose=False).load(second)
-            Checkpointer(again, verbose=False).save(second)  # the same step, at k ranks
-            got = train(second).losses
-            second.close()
-            np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"4 -> {k} ranks")
-            if sub.rank == 0:
-                _assert_bits(f"{base}/{ck.checkpoint_name(2)}", f"{again}/{ck.checkpoint_name(2)}")
+            resume_and_compare(plain(sub, 4, G // k, optimizer=optimizer), base, again, want,
+                               f"4 -> {k} ranks", sub.rank == 0)
         world.barrier()
 
 

@@ -179,15 +179,21 @@ def test_saved_at_one_layout_resumes_at_another(world, tmp_path):
         first = job(world, steps=2, **a)
         train(first, callbacks=[Checkpointer(saved, verbose=False)])
         first.close()
-        second = job(world, steps=4, **b)
-        Checkpointer(saved, resume=True, verbose=False).load(second)
-        Checkpointer(again, verbose=False).save(second)  # the same step, at the new layout
-        got = train(second).losses
-        second.close()
-        np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"{a} -> {b}")
-        if world.rank == 0:
-            _assert_bits(f"{saved}/{ck.checkpoint_name(2)}", f"{again}/{ck.checkpoint_name(2)}")
+        resume_and_compare(job(world, steps=4, **b), saved, again, want, f"{a} -> {b}",
+                           world.rank == 0)
         world.barrier()
+
+
+def resume_and_compare(second, saved: str, again: str, want, what: str, root: bool) -> None:
+    """Load ``saved`` (step 2) into ``second``, save it again at its own layout, train on:
+    the losses continue ``want`` and, on ``root``, the re-saved files equal the saved ones."""
+    Checkpointer(saved, resume=True, verbose=False).load(second)
+    Checkpointer(again, verbose=False).save(second)  # the same step, at the new layout
+    got = train(second).losses
+    second.close()
+    np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=what)
+    if root:
+        _assert_bits(f"{saved}/{ck.checkpoint_name(2)}", f"{again}/{ck.checkpoint_name(2)}")
 
 
 @pytest.mark.deadline(90)
