@@ -34,10 +34,6 @@ def test_cpu_overlap_and_sizes_refuse_bad_input():
         local_runs.bench_command("tp", "huge", 2, "x.json")
 
 
-def test_adamw_is_seven_fp32_words_per_parameter():
-    assert local.adamw_seconds(10**6, 28e6) == pytest.approx(1.0)
-
-
 def _rows(d=128, tokens=128):
     ddp = {"mode": "ddp", "ranks": 2, "preset": "tiny", "params": 118528, "batch": 2,
            "seq_len": 32, "step_ms": 5.0, "comm_total_ms": 1.0}

@@ -22,7 +22,6 @@ from collections.abc import Iterable
 
 from mpiring.core import stepmodel as sm
 from mpiring.core.costmodel import AlphaBeta, fit_alpha_beta
-from mpiring.core.hostcost import adamw_bytes
 from mpiring.core.netmodel import Fabric
 from mpiring.core.steptime import Cluster, Layout, step_time
 from mpiring.tools.plan import local_work as lw
@@ -40,12 +39,6 @@ def fit_ring_rows(rows: Iterable[dict]) -> AlphaBeta:
         raise ValueError("need ring all_reduce rows of at least two sizes: run "
                          "mpiexec -n 2 python -m mpiring bench -c all_reduce -a ring --json FILE")
     return fit_alpha_beta([p[0] for p in pts], [p[1] for p in pts], source="ring-rows")
-
-
-def adamw_seconds(n_params: int, mem_bw: float) -> float:
-    """AdamW's update over the streaming bandwidth: ``hostcost.adamw_bytes`` (28 bytes
-    per fp32 parameter) / ``mem_bw``."""
-    return adamw_bytes(n_params) / mem_bw
 
 
 def cpu_overlap(ranks: int, threads_per_rank: int, comm_threads_per_rank: int, cores: int) -> float:
