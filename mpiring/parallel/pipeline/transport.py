@@ -202,13 +202,14 @@ class Transport:
         self.posted: dict[tuple[str, int], tuple] = {}
         self.waited: dict[tuple[str, int], float] = {}  # a group's wait, last step
         # The first step's sends, (channel, mb) -> (peer, shape, dtype): what the shared
-        # slots are laid out for. The old window is freed at the next first step's end
-        # (collective), not here: renegotiate() may run on one rank before the others.
+        # slots are laid out for, at that step's end (the old window is reused or
+        # retired there, both collectively; renegotiate() itself touches no window).
         self.sent: dict[tuple[str, int], tuple] = {}
         self.shared_on = False
 
     def start_step(self, program: list[Action]) -> None:
-        """Post every receive of this rank's program ahead (MPI, shapes known)."""
+        """Number the step; post every receive of this rank's program ahead (MPI, shapes
+        known), or its slots' arrivals (shared memory)."""
         self.posted = {}
         self.steps += 1  # the same on every rank: every step() comes here once
         if self.shared_on:
