@@ -58,8 +58,16 @@ def _key(channel: str, mb: int) -> str:
     return f"{channel}{mb}"
 
 
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _view(segment: np.ndarray, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = _nbytes(shape, dtype)
     raw = torch.from_numpy(segment[offset:offset + nbytes])
     return raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
 
@@ -90,9 +98,8 @@ class SharedSlots:
         """
         layout, offset = {}, 0
         for (channel, mb), (shape, dtype) in sorted(incoming.items()):
-            layout[_key(channel, mb)] = (offset, list(shape), str(dtype).removeprefix("torch."))
-            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
-            offset += ALIGN + _round(nbytes)
+            layout[_key(channel, mb)] = (offset, list(shape), _dtype_name(dtype))
+            offset += ALIGN + _round(_nbytes(shape, dtype))
         fits_old = old is not None and offset <= len(old.window.segments[comm.rank])
         if comm.control.allreduce_scalar(float(fits_old), "min") >= 1:
             window = old.window
@@ -104,7 +111,7 @@ class SharedSlots:
         # What each producer sends must be what its consumer laid out (the first step's
         # agreed shapes, seen from both ends): else the MPI path, on every rank.
         fits = all(layouts[peer].get(_key(ch, mb), [None, None, None])[1:] ==
-                   [list(shape), str(dtype).removeprefix("torch.")]
+                   [list(shape), _dtype_name(dtype)]
                    for (ch, mb), (peer, shape, dtype) in outgoing.items())
         if comm.control.allreduce_scalar(float(fits), "min") < 1:
             if window is not (old.window if old is not None else None):
@@ -141,11 +148,11 @@ class SharedSlots:
 
     def arrival(self, channel: str, mb: int, peer: int, step: int, tag: int) -> Arrival:
         data, flag = self._recv[_key(channel, mb)]
-        return Arrival(self, data, flag, peer, step, tag, f"{channel}{mb}")
+        return Arrival(self, data, flag, peer, step, tag, _key(channel, mb))
 
     def _record(self, op: str, peer: int, tag: int, data: torch.Tensor, t0: float) -> None:
         self.comm.record_message(op, peer, tag, data.nelement() * data.element_size(),
-                                 str(data.dtype).removeprefix("torch."), t0, "shared")
+                                 _dtype_name(data.dtype), t0, "shared")
 
 
 class Arrival:
