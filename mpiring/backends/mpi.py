@@ -186,8 +186,8 @@ class SharedWindow:
     it, and between seeing the flag and reading the data. ``free()``: collective.
     """
 
-    def __init__(self, be, win, node, segments):
-        self._be, self._win, self._node, self.segments = be, win, node, segments
+    def __init__(self, be, win, segments):
+        self._be, self._win, self.segments = be, win, segments
 
     def sync(self) -> None:
         if self._win is not None:
@@ -199,7 +199,6 @@ class SharedWindow:
         win, self._win, self.segments = self._win, None, []
         win.Unlock_all()
         self._be._collective("Win_free", win.Free)
-        self._node.Free()
 
 
 class MPIBackend:
@@ -499,12 +498,15 @@ class MPIBackend:
             return None
         win = self._collective("Win_allocate_shared", MPI.Win.Allocate_shared, max(nbytes, 0),
                                1, MPI.INFO_NULL, node)
+        # The window keeps its own group: the node communicator (and the context id it
+        # holds, of which MPI has a few thousand) can go now.
+        node.Free()
         # One passive epoch for the window's whole life: Win_sync (the memory barrier
         # between a write and the flag that announces it) is allowed only inside one.
         win.Lock_all(MPI.MODE_NOCHECK)
         # Split_type kept this communicator's order (key = rank): node rank r is rank r.
         segments = [np.frombuffer(win.Shared_query(r)[0], dtype=np.uint8) for r in range(self.size)]
-        window = SharedWindow(self, win, node, segments)
+        window = SharedWindow(self, win, segments)
         # The window is a sparse file: free space drops only as pages are touched, so other
         # windows mapped at the same moment passed the same check. Reserving this rank's
         # pages now turns "no room" into an error here instead of a SIGBUS later.
