@@ -186,15 +186,7 @@ class PreparedRecv:
             return comm._post("recv", buf.obj, self._peer, self._tag)
         comm._p2p_calls += 1
         req = Request(comm, "recv", buf, self._peer, self._tag, comm._p2p_calls)
-        req._keep = buf.array
-        mine = descriptor(buf) if comm.check else None
-        got = None if mine is None else np.empty(3, dtype=np.int64)
-        check = None if got is None else (lambda: comm._compare(req, mine, got))
-        req._header = mine
-        req._handle = comm._be.post_recv(buf.array, self._peer, self._tag, got, check)
-        if comm._group_reqs is not None:
-            comm._group_reqs.append(req)
-        return req
+        return comm._issue(req, buf, buf.array)
 
 
 def check_peer(comm, peer, name: str) -> int:
@@ -248,14 +240,19 @@ class PointToPoint:
             array = to_host(array) if op == "send" else np.empty(buf.count,
                                                                   dtype=host_dtype(buf.dtype))
             req._staged = None if op == "send" else array
+        return self._issue(req, buf, array)
+
+    def _issue(self, req: Request, buf: Buffer, array) -> Request:
+        """Hand ``req``'s message (``array``: the memory the backend reads or fills) to the
+        backend, with the descriptor when the check is on; join the open group."""
         req._keep = array  # the backend reads or fills it until the message completes
         mine = descriptor(buf) if self.check else None
-        if op == "send":
-            req._handle = self._be.post_send(array, peer, tag, mine)
+        if req._op == "send":
+            req._handle = self._be.post_send(array, req._peer, req._tag, mine)
         else:
             got = None if mine is None else np.empty(3, dtype=np.int64)
             check = None if got is None else (lambda: self._compare(req, mine, got))
-            req._handle = self._be.post_recv(array, peer, tag, got, check)
+            req._handle = self._be.post_recv(array, req._peer, req._tag, got, check)
         req._header = mine
         if self._group_reqs is not None:
             self._group_reqs.append(req)
