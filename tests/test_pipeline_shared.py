@@ -168,3 +168,30 @@ def test_a_wait_on_a_slot_counts_as_blocked_for_the_desync_detector():
     from mpiring.runtime import desync
 
     assert Communicator.wait_until.__code__ in desync._BLOCKING
+
+
+def test_every_message_through_a_slot_is_one_trace_record(world, tmp_path_factory):
+    from mpiring.runtime.trace import Tracer, read_trace
+
+    if world.size == 1:
+        pytest.skip("one stage sends nothing")
+    needs_shared_memory(world)
+    directory = str(tmp_path_factory.mktemp("pp-shared")) if world.rank == 0 else None
+    directory = world.control.bcast_json(directory)
+    traced = Communicator(world._be.dup(), Tracer(world.rank, directory))
+    m = 3
+    stage = PipelineStage(nn.Linear(4, 4).double(), traced.rank, traced.size, traced)
+    sched = Schedule1F1B(stage, m, lambda o, t: ((o - t) ** 2).mean())
+    x = torch.ones(6, 4, dtype=torch.float64)
+    for _ in range(2):  # the second step goes through the slots
+        sched.step(x if stage.is_first else None, target=x if stage.is_last else None)
+    sched.close()
+    traced.tracer.close()
+    world.barrier()
+    mine = [r for r in read_trace(directory) if r.get("type") == "p2p"
+            and r["rank"] == world.rank and r.get("via") == "shared"]
+    r, p = world.rank, world.size
+    sends = m * ((r < p - 1) + (r > 0))  # activations right, gradients left
+    assert sorted(x["op"] for x in mine) == ["recv"] * sends + ["send"] * sends
+    assert all(x["bytes"] == 2 * 4 * 8 and x["dtype"] == "float64" for x in mine)
+    assert all(x["t_end"] >= x["t_start"] for x in mine)

@@ -30,7 +30,7 @@ from mpiring.comm.auto import AutoChoice
 from mpiring.comm.p2p import PointToPoint
 from mpiring.comm.prepare import Preparation, _is_int
 from mpiring.core.chunking import chunk_bounds
-from mpiring.runtime.trace import Tracer, clock
+from mpiring.runtime.trace import Tracer
 from mpiring.runtime.watchdog import Activity, parse_timeout
 
 #: Seconds between polls in ``wait_until`` (a flag in shared memory costs nothing to read;
@@ -395,17 +395,6 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
                 time.sleep(WAIT_SLEEP_S)
         finally:
             act.since = 0.0
-
-    def record_message(self, op: str, peer: int, tag: int, nbytes: int, dtype: str,
-                       t_start: float, via: str) -> None:
-        """One point-to-point trace record for a message that did not go through
-        ``isend``/``irecv`` (``via`` says how it went)."""
-        self._p2p_calls += 1
-        if self.tracer.enabled:
-            self.tracer.write({"type": "p2p", "rank": self.rank, "op": op,
-                               "call": self._p2p_calls, "peer": peer, "tag": tag,
-                               "bytes": nbytes, "dtype": dtype, "via": via,
-                               "t_start": t_start, "t_end": clock()})
 
     def abort(self, code: int = 1) -> None:
         """End the whole job now, every rank, with exit status ``code`` (traces flushed).

@@ -265,12 +265,23 @@ class PointToPoint:
                 f"receives into {describe(mine)}; give both ends the same size and dtype")
 
     def _record(self, req: Request) -> None:
-        tracer = self.tracer
-        if tracer.enabled:
-            t_end = clock()
-            tracer.write({"type": "p2p", "rank": self.rank, "op": req._op, "call": req._call,
-                          "peer": req._peer, "tag": req._tag, "bytes": req._buf.nbytes,
-                          "dtype": req._buf.dtype, "t_start": req._t0, "t_end": t_end})
+        if self.tracer.enabled:
+            self._trace_p2p(req._op, req._call, req._peer, req._tag, req._buf.nbytes,
+                            req._buf.dtype, req._t0)
+
+    def record_message(self, op: str, peer: int, tag: int, nbytes: int, dtype: str,
+                       t_start: float, via: str) -> None:
+        """One point-to-point trace record for a message that did not go through
+        ``isend``/``irecv`` (``via`` says how it went)."""
+        self._p2p_calls += 1
+        if self.tracer.enabled:
+            self._trace_p2p(op, self._p2p_calls, peer, tag, nbytes, dtype, t_start, via=via)
+
+    def _trace_p2p(self, op: str, call: int, peer: int, tag: int, nbytes: int, dtype: str,
+                   t_start: float, **extra) -> None:
+        self.tracer.write({"type": "p2p", "rank": self.rank, "op": op, "call": call,
+                           "peer": peer, "tag": tag, "bytes": nbytes, "dtype": dtype, **extra,
+                           "t_start": t_start, "t_end": clock()})
 
     def isend(self, x, dst: int, tag: int = 0) -> Request:
         """Start sending ``x`` to rank ``dst``; ``x`` must stay unchanged until ``wait()``.
