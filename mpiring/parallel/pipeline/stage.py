@@ -122,11 +122,8 @@ class PipelineStage:
             def run():  # the loss's saved tensors (the log-softmax) count as activations too
                 y = self._call(inp, params)
                 return y, (loss_fn(y, target) if last else None)
-            if self.count_activations:
-                (out, loss), self._held[mb] = self._counted(run)
-            else:
-                out, loss = run()
-        self._grow(self._held.get(mb, 0))
+            (out, loss), self._held[mb] = self._counted(run)
+        self._grow(self._held.get(mb, 0))  # recomputation without counting holds none
         if last:
             self._out[mb] = loss * scale
             return out, loss
@@ -137,7 +134,10 @@ class PipelineStage:
         return self.module(inp) if params is None else functional_call(self.module, params, (inp,))
 
     def _counted(self, fn):
-        """Run ``fn`` and count the activation bytes autograd saves (parameters excluded)."""
+        """Run ``fn``; with ``count_activations``, also the activation bytes autograd saves
+        (parameters excluded), else 0."""
+        if not self.count_activations:
+            return fn(), 0
         seen: set[int] = set()
         skip = self._param_ptrs
         total = [0]
@@ -177,12 +177,9 @@ class PipelineStage:
                 def run():
                     y = self.module(inp)
                     return loss_fn(y, target) * scale if self.is_last else y
-                if self.count_activations:
-                    out, extra = self._counted(run)
-                    self._grow(extra)
-                    self._grow(-extra)  # freed by the backward below
-                else:
-                    out = run()
+                out, extra = self._counted(run)
+                self._grow(extra)
+                self._grow(-extra)  # freed by the backward below
         if self._sink is not None:
             self._sink.queue = self._wq.setdefault(mb, []) if split else None
         if sync and self.ddp is not None:
