@@ -30,6 +30,7 @@ from mpiring.comm.auto import AutoChoice
 from mpiring.comm.p2p import PointToPoint
 from mpiring.comm.prepare import Preparation, _is_int
 from mpiring.core.chunking import chunk_bounds
+from mpiring.runtime import desync
 from mpiring.runtime.trace import Tracer
 from mpiring.runtime.watchdog import Activity, parse_timeout
 
@@ -437,10 +438,5 @@ def _root_name(act: Activity) -> str:
 #: (a training loop repeats a handful; a sweep over many sizes just stops adding).
 
 
-def _register_blocking() -> None:
-    from mpiring.runtime import desync
-
-    desync.blocking_code(Communicator.wait_until)  # a rank in it waits, it does not compute
-
-
-_register_blocking()
+# For the desync detector: a thread in ``wait_until`` waits, it does not compute.
+desync.blocking_code(Communicator.wait_until)
