@@ -82,3 +82,33 @@ def test_only_collectives_over_the_exited_rank_are_reported():
     assert waiting_on_exited(t + EXIT_GRACE + 0.1, records, {1: t}) == [(over, t, 1)]
     # The grace counts from the notice, not from the start of the wait.
     assert waiting_on_exited(t + EXIT_GRACE + 0.1, records, {1: t + 1}) == []
+
+
+def test_abort_world_gives_the_launcher_time_to_forward_the_last_words(monkeypatch):
+    # MPI_Abort right after a write could lose the write: the launcher kills the job
+    # before reading the rank's pipe (mpiring.run's traceback vanished that way).
+    from mpiring.backends import mpi as backend
+    from mpiring.runtime.watchdog import REPORT_GRACE
+
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def flush(self):
+            events.append(("flush", self.name))
+
+    class World:
+        @staticmethod
+        def Abort(code):
+            events.append(("abort", code))
+
+    monkeypatch.setattr(backend.sys, "stdout", Stream("stdout"))
+    monkeypatch.setattr(backend.sys, "stderr", Stream("stderr"))
+    monkeypatch.setattr(backend.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(backend, "MPI", type("FakeMPI", (), {"COMM_WORLD": World}))
+    monkeypatch.setattr(backend, "flush_all", lambda: events.append(("traces",)))
+    backend.abort_world(3)
+    assert events == [("traces",), ("flush", "stdout"), ("flush", "stderr"),
+                      ("sleep", REPORT_GRACE), ("abort", 3)]

@@ -6,8 +6,9 @@ import ctypes
 import errno
 import mmap
 import os
+import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import numpy as np
 from mpi4py import MPI
@@ -18,7 +19,7 @@ from mpiring.backends.gpu import device_ready, empty_like_device
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.ops import finish
 from mpiring.runtime.trace import flush_all
-from mpiring.runtime.watchdog import Activity
+from mpiring.runtime.watchdog import REPORT_GRACE, Activity
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 
@@ -102,10 +103,17 @@ def _idle_mode(local_size: int) -> str:
 
 
 def abort_world(code: int = 1) -> None:
-    """End every rank of the job (MPI_Abort on the world), trace files flushed first."""
+    """End every rank of the job (MPI_Abort on the world), trace files and output flushed
+    first, and the launcher given ``REPORT_GRACE`` to forward that output."""
     # The whole job, not just this communicator: a stalled sub-communicator
     # must not leave the other ranks of the job waiting.
     flush_all()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):  # a closed or broken stream must not stop the abort
+            stream.flush()
+    # What a failing rank printed last (mpiring.run's traceback) is still in the
+    # launcher's pipe, and an abort at once can lose it.
+    time.sleep(REPORT_GRACE)
     MPI.COMM_WORLD.Abort(code)
 
 
