@@ -106,13 +106,16 @@ def test_pp_x_dp_matches_one_process(world, layout, name, m):
 
 @pytest.mark.parametrize("name", ["1f1b", "zb"])
 def test_where_the_buckets_go(world, name):
-    # 1F1B: the buckets go out inside the last micro-batch's backward (overlap);
-    # ZB: after the stage's last W, whose gradients autograd's hooks never see.
+    # The buckets go out inside the step's last backward (overlap): 1F1B's last B;
+    # ZB's last W, which writes the Linears' gradients outside autograd and so runs
+    # them through it for the parameters' hooks to fire.
     grid = grid_of(world, 2, 2)
     full = net()
     lo, hi = stage_bounds(len(full), 2, grid.pp_rank)
     part = copy.deepcopy(full[lo:hi])
-    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp)
+    # A bucket per parameter: each goes out as that parameter's gradient is done.
+    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp, bucket_cap_mb=1e-6,
+                                          first_bucket_mb=1e-6)
     stage = mpiring.PipelineStage(ddp, grid.pp_rank, 2, grid.pp)
     rec = Recorder(world.rank)
     stage.comm.tracer = ddp.comm.tracer = rec
@@ -124,14 +127,10 @@ def test_where_the_buckets_go(world, name):
     acts = [e for e in events if e["cat"] == "pipeline"]
     buckets = [e for e in events if e["name"] == "ddp.all_reduce"]
     assert buckets
-    last_b = [e for e in acts if e["action"] == "B"][-1]
-    if name == "1f1b":
-        assert last_b["mb"] == 2 and acts[-1] is last_b
-        assert all(last_b["t_start"] <= b["t_start"] <= b["t_end"] <= last_b["t_end"]
-                   for b in buckets)
-    else:
-        assert acts[-1]["action"] == "W"
-        assert all(b["t_start"] >= acts[-1]["t_end"] for b in buckets)
+    assert len(buckets) == sum(1 for _ in part.parameters()) > 1
+    last = acts[-1]
+    assert last["action"] == ("B" if name == "1f1b" else "W") and last["mb"] == 2
+    assert all(last["t_start"] <= b["t_start"] <= b["t_end"] <= last["t_end"] for b in buckets)
 
 
 def test_gpt_pp_x_dp_with_tied_embedding(world):
@@ -172,3 +171,21 @@ def test_pipedream_refuses_data_parallel_stages(world):
     with pytest.raises(ValueError, match="reduction per micro-batch"):
         SchedulePipeDream(stage, 2, mse, optimizer=torch.optim.SGD(part.parameters(), lr=0.1))
     ddp.close()
+
+
+def test_zero_bubble_refuses_fsdp_stages_before_a_step(world):
+    # W writes the Linears' gradients outside autograd, where FSDP's flat gradient
+    # never sees them: refused when the schedule is built, on every rank alike, not
+    # at the end of a step whose compute has run.
+    from mpiring.parallel.fsdp import FullyShardedDataParallel
+
+    grid = grid_of(world, 2, 1)
+    full = net()
+    lo, hi = stage_bounds(len(full), 2, grid.pp_rank)
+    part = copy.deepcopy(full[lo:hi])
+    # Only the last stage is sharded: the first must learn of it from the gathered table.
+    wrapped = FullyShardedDataParallel(part, grid.dp) if grid.pp_rank == 1 else part
+    stage = mpiring.PipelineStage(wrapped, grid.pp_rank, 2, grid.pp)
+    with pytest.raises(ValueError, match="FullyShardedDataParallel with a split backward"):
+        ScheduleZeroBubble(stage, 2, mse)
+    Schedule1F1B(stage, 2, mse)  # the same stages under 1F1B are fine

@@ -19,11 +19,14 @@ mean over the replicas of the gradient of the mean micro-batch loss.
 
 Zero bubble splits the backward: W writes the Linear weights' ``.grad``
 directly (``split_backward``), outside autograd, so DDP's post-accumulate hooks
-never fire for them, and the last W's come after the last B. There the
-reduction runs after the stage's last action instead (``reduce_now``): one
-backward through the parameters themselves with zero gradients, which fires
-every hook in one autograd pass, so DDP's own buckets reduce the accumulated
-gradients, without overlap.
+never fire for them, and the last W's come after the last B. So the stage's
+last W runs through autograd instead (``reduce_in_w``): each deferred layer's
+weight gradient is the backward of a node of its own, AccumulateGrad adds it
+to ``.grad`` and fires the hook, and the buckets go out while the remaining
+layers' W still runs, as they do in 1F1B's last B. The parameters whose
+gradients came in B (LayerNorm, embeddings) join that pass with a zero
+gradient. A hand-written program whose last B comes after its last W reduces
+after the stage's last action (``reduce_now``), without overlap.
 
 FSDP on the data axis (``FullyShardedDataParallel`` over ``grid.dp`` as the
 stage's submodule) follows the same two moments, as torch.distributed.pipelining
@@ -33,7 +36,7 @@ gradient to what the unit keeps; ``arm`` turns it on just before the last
 micro-batch's backward, whose units reduce-scatter the sum once, each as soon
 as its backward is done. The stage runs the FSDP wrapper itself (its hooks
 gather the units). A split backward (W outside autograd) cannot feed FSDP's
-flat gradient: ``reduce_now`` refuses it.
+flat gradient: a schedule with W actions refuses FSDP stages when it is built.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 from torch import nn
 
 from mpiring.parallel.grid import ProcessGrid, grid_coords
+from mpiring.parallel.pipeline import split_backward
 
 
 @dataclass
@@ -75,7 +79,7 @@ def stage_grid(comm, pp: int) -> StageGrid:
     return StageGrid(pp_comm, dp_comm, pp_rank, dp_rank, pp, dp)
 
 
-def _is_fsdp(wrapper) -> bool:
+def is_fsdp(wrapper) -> bool:
     from mpiring.parallel.fsdp import FullyShardedDataParallel
 
     return isinstance(wrapper, FullyShardedDataParallel)
@@ -91,7 +95,7 @@ def unwrap(submodule: nn.Module) -> tuple[nn.Module, nn.Module | None]:
 
     if isinstance(submodule, DistributedDataParallel):
         return submodule.module, submodule
-    if _is_fsdp(submodule):
+    if is_fsdp(submodule):
         return submodule, submodule
     return submodule, None
 
@@ -99,7 +103,7 @@ def unwrap(submodule: nn.Module) -> tuple[nn.Module, nn.Module | None]:
 def start_step(ddp) -> None:
     """Once a step, before the first forward: DDP's bucket rebuild and buffer broadcast;
     FSDP: accumulate unsharded gradients until ``arm``."""
-    if _is_fsdp(ddp):
+    if is_fsdp(ddp):
         ddp.set_requires_gradient_sync(False)
         return
     ddp.sync_before_backward()
@@ -108,10 +112,29 @@ def start_step(ddp) -> None:
 def arm(ddp, outputs) -> None:
     """Let the next backward (of ``outputs``) reduce the accumulated gradients, bucket by
     bucket (DDP) or unit by unit (FSDP)."""
-    if _is_fsdp(ddp):
+    if is_fsdp(ddp):
         ddp.set_requires_gradient_sync(True)
         return
     ddp.reducer.prepare_for_backward(outputs, True)
+
+
+def reduce_in_w(ddp, queue: list) -> None:
+    """Run the stage's last W (``queue``, its deferred weight gradients) so that DDP's
+    buckets go out while it runs: each parameter's hook fires as its gradient is done.
+
+    Every other parameter's gradient is complete already (from the B's): it joins
+    the same autograd pass with a zero gradient, as in ``reduce_now``.
+    """
+    params = ddp.reducer.params
+    written = {id(p) for item in queue for p in item.params if p is not None}
+    arm(ddp, params)  # the parameters are the graph: none counts as unused
+    split_backward.run_through_autograd(queue, [p for p in params if id(p) not in written])
+
+
+#: Why FSDP and a split backward do not go together (the schedule says it when built).
+FSDP_SPLIT = ("FullyShardedDataParallel with a split backward (zero bubble): W writes weight "
+              "gradients outside autograd, where FSDP's flat gradient never sees them; use "
+              "Schedule1F1B or ScheduleGPipe with FSDP")
 
 
 def reduce_now(ddp) -> None:
@@ -121,10 +144,6 @@ def reduce_now(ddp) -> None:
     each parameter's AccumulateGrad, so the post-accumulate hooks fire in one
     autograd pass and the reducer's end-of-backward wait returns the means.
     """
-    if _is_fsdp(ddp):
-        raise ValueError("FullyShardedDataParallel with a split backward (zero bubble): W "
-                         "writes weight gradients outside autograd, where FSDP's flat gradient "
-                         "never sees them; use Schedule1F1B or ScheduleGPipe with FSDP")
     params = ddp.reducer.params
     arm(ddp, params)  # the parameters are the graph: none counts as unused
     torch.autograd.backward(params, [torch.zeros_like(p) for p in params])

@@ -74,7 +74,7 @@ class PipelineSchedule:
         if actions is None:
             actions = build(self.name, stage.num_stages, n_microbatches)
         mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None,
-                stage.ddp is not None]
+                stage.ddp is not None, data_parallel.is_fsdp(stage.ddp)]
         table = stage.comm.control.allgather_json(mine) if stage.comm.size > 1 else [mine]
         if any(row[:3] != table[0][:3] for row in table):
             raise ValueError(f"{type(self).__name__}: the ranks built different schedules "
@@ -87,6 +87,8 @@ class PipelineSchedule:
                              "micro-batch, so its replicas would need a reduction per micro-batch: "
                              "give it unwrapped stages (no DistributedDataParallel), or use "
                              "Schedule1F1B or ScheduleZeroBubble with data parallelism")
+        if any(row[5] and any(a.kind == W for a in actions[r]) for r, row in enumerate(table)):
+            raise ValueError(f"{type(self).__name__}: {data_parallel.FSDP_SPLIT}")
         self.simulated = check(actions, n_microbatches)  # ScheduleError on every rank alike
         self.actions = actions
         self._groups = groups(actions[stage.stage_index])
@@ -94,11 +96,18 @@ class PipelineSchedule:
         self._split = {a.mb for a in actions[stage.stage_index] if a.kind == W}
         if self._split:
             stage.split_backward()
-        backwards = [a.mb for a in actions[stage.stage_index] if a.kind == B]
-        self._last_b = backwards[-1] if backwards else -1
-        # With a split backward W writes .grad outside autograd, where DDP's hooks do
-        # not see it: such a stage reduces after its last action (data_parallel).
-        self._sync_in_b = stage.ddp is not None and not self._split
+        program = actions[stage.stage_index]
+        backwards = [i for i, a in enumerate(program) if a.kind == B]
+        weights = [i for i, a in enumerate(program) if a.kind == W]
+        self._last_b = program[backwards[-1]].mb if backwards else -1
+        self._last_w = program[weights[-1]].mb if weights else -1
+        # The replicas reduce in the step's last backward (its buckets overlap it): the
+        # last B, or, with a split backward, the last W if it comes after every B (W
+        # writes .grad outside autograd; that W runs through it: data_parallel). A
+        # hand-written program with a B after its last W reduces after its last action.
+        ddp = stage.ddp is not None
+        self._sync_in_b = ddp and not self._split
+        self._sync_in_w = ddp and bool(weights) and (not backwards or weights[-1] > backwards[-1])
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
         self.transport = Transport(stage.comm)  # collective (a dup), as the gather above
         if not self.transport.mpi:  # NCCL: a send goes in its group, with the receive
@@ -156,7 +165,7 @@ class PipelineSchedule:
         for req in sends:
             req.wait()
         self.transport.end_step()
-        if st.ddp is not None and not self._sync_in_b:
+        if st.ddp is not None and not (self._sync_in_b or self._sync_in_w):
             data_parallel.reduce_now(st.ddp)
         self._reduce_tied()
         if losses is not None and st.is_last:
@@ -210,7 +219,7 @@ class PipelineSchedule:
             if not st.is_first:
                 t1 = self._output(a, gin.contiguous())
         else:
-            st.weight(a.mb)
+            st.weight(a.mb, sync=self._sync_in_w and a.mb == self._last_w)
         if t1 is None:
             t1 = time.perf_counter()
         self.timeline.append(Span(a, t0, t1))

@@ -109,6 +109,43 @@ def install(module: nn.Module) -> WeightGradSink:
     return sink
 
 
+class _WeightGrads(torch.autograd.Function):
+    """One queued W item as an autograd node: its backward returns the weight gradients,
+    so that AccumulateGrad adds them to ``.grad`` and fires the parameters' hooks."""
+
+    @staticmethod
+    def forward(ctx, item, *params):
+        ctx.item = item
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        item = ctx.item
+        grads = item.fn()
+        return (None, *(g for p, g in zip(item.params, grads) if _trained(p)))
+
+
+def _trained(p) -> bool:
+    return p is not None and p.requires_grad
+
+
+def run_through_autograd(queue: list[Deferred], touched: list[torch.Tensor]) -> None:
+    """Run ``queue``'s W items as one autograd backward, so that every parameter's
+    post-accumulate hook fires as its gradient is done (DDP's buckets go out during W).
+
+    ``touched``: parameters that get a zero gradient in the same pass, so that their
+    hooks fire too (their gradients are complete already). Their AccumulateGrad nodes
+    run first; then the items, in queue order (the engine runs the ready node made
+    last first, so they are made in reverse), each followed by its parameters' own
+    AccumulateGrad, which autograd runs as soon as it is ready.
+    """
+    roots = [_WeightGrads.apply(item, *(p for p in item.params if _trained(p)))
+             for item in reversed(queue) if any(_trained(p) for p in item.params)]
+    grads = [torch.ones_like(r) for r in roots] + [torch.zeros_like(p) for p in touched]
+    if roots or touched:
+        torch.autograd.backward(roots + list(touched), grads)
+
+
 def held_bytes(queue: list[Deferred]) -> int:
     """Bytes of the distinct storages a micro-batch's queued W items keep alive."""
     seen: set[int] = set()

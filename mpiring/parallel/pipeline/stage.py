@@ -195,10 +195,19 @@ class PipelineStage:
             self._grow(self._held[mb])
         return None if self.is_first else inp.grad
 
-    def weight(self, mb: int) -> None:
-        """Micro-batch ``mb``'s deferred weight gradients (the W action)."""
-        for item in self._wq.pop(mb, []):
-            item.run()
+    def weight(self, mb: int, *, sync: bool = False) -> None:
+        """Micro-batch ``mb``'s deferred weight gradients (the W action).
+
+        ``sync`` (with a DDP-wrapped stage, on the step's last W): this W also
+        reduces the gradients over the data-parallel replicas, each bucket as
+        soon as its gradients are done (``data_parallel.reduce_in_w``).
+        """
+        queue = self._wq.pop(mb, [])
+        if sync and self.ddp is not None:
+            data_parallel.reduce_in_w(self.ddp, queue)
+        else:
+            for item in queue:
+                item.run()
         self._release(mb)
 
     def stashed_grads(self, mb: int) -> dict[str, torch.Tensor | None]:
