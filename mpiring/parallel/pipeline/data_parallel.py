@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mpiring.parallel.grid import ProcessGrid, grid_coords
+from mpiring.parallel.grid import ProcessGrid
 from mpiring.parallel.pipeline import split_backward
 
 
@@ -66,17 +66,11 @@ def stage_grid(comm, pp: int) -> StageGrid:
     """The pipeline (``.pp``) and data-parallel (``.dp``) groups of ``ProcessGrid(comm, pp=pp)``.
 
     Stage = rank // dp: the dp replicas of a stage are neighbours. The layout is
-    checked on every rank by ``ProcessGrid``; the groups are split here by their
-    definition (same stage: one dp group; same replica: one pipeline), because
-    ``ProcessGrid.dp`` groups the ranks of one replica instead (its dp colour
-    uses dp_rank where pp_rank belongs).
+    checked on every rank by ``ProcessGrid``; each pipeline's communicator ranks
+    its stages in order (stage i is rank i there), as ``PipelineStage`` needs.
     """
-    grid = ProcessGrid(comm, pp=pp)  # the layout checks, on every rank alike
-    dp = grid.dp_size
-    _, dp_rank, pp_rank = grid_coords(comm.rank, 1, dp)
-    dp_comm = comm.split(pp_rank, key=comm.rank)
-    pp_comm = comm.split(dp_rank, key=comm.rank)
-    return StageGrid(pp_comm, dp_comm, pp_rank, dp_rank, pp, dp)
+    grid = ProcessGrid(comm, pp=pp)
+    return StageGrid(grid.pp, grid.dp, grid.pp_rank, grid.dp_rank, pp, grid.dp_size)
 
 
 def is_fsdp(wrapper) -> bool:
