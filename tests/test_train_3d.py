@@ -168,6 +168,37 @@ def test_fsdp_pipeline_reduce_scatters_each_unit_once_a_step(world):
         j.close()
 
 
+@pytest.mark.deadline(90)
+def test_fsdp_pipeline_kept_gathered_gathers_each_unit_once_a_step(world):
+    """With reshard_after_forward=False a unit stays gathered over the micro-batches:
+    one AllGather a step instead of one or two per micro-batch, the same losses."""
+    if world.size % 2:
+        pytest.skip("needs pp=2")
+    runs = {}
+    for keep in (False, True):
+        j = job(world, pp=2, fsdp=True, steps=2, microbatches=3)
+        j.fsdp.set_reshard_after_forward(not keep)
+        calls = []
+        tc = j.fsdp.thread_comm
+        inner = tc.all_gather
+        tc.all_gather = lambda buf, *a, **k: (calls.append(buf.numel()), inner(buf, *a, **k))[1]
+        try:
+            losses = []
+            for _ in range(2):  # train() would add the validation's gathers
+                x, y = j.next_batch()
+                losses.append(j._update(x, y))
+            runs[keep] = losses, calls
+            units = sorted(u.flat.numel for u in j.fsdp.units if u.flat.numel)
+            assert all(u.status == "sharded" for u in j.fsdp.units)  # freed after each step
+        finally:
+            j.close()
+    (ref, zero3), (got, kept) = runs[False], runs[True]
+    np.testing.assert_allclose(got, ref, rtol=1e-6)  # NaN off the last stage, on both
+    if world.size // 2 > 1:  # a data axis to gather over
+        assert sorted(kept) == sorted(units * 2)  # two steps, each unit once in each
+        assert len(zero3) > 3 * len(kept)  # ZeRO-3: again in every micro-batch's backward
+
+
 @pytest.mark.deadline(150)
 def test_saved_at_one_layout_resumes_at_another(world, tmp_path):
     from mpiring.backends import control as wire

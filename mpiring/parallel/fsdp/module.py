@@ -65,7 +65,8 @@ class FullyShardedDataParallel(nn.Module):
         reshard_after_forward: free each unit's gathered parameters after its
             forward and gather them again for backward (ZeRO-3, 1.5x DDP's
             bytes on the wire), or keep them until backward (DDP's bytes, more
-            memory). The root unit, and from the second forward on the
+            memory; under a pipeline, until the step's last backward: one
+            gather a step). The root unit, and from the second forward on the
             last unit run, always stay until their backward (it comes next).
         mixed_precision: None, a dtype, or a ``MixedPrecision``.
         algo: the ring algorithm for AllGather and ReduceScatter ("ring-seg"
@@ -115,6 +116,8 @@ class FullyShardedDataParallel(nn.Module):
         self.comm, self.mixed_precision, self.algo = comm, mp, algo
         self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
         self.sync = True
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.reshard_after_backward = True
         self.prefetch = bool(prefetch)
         # Gathered parameters + gradients waiting for their ReduceScatter (bytes):
         # changed by the main thread and the communication thread, hence the lock.
@@ -254,6 +257,20 @@ class FullyShardedDataParallel(nn.Module):
         micro-batches' gradients.
         """
         self.sync = bool(sync)
+
+    def set_reshard_after_forward(self, reshard: bool) -> None:
+        """Free each unit's gathered parameters after its forward (True, ZeRO-3) or keep
+        them for its backward (False); the constructor's ``reshard_after_forward``."""
+        self.reshard_after_forward = bool(reshard)
+        for u in self.units:
+            u.reshard_after_forward = self.reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard: bool) -> None:
+        """Free each unit's gathered parameters after its backward (True, the default) or
+        keep them for the next micro-batch (False: a pipeline's micro-batches but the
+        last, torch FSDP2's name). With ``reshard_after_forward=False`` as well, each
+        unit is gathered once for all of them; the next backward with True frees it."""
+        self.reshard_after_backward = bool(reshard)
 
     @contextlib.contextmanager
     def no_sync(self):

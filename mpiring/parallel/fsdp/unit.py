@@ -144,7 +144,8 @@ class Unit:
         grad, full.grad = full.grad, None
         held = 0 if grad is None else grad.numel() * grad.element_size()
         self.owner._count(held)  # the gradient exists while the parameters still do
-        self.reshard()
+        if self.owner.reshard_after_backward:
+            self.reshard()
         if grad is not None:
             self.reduce(grad.reshape(-1))
         self.owner._count(-held)  # reduce() counts what it keeps
@@ -192,8 +193,10 @@ class Unit:
         owner.runner.submit(reduce_scatter)
 
     def end_backward(self) -> None:
-        """Back to SHARDED and ready for the next iteration."""
-        self.reshard()
+        """Back to SHARDED (unless the owner keeps units after backward) and ready for the
+        next iteration."""
+        if self.owner.reshard_after_backward:
+            self.reshard()
         self.pre_backward_done = False
         self.reduced = False
 

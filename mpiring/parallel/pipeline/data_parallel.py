@@ -99,6 +99,10 @@ def start_step(ddp) -> None:
     FSDP: accumulate unsharded gradients until ``arm``."""
     if is_fsdp(ddp):
         ddp.set_requires_gradient_sync(False)
+        # Units kept gathered from forward to backward stay so for the step's next
+        # micro-batches too (torch.distributed.pipelining's choice): once a step, not
+        # once a micro-batch. ZeRO-3's own setting frees them as before.
+        ddp.set_reshard_after_backward(ddp.reshard_after_forward)
         return
     ddp.sync_before_backward()
 
@@ -108,6 +112,7 @@ def arm(ddp, outputs) -> None:
     bucket (DDP) or unit by unit (FSDP)."""
     if is_fsdp(ddp):
         ddp.set_requires_gradient_sync(True)
+        ddp.set_reshard_after_backward(True)  # the last backward frees every unit
         return
     ddp.reducer.prepare_for_backward(outputs, True)
 
