@@ -37,32 +37,41 @@ class WeightGradSink:
         self.queue: list | None = None
 
 
+def _trained(p) -> bool:
+    return p is not None and p.requires_grad
+
+
 class Deferred:
-    """One layer's weight-gradient work for one micro-batch: ``run()`` accumulates it."""
+    """One Linear's weight gradients for one micro-batch: dW = dY^T X, db = sum dY.
 
-    __slots__ = ("fn", "params", "tensors")
+    ``tensors`` (X and dY) are what it keeps alive between B and W.
+    """
 
-    def __init__(self, fn, params, tensors):
-        self.fn, self.params, self.tensors = fn, params, tensors
+    __slots__ = ("params", "tensors")
+
+    def __init__(self, weight, bias, x, gy):
+        self.params, self.tensors = (weight, bias), (x, gy)
+
+    def _flat(self):
+        x, gy = self.tensors
+        return gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+
+    def grads(self) -> tuple:
+        """(dW, db), None for a parameter that is frozen or absent."""
+        g2, x2 = self._flat()
+        weight, bias = self.params
+        return (g2.t() @ x2 if _trained(weight) else None,
+                g2.sum(0) if _trained(bias) else None)
 
     def run(self) -> None:
-        for p, g in zip(self.params, self.fn()):
-            if p is None or g is None or not p.requires_grad:
-                continue  # a frozen parameter gets no .grad, as in autograd
+        """Add the gradients to ``.grad`` (a frozen parameter gets none, as in autograd)."""
+        for p, g in zip(self.params, self.grads()):
+            if g is None:
+                continue
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad.add_(g)
-
-
-def _now_or_later(ctx, fn, tensors):
-    """The weight gradients now (no queue: an unsplit backward) or None and queued."""
-    queue = ctx.sink.queue
-    if queue is None:
-        return fn()
-    if any(p is not None and p.requires_grad for p in ctx.params):  # else nothing to defer
-        queue.append(Deferred(fn, ctx.params, tensors))
-    return (None,) * len(ctx.params)
 
 
 class DeferredLinear(torch.autograd.Function):
@@ -80,32 +89,26 @@ class DeferredLinear(torch.autograd.Function):
     def backward(ctx, gy):
         x, w_saved = ctx.saved_tensors
         gx = gy @ w_saved if ctx.needs_input_grad[0] else None
-        has_bias = ctx.params[1] is not None
-
-        def weight_grads():
-            g2 = gy.reshape(-1, gy.shape[-1])
-            gw = g2.t() @ x.reshape(-1, x.shape[-1])
-            return gw, (g2.sum(0) if has_bias else None)
-        return (gx, *_now_or_later(ctx, weight_grads, (x, gy)), None)
+        item = Deferred(*ctx.params, x, gy)
+        queue = ctx.sink.queue
+        if queue is None:  # an unsplit backward: the weight gradients now
+            return (gx, *item.grads(), None)
+        if any(_trained(p) for p in ctx.params):  # else nothing to defer
+            queue.append(item)
+        return gx, None, None, None
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return DeferredLinear.apply(x, self.weight, self.bias, self._mpiring_wsink)
 
 
-def _splittable(m: nn.Module):
-    """The deferring forward for ``m``, or None where its weight gradient stays in B."""
-    return _linear if isinstance(m, nn.Linear) else None
-
-
 def install(module: nn.Module) -> WeightGradSink:
-    """Route every splittable layer in ``module`` through its deferring backward; the sink."""
+    """Route every ``nn.Linear`` in ``module`` through the deferring backward; the sink."""
     sink = WeightGradSink()
     for m in module.modules():
-        fwd = _splittable(m)
-        if fwd is not None:
+        if isinstance(m, nn.Linear):
             m._mpiring_wsink = sink
-            m.forward = types.MethodType(fwd, m)
+            m.forward = types.MethodType(_linear, m)
     return sink
 
 
@@ -120,13 +123,7 @@ class _WeightGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _):
-        item = ctx.item
-        grads = item.fn()
-        return (None, *(g for p, g in zip(item.params, grads) if _trained(p)))
-
-
-def _trained(p) -> bool:
-    return p is not None and p.requires_grad
+        return (None, *(g for g in ctx.item.grads() if g is not None))
 
 
 def run_through_autograd(queue: list[Deferred], touched: list[torch.Tensor]) -> None:
