@@ -65,13 +65,19 @@ class Deferred:
 
     def run(self) -> None:
         """Add the gradients to ``.grad`` (a frozen parameter gets none, as in autograd)."""
-        for p, g in zip(self.params, self.grads()):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
+        g2, x2 = self._flat()
+        weight, bias = self.params
+        if _trained(weight):
+            if weight.grad is None:
+                weight.grad = g2.t() @ x2
+            else:  # the GEMM adds into .grad: no dW to allocate, no second pass over it
+                weight.grad.addmm_(g2.t(), x2)
+        if _trained(bias):
+            db = g2.sum(0)
+            if bias.grad is None:
+                bias.grad = db
             else:
-                p.grad.add_(g)
+                bias.grad.add_(db)
 
 
 class DeferredLinear(torch.autograd.Function):
