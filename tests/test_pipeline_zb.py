@@ -141,3 +141,36 @@ def test_frozen_parameters_get_no_gradient_from_w(comm):
             assert p.grad is None, f"{name}: frozen, yet W gave it a gradient"
         else:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_a_linear_with_its_own_forward_is_not_split(comm):
+    # A subclass that changes forward (LoRA adds a low-rank path) must keep it: the
+    # deferring forward is F.linear alone. A subclass that keeps nn.Linear's is split.
+    class Lora(nn.Linear):
+        def __init__(self, n):
+            super().__init__(n, n)
+            self.a = nn.Parameter(torch.randn(2, n, dtype=torch.float64))
+            self.b = nn.Parameter(torch.randn(n, 2, dtype=torch.float64))
+
+        def forward(self, x):
+            return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+    class Plain(nn.Linear):
+        pass
+
+    torch.manual_seed(11)
+    ref = nn.Sequential(Lora(4), nn.Tanh(), Plain(4, 3)).double()
+    mod = copy.deepcopy(ref)
+    sink = split_backward.install(mod)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    (ref(x) ** 2).sum().backward()
+    sink.queue = queue = []
+    out = mod(x)
+    torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-14)
+    (out ** 2).sum().backward()
+    sink.queue = None
+    assert len(queue) == 1 and queue[0].params[0] is mod[2].weight
+    for item in queue:
+        item.run()
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)

@@ -109,10 +109,14 @@ def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def install(module: nn.Module) -> WeightGradSink:
-    """Route every ``nn.Linear`` in ``module`` through the deferring backward; the sink."""
+    """Route every ``nn.Linear`` in ``module`` through the deferring backward; the sink.
+
+    A subclass that defines its own forward (LoRA's, a quantised layer's) is left
+    as it is: the deferring forward computes ``F.linear`` and nothing else.
+    """
     sink = WeightGradSink()
     for m in module.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
             m._mpiring_wsink = sink
             m.forward = types.MethodType(_linear, m)
     return sink
