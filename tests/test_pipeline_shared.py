@@ -143,7 +143,7 @@ def test_a_larger_shape_takes_a_new_window_and_keeps_the_old_one_mapped(comm):
         assert kept[-1].shape[0] == rows // 2
         if k in (0, 2, 4):  # a layout was just made (the window reused at k = 4): every
             # flag reads 0, whatever the memory held (old data where a flag now sits)
-            assert all(int(flag[0]) == 0 for _, flag in t.shared._recv.values()), k
+            assert all(int(flag[0]) == 0 for _, flag, *_ in t.shared._recv.values()), k
     assert len(t.retired) == 1 and t.shared.window is not t.retired[0]  # 4 -> 8: a new one
     kept[0].sum()  # a tensor over the retired window is still mapped memory
     windows = [t.shared.window, *t.retired]

@@ -81,9 +81,9 @@ class SharedSlots:
     def __init__(self, comm, window, layouts: list[dict]):
         self.comm, self.window, self.layouts = comm, window, layouts
         mine = window.segments[comm.rank]
-        self._recv = {k: (_view(mine, off + ALIGN, shape, _dtype(dt)), _flag(mine, off))
+        self._recv = {k: _slot(mine, off, shape, dt)
                       for k, (off, shape, dt) in layouts[comm.rank].items()}
-        self._send: dict[tuple[str, int, int], tuple[torch.Tensor, np.ndarray]] = {}
+        self._send: dict[tuple[str, int, int], tuple] = {}
 
     @classmethod
     def create(cls, comm, incoming: dict, outgoing: dict,
@@ -118,7 +118,7 @@ class SharedSlots:
                 window.free()
             return None
         slots = cls(comm, window, layouts)
-        for _, flag in slots._recv.values():
+        for _, flag, _, _ in slots._recv.values():
             flag[0] = 0  # the window's memory is not zeroed: no step is numbered 0
         window.sync()
         comm.barrier()  # every flag cleared before any producer writes one
@@ -133,10 +133,9 @@ class SharedSlots:
         entry = self._send.get((channel, mb, peer))
         if entry is None:
             off, shape, dt = self.layouts[peer][_key(channel, mb)]
-            seg = self.window.segments[peer]
-            entry = self._send[(channel, mb, peer)] = (_view(seg, off + ALIGN, shape, _dtype(dt)),
-                                                       _flag(seg, off))
-        data, flag = entry
+            entry = self._send[(channel, mb, peer)] = _slot(self.window.segments[peer], off,
+                                                            shape, dt)
+        data, flag, nbytes, dt = entry
         if t.shape != data.shape or t.dtype != data.dtype:  # copy_ would cast or broadcast
             raise ValueError(f"got {t.dtype} of shape {tuple(t.shape)}, the slot holds "
                              f"{data.dtype} of shape {tuple(data.shape)}")
@@ -144,33 +143,30 @@ class SharedSlots:
         data.copy_(t)
         self.window.sync()  # the data before the flag, on every memory model
         flag[0] = step
-        self._record("send", peer, tag, data, t0)
+        self.comm.record_message("send", peer, tag, nbytes, dt, t0, "shared")
 
     def arrival(self, channel: str, mb: int, peer: int, step: int, tag: int) -> Arrival:
-        data, flag = self._recv[_key(channel, mb)]
-        return Arrival(self, data, flag, peer, step, tag, _key(channel, mb))
-
-    def _record(self, op: str, peer: int, tag: int, data: torch.Tensor, t0: float) -> None:
-        self.comm.record_message(op, peer, tag, data.nelement() * data.element_size(),
-                                 _dtype_name(data.dtype), t0, "shared")
+        return Arrival(self, self._recv[_key(channel, mb)], peer, step, tag, _key(channel, mb))
 
 
 class Arrival:
     """A message into a shared slot, as a request: ``test()`` reads the flag, ``wait()``
     waits under the communicator's deadline."""
 
-    __slots__ = ("_slots", "_data", "_flag", "_peer", "_step", "_tag", "_name", "_t0", "_done")
+    __slots__ = ("_slots", "_slot", "_flag", "_peer", "_step", "_tag", "_name", "_t0", "_done")
 
-    def __init__(self, slots, data, flag, peer, step, tag, name):
-        self._slots, self._data, self._flag, self._peer = slots, data, flag, peer
+    def __init__(self, slots, slot, peer, step, tag, name):
+        self._slots, self._slot, self._flag, self._peer = slots, slot, slot[1], peer
         self._step, self._tag, self._name = step, tag, name
         self._t0, self._done = clock(), False
 
     def test(self) -> bool:
         if not self._done and self._flag[0] == self._step:
-            self._slots.window.sync()  # the flag before the data
+            slots = self._slots
+            slots.window.sync()  # the flag before the data
             self._done = True
-            self._slots._record("recv", self._peer, self._tag, self._data, self._t0)
+            _, _, nbytes, dt = self._slot
+            slots.comm.record_message("recv", self._peer, self._tag, nbytes, dt, self._t0, "shared")
         return self._done
 
     def wait(self) -> torch.Tensor:
@@ -178,7 +174,16 @@ class Arrival:
             self._slots.comm.wait_until(
                 self.test, f"Wait(shared slot {self._name} from r{self._peer}, step "
                            f"{self._step})", self._peer)
-        return self._data
+        return self._slot[0]
+
+
+def _slot(segment: np.ndarray, offset: int, shape, dtype_name: str) -> tuple:
+    """(data view, flag, data bytes, dtype name) of the slot at ``offset``: what a send or
+    an arrival needs each step, worked out once (right after a compute action every
+    lookup runs cold)."""
+    dtype = _dtype(dtype_name)
+    return (_view(segment, offset + ALIGN, shape, dtype), _flag(segment, offset),
+            _nbytes(shape, dtype), dtype_name)
 
 
 def _flag(segment: np.ndarray, offset: int) -> np.ndarray:
