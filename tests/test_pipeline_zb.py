@@ -55,6 +55,9 @@ def test_zero_bubble_gpt_matches_unsplit_model(comm, m):
         theirs_all = list(nn.Sequential(*parts[lo:hi]).parameters())
         for (name, mine), theirs in zip(module.named_parameters(), theirs_all, strict=True):
             assert mine.grad is not None, name
+            # W's GEMM on an X that requires grad must not leave a graph (holding every
+            # micro-batch's dY) on .grad.
+            assert mine.grad.grad_fn is None, f"{name}.grad has a graph: {mine.grad.grad_fn}"
             torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-12, msg=name)
     assert stage.live_bytes == 0
 
@@ -174,3 +177,4 @@ def test_a_linear_with_its_own_forward_is_not_split(comm):
         item.run()
     for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+

@@ -63,6 +63,7 @@ class Deferred:
         return (g2.t() @ x2 if _trained(weight) else None,
                 g2.sum(0) if _trained(bias) else None)
 
+    @torch.no_grad()  # X requires grad: a GEMM on it would hang dY's graph on .grad
     def run(self) -> None:
         """Add the gradients to ``.grad`` (a frozen parameter gets none, as in autograd)."""
         g2, x2 = self._flat()
