@@ -178,3 +178,24 @@ def test_a_linear_with_its_own_forward_is_not_split(comm):
     for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
 
+
+def test_a_parametrized_linear_is_not_split(comm):
+    # weight_norm computes the weight from two parameters: W writing .grad onto the
+    # computed weight would leave the parameters without a gradient.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(13)
+    ref = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)).double()
+    mod = copy.deepcopy(ref)
+    sink = split_backward.install(mod)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    (ref(x) ** 2).sum().backward()
+    sink.queue = queue = []
+    (mod(x) ** 2).sum().backward()
+    sink.queue = None
+    assert [item.params[0] for item in queue] == [mod[2].weight]
+    for item in queue:
+        item.run()
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)

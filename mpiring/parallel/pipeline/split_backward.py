@@ -109,15 +109,24 @@ def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return DeferredLinear.apply(x, self.weight, self.bias, self._mpiring_wsink)
 
 
+def _plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is F.linear on its own parameter: nn.Linear's
+    forward, not overridden on the class or the instance, and a weight that is a
+    Parameter (weight_norm's is computed from two: W would write .grad onto it)."""
+    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+            and "forward" not in vars(m) and isinstance(m.weight, nn.Parameter))
+
+
 def install(module: nn.Module) -> WeightGradSink:
     """Route every ``nn.Linear`` in ``module`` through the deferring backward; the sink.
 
-    A subclass that defines its own forward (LoRA's, a quantised layer's) is left
-    as it is: the deferring forward computes ``F.linear`` and nothing else.
+    A subclass that defines its own forward (LoRA's, a quantised layer's), or a
+    parametrized Linear, is left as it is: the deferring forward computes
+    ``F.linear`` on the module's own weight and nothing else.
     """
     sink = WeightGradSink()
     for m in module.modules():
-        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+        if _plain_linear(m):
             m._mpiring_wsink = sink
             m.forward = types.MethodType(_linear, m)
     return sink
