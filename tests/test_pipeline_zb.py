@@ -7,10 +7,12 @@ layers run torch's own kernels, so the gradients agree to rounding.
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from mpiring.core.chunking import chunk_bounds
 from mpiring.parallel.pipeline import PipelineStage, ScheduleZeroBubble, split_backward
@@ -121,6 +123,30 @@ def test_split_layer_variants(comm, layer):
         torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-12, atol=1e-14)
 
 
+def _split_and_compare(ref: nn.Module, x: torch.Tensor) -> tuple[list, nn.Module]:
+    """Backward of sum(ref(x)^2) on ref and on a split copy (B, then its queue's W); the
+    copy's output and every .grad must equal ref's (None where ref's is). Returns the
+    weights W deferred, and the copy."""
+    mod = copy.deepcopy(ref)
+    sink = split_backward.install(mod)
+    (ref(x) ** 2).sum().backward()
+    sink.queue = queue = []
+    out = mod(x)
+    torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-14)
+    (out ** 2).sum().backward()
+    sink.queue = None
+    held = list(queue)
+    for item in queue:
+        item.run()
+    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None, f"{name}: frozen, yet W gave it a gradient"
+        else:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+    return [item.params[0] for item in held], mod
+
+
 def test_frozen_parameters_get_no_gradient_from_w(comm):
     # A frozen layer (LoRA's base weights, a frozen embedding) must end B and W
     # without a .grad, as it would under plain autograd; the trainable one gets its.
@@ -129,21 +155,8 @@ def test_frozen_parameters_get_no_gradient_from_w(comm):
     # Frozen after a trainable layer, so their backward runs (for the input's gradient).
     for p in list(ref[1].parameters()) + list(ref[2].parameters()):
         p.requires_grad_(False)
-    mod = copy.deepcopy(ref)
-    sink = split_backward.install(mod)
-    x = torch.randn(4, 6, dtype=torch.float64)
-    (ref(x) ** 2).sum().backward()
-    sink.queue = queue = []
-    (mod(x) ** 2).sum().backward()
-    sink.queue = None
-    assert len(queue) == 1, "only the trainable layer has weight-gradient work to defer"
-    for item in queue:
-        item.run()
-    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
-        if q.grad is None:
-            assert p.grad is None, f"{name}: frozen, yet W gave it a gradient"
-        else:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+    deferred, _ = _split_and_compare(ref, torch.randn(4, 6, dtype=torch.float64))
+    assert len(deferred) == 1, "only the trainable layer has weight-gradient work to defer"
 
 
 def test_a_linear_with_its_own_forward_is_not_split(comm):
@@ -162,21 +175,11 @@ def test_a_linear_with_its_own_forward_is_not_split(comm):
         pass
 
     torch.manual_seed(11)
-    ref = nn.Sequential(Lora(4), nn.Tanh(), Plain(4, 3)).double()
-    mod = copy.deepcopy(ref)
-    sink = split_backward.install(mod)
-    x = torch.randn(5, 4, dtype=torch.float64)
-    (ref(x) ** 2).sum().backward()
-    sink.queue = queue = []
-    out = mod(x)
-    torch.testing.assert_close(out, ref(x), rtol=1e-12, atol=1e-14)
-    (out ** 2).sum().backward()
-    sink.queue = None
-    assert len(queue) == 1 and queue[0].params[0] is mod[2].weight
-    for item in queue:
-        item.run()
-    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+    ref = nn.Sequential(Lora(4), nn.Tanh(), Plain(4, 3), nn.Tanh(), nn.Linear(3, 3)).double()
+    own = ref[4]  # a forward set on the instance (a hook library's way) is kept too
+    own.forward = types.MethodType(lambda self, x: F.linear(x, self.weight, self.bias) * 2, own)
+    deferred, mod = _split_and_compare(ref, torch.randn(5, 4, dtype=torch.float64))
+    assert len(deferred) == 1 and deferred[0] is mod[2].weight
 
 
 def test_a_parametrized_linear_is_not_split(comm):
@@ -186,16 +189,5 @@ def test_a_parametrized_linear_is_not_split(comm):
 
     torch.manual_seed(13)
     ref = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)).double()
-    mod = copy.deepcopy(ref)
-    sink = split_backward.install(mod)
-    x = torch.randn(5, 4, dtype=torch.float64)
-    (ref(x) ** 2).sum().backward()
-    sink.queue = queue = []
-    (mod(x) ** 2).sum().backward()
-    sink.queue = None
-    assert [item.params[0] for item in queue] == [mod[2].weight]
-    for item in queue:
-        item.run()
-    for (name, p), q in zip(mod.named_parameters(), ref.parameters()):
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+    deferred, mod = _split_and_compare(ref, torch.randn(5, 4, dtype=torch.float64))
+    assert len(deferred) == 1 and deferred[0] is mod[2].weight
