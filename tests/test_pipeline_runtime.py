@@ -341,6 +341,15 @@ def test_sends_posted_by_the_action_that_makes_them(comm):
             torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_a_program_count_that_does_not_fit_the_stages_is_refused(comm):
+    if comm.size < 2:
+        pytest.skip("needs 2 stages or more")
+    stage = PipelineStage(mlp(), comm.rank, comm.size, comm)
+    with pytest.raises(ValueError, match=f"actions holds {comm.size - 1} programs for "
+                                         f"{comm.size} stages: give one per stage"):
+        PipelineSchedule(stage, 2, mse, actions=build("1f1b", comm.size - 1, 2))
+
+
 def test_activation_memory_of_each_schedule(comm):
     """The counted peaks follow the schedules' memory models, per stage (A: one
     micro-batch's activations): GPipe m A, 1F1B min(p - i, m) A, GPipe with

@@ -80,6 +80,9 @@ class PipelineSchedule:
             raise ValueError(f"{type(self).__name__}: the ranks built different schedules "
                              f"(name, n_microbatches: {[row[:2] for row in table]}); build the "
                              "same one on every rank")
+        if len(actions) != stage.num_stages:  # the same list on every rank (checked above)
+            raise ValueError(f"{type(self).__name__}: actions holds {len(actions)} programs for "
+                             f"{stage.num_stages} stages: give one per stage")
         if not table[-1][3]:
             raise ValueError(f"{type(self).__name__}: give loss_fn on the last stage")
         if any(row[4] for row in table) and not self.allows_ddp:
@@ -87,9 +90,9 @@ class PipelineSchedule:
                              "micro-batch, so its replicas would need a reduction per micro-batch: "
                              "give it unwrapped stages (no DistributedDataParallel), or use "
                              "Schedule1F1B or ScheduleZeroBubble with data parallelism")
+        self.simulated = check(actions, n_microbatches)  # ScheduleError on every rank alike
         if any(row[5] and any(a.kind == W for a in actions[r]) for r, row in enumerate(table)):
             raise ValueError(f"{type(self).__name__}: {data_parallel.FSDP_SPLIT}")
-        self.simulated = check(actions, n_microbatches)  # ScheduleError on every rank alike
         self.actions = actions
         self._groups = groups(actions[stage.stage_index])
         self._eager = _eager_sends(actions[stage.stage_index])
