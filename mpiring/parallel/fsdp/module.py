@@ -66,7 +66,8 @@ class FullyShardedDataParallel(nn.Module):
             forward and gather them again for backward (ZeRO-3, 1.5x DDP's
             bytes on the wire), or keep them until backward (DDP's bytes, more
             memory; under a pipeline, until the step's last backward: one
-            gather a step). The root unit, and from the second forward on the
+            gather a step, except after a ``no_grad`` forward, which frees
+            the unit as always). The root unit, and from the second forward on the
             last unit run, always stay until their backward (it comes next).
         mixed_precision: None, a dtype, or a ``MixedPrecision``.
         algo: the ring algorithm for AllGather and ReduceScatter ("ring-seg"

@@ -18,14 +18,15 @@ backward still runs (``overlap``) and the step ends with every ``.grad`` the
 mean over the replicas of the gradient of the mean micro-batch loss.
 
 Zero bubble splits the backward: W writes the Linear weights' ``.grad``
-directly (``split_backward``), outside autograd, so DDP's post-accumulate hooks
-never fire for them, and the last W's come after the last B. So the stage's
+directly (``split_backward``), outside autograd, after a B in which autograd
+saw no weight gradient for them (their hooks, if they fire, find no gradient;
+the reducer is never armed in such a B), and the last W's come after the last B. So the stage's
 last W runs through autograd instead (``reduce_in_w``): each deferred layer's
 weight gradient is the backward of a node of its own, AccumulateGrad adds it
 to ``.grad`` and fires the hook, and the buckets go out while the remaining
 layers' W still runs, as they do in 1F1B's last B. The parameters whose
 gradients came in B (LayerNorm, embeddings) join that pass with a zero
-gradient. A hand-written program whose last B comes after its last W reduces
+gradient, so one that no micro-batch used ends with zeros, not an error. A hand-written program whose last B comes after its last W reduces
 after the stage's last action (``reduce_now``), without overlap.
 
 FSDP on the data axis (``FullyShardedDataParallel`` over ``grid.dp`` as the
