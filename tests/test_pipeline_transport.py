@@ -76,3 +76,9 @@ def test_a_changed_shape_names_renegotiate(comm):
         with pytest.raises(ValueError, match=r"0SEND_F3: this micro-batch's tensor is not the "
                                              r"shape agreed .* sched.transport.renegotiate\(\)"):
             t.send(a, torch.zeros(3, 4), [])
+        # The same number of elements in another shape: the bytes alone would fit the
+        # receiver's buffer, so the agreed shape itself is compared.
+        t.sent[(a.channel, a.mb)] = (1, (2, 4), torch.float32)
+        for other in (torch.zeros(4, 2), torch.zeros(2, 4, dtype=torch.int32)):
+            with pytest.raises(ValueError, match=r"agreed torch.float32 of shape \(2, 4\)"):
+                t.send(a, other, [])

@@ -263,7 +263,14 @@ class Transport:
         tag = TAG_ACT if a.kind == SEND_F else TAG_GRAD
         if self.fresh:
             self.sent[(a.channel, a.mb)] = (a.peer, tuple(t.shape), t.dtype)
-        elif self.shared_on:
+        elif (agreed := self.sent.get((a.channel, a.mb))) is not None and (
+                t.shape != agreed[1] or t.dtype != agreed[2]):
+            # The unchecked messages carry bytes only: a new shape of the same size
+            # would land in the old one's buffer, reinterpreted, without an error.
+            raise self._changed(a, ValueError(
+                f"got {t.dtype} of shape {tuple(t.shape)}, agreed {agreed[2]} of shape "
+                f"{agreed[1]}"))
+        if self.shared_on:
             try:
                 self.shared.send(a.channel, a.mb, a.peer, t, self.steps, tag)
             except ValueError as exc:
