@@ -98,6 +98,65 @@ def test_schedule_matches_unsplit_model(comm, name, m):
     assert stage.peak_activation_bytes > 0  # ... after they were counted
 
 
+class _Binarize(nn.Module):
+    """A stage boundary without a gradient: its output is integers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return (self.lin(x) > 0).long()
+
+
+class _Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+@pytest.mark.parametrize("case", ["frozen-first", "integer-boundary", "input-grad"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_stages_that_pass_no_gradient_back(comm, case, name):
+    # A frozen first stage (its output needs no gradient), an integer boundary (the
+    # stage after cannot give one: it sends zeros), and a first-stage input that
+    # requires grad (x.grad must come back, with recomputation too).
+    if case == "integer-boundary":
+        if comm.size != 2:
+            pytest.skip("a two-stage model")
+        torch.manual_seed(4)
+        full = nn.Sequential(_Binarize(), _Embed()).double()
+    else:
+        full = mlp()
+        if case == "frozen-first":
+            if comm.size == 1:
+                pytest.skip("the whole model would be frozen")
+            lo0, hi0 = bounds(len(full), comm.size)[0]
+            full[lo0:hi0].requires_grad_(False)  # the first stage's output needs no gradient
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = SCHEDULES[name](stage, 4, mse)
+    for salt in (0, 1):
+        x, y = data(salt)
+        xr, xm = x.clone().requires_grad_(case == "input-grad"), x.clone()
+        reference(full, xr, y, 4, mse)
+        xm.requires_grad_(case == "input-grad")
+        part.zero_grad(set_to_none=True)
+        sched.step(xm if stage.is_first else None, target=y if stage.is_last else None)
+        for (n, p_stage), p_full in zip(part.named_parameters(), full[lo:hi].parameters()):
+            if p_full.grad is None:
+                assert p_stage.grad is None, n
+            else:
+                torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12,
+                                           msg=n)
+        if case == "input-grad" and stage.is_first:
+            torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_gpt_with_tied_embedding(comm):
     cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=2, n_heads=2)
     torch.manual_seed(3)

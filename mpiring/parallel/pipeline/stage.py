@@ -169,7 +169,8 @@ class PipelineStage:
         """
         inp, out = self._inp.pop(mb), self._out.pop(mb)
         if mb in self._rng:  # recompute: the forward again, with the same random numbers
-            inp = inp.detach().requires_grad_(inp.requires_grad)
+            if not self.is_first:  # a received leaf; the first stage's input is the user's
+                inp = inp.detach().requires_grad_(inp.requires_grad)
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(self._rng.pop(mb))
                 loss_fn, target, scale = self._loss_args.pop(mb)
@@ -185,7 +186,10 @@ class PipelineStage:
         if sync and self.ddp is not None:
             data_parallel.arm(self.ddp, out)
         try:
-            torch.autograd.backward(out, None if self.is_last else grad)
+            # An output that needs no gradient (a frozen first stage, an integer output)
+            # has no backward: nothing before it learns.
+            if out.requires_grad:
+                torch.autograd.backward(out, None if self.is_last else grad)
         finally:
             if self._sink is not None:
                 self._sink.queue = None
@@ -193,7 +197,11 @@ class PipelineStage:
         if split and self.count_activations:  # autograd freed the graph; W's X and dY stay
             self._held[mb] = split_backward.held_bytes(self._wq.get(mb, []))
             self._grow(self._held[mb])
-        return None if self.is_first else inp.grad
+        if self.is_first:
+            return None
+        # An input the stage did not use, or one that takes no gradient (integers): the
+        # stage before still waits for a gradient, which is zero.
+        return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
     def weight(self, mb: int, *, sync: bool = False) -> None:
         """Micro-batch ``mb``'s deferred weight gradients (the W action).
