@@ -263,6 +263,51 @@ def test_bad_arguments_raise_on_every_rank(comm):
     with pytest.raises(ValueError, match="stage_index=comm.rank"):
         PipelineStage(nn.Identity(), (comm.rank + 1) % comm.size if comm.size > 1 else 1,
                       comm.size, comm)
+    deep = torch.zeros((ROWS,) + (1,) * 8, dtype=torch.float64)  # 9 dimensions
+    with pytest.raises(ValueError, match="x has 9 dimensions; the first stage's input may have "
+                                         "up to 8"):
+        sched.step(deep if stage.is_first else None, target=y if stage.is_last else None)
+
+
+def test_a_stage_that_computes_its_own_loss_returns_the_losses(comm):
+    # The last stage's output is its micro-batch's loss (0-dim): the merged output is
+    # the m losses stacked (torch.cat cannot join 0-dim tensors).
+    full = mlp()
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    body = (lambda o: o.pow(2).mean()) if comm.rank == comm.size - 1 else (lambda o: o)
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.part = part
+
+        def forward(self, x):
+            return body(self.part(x))
+
+    stage = PipelineStage(Stage(), comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 4, lambda out, target: out)
+    x, y = data()
+    out = sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    if stage.is_last:
+        want = torch.stack([full(a).pow(2).mean() for a in torch.tensor_split(x, 4)])
+        torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_stage_that_returns_a_tuple_is_told_to_pack_it(comm):
+    if comm.size > 1:
+        pytest.skip("one stage: the others would wait for it until the deadline")
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x * 2
+
+    stage = PipelineStage(Pair(), 0, 1, comm)
+    sched = Schedule1F1B(stage, 2, lambda out, t: (out[0] - t[:, :1]).pow(2).mean())
+    x, y = data()
+    with pytest.raises(RuntimeError, match="returned a tuple: a stage hands one tensor to the "
+                                           "next .* torch.cat or torch.stack"):
+        sched.step(x, target=y)
 
 
 def _failing_pipeline(rank0_subprocess, ranks: int, timeout: int, layer: str, steps: int):

@@ -173,7 +173,13 @@ class PipelineSchedule:
         self._reduce_tied()
         if losses is not None and st.is_last:
             losses.extend(self._losses[k] for k in range(m))
-        return torch.cat([self._outs[k] for k in range(m)]) if st.is_last else None
+        outs = [self._outs[k] for k in range(m)] if st.is_last else []
+        # Nothing of this step kept past it but what is returned (the last stage's
+        # outputs would be held twice, beside the merged copy, until the next step).
+        self._outs, self._losses, self._xs, self._ts = {}, {}, None, None
+        if not outs:
+            return None
+        return torch.stack(outs) if outs[0].dim() == 0 else torch.cat(outs)  # 0-dim: a loss
 
     def close(self) -> None:
         """Collective: free what the schedule holds between steps (the shared-memory window
@@ -210,6 +216,10 @@ class PipelineSchedule:
             out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
                                    target=self._ts[a.mb] if st.is_last else None,
                                    loss_fn=self.loss_fn, scale=self.scale)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"the stage's forward returned a {type(out).__name__}: a stage "
+                                "hands one tensor to the next (and to loss_fn); put several "
+                                "into one with torch.cat or torch.stack")
             if st.is_last:
                 self._outs[a.mb], self._losses[a.mb] = out.detach(), loss.detach()
             else:
@@ -296,6 +306,9 @@ def _arg_error(st: PipelineStage, m: int, x, target, losses) -> str:
     if st.is_first:
         if (e := rows("x", x)):
             return f"stage 0: {e}"
+        if x.dim() > MAX_DIMS:  # its shape is part of the step's agreement, a fixed row
+            return (f"stage 0: x has {x.dim()} dimensions; the first stage's input may have up "
+                    f"to {MAX_DIMS}: fold some into one (x.flatten(1, 2), say)")
     elif x is not None:
         return f"stage {st.stage_index}: x is given, but only the first stage takes the input"
     if st.is_last:
