@@ -269,6 +269,28 @@ def test_bad_arguments_raise_on_every_rank(comm):
         sched.step(deep if stage.is_first else None, target=y if stage.is_last else None)
 
 
+@pytest.mark.parametrize("bad", ["shape", "dtype", "foreign"])
+def test_tied_parameters_that_do_not_match_are_refused_on_every_rank(comm, bad):
+    if comm.size < 2:
+        pytest.skip("the tie joins the first and the last stage")
+    ends = comm.rank in (0, comm.size - 1)
+    part = nn.Linear(4, 4).double()
+    tied = [part.weight] if ends else []
+    if comm.rank == comm.size - 1:
+        if bad in ("shape", "dtype"):
+            part = nn.Linear(4, 3).double() if bad == "shape" else nn.Linear(4, 4).float()
+            tied = [part.weight]
+        else:
+            tied = [nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))]  # not part's
+    want = {"shape": r"tied_parameters differ: first stage \[\[4, 4, 'torch.float64'\]\], "
+                     r"last stage \[\[3, 4, 'torch.float64'\]\]",
+            "dtype": r"last stage \[\[4, 4, 'torch.float32'\]\]",
+            "foreign": f"r{comm.size - 1} gave 1 tied parameter\\(s\\) that are not "
+                       "parameters of its submodule"}[bad]
+    with pytest.raises(ValueError, match=want):
+        PipelineStage(part, comm.rank, comm.size, comm, tied_parameters=tied)
+
+
 def test_a_stage_that_computes_its_own_loss_returns_the_losses(comm):
     # The last stage's output is its micro-batch's loss (0-dim): the merged output is
     # the m losses stacked (torch.cat cannot join 0-dim tensors).

@@ -56,8 +56,10 @@ class PipelineStage:
                  tied_parameters: list[nn.Parameter] | None = None,
                  count_activations: bool = False):
         tied = list(tied_parameters or [])
+        own = {id(p) for p in submodule.parameters()}
         mine = {"stage": stage_index, "stages": num_stages,
-                "tied": [list(p.shape) for p in tied]}
+                "tied": [[*p.shape, str(p.dtype)] for p in tied],
+                "foreign": sum(id(p) not in own for p in tied)}
         table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
         _check_layout(table, comm.size)
         # DDP only reduces: running its forward would arm the reducer for every
@@ -235,7 +237,11 @@ def _check_layout(table: list[dict], size: int) -> None:
             errors.append(f"r{r} gave stage_index={row['stage']}")
     if size > 1 and table[0]["tied"] != table[-1]["tied"]:
         errors.append(f"tied_parameters differ: first stage {table[0]['tied']}, last stage "
-                      f"{table[-1]['tied']}")
+                      f"{table[-1]['tied']} (shapes, then dtype)")
+    for r, row in enumerate(table):
+        if row["foreign"]:
+            errors.append(f"r{r} gave {row['foreign']} tied parameter(s) that are not "
+                          "parameters of its submodule")
     for r, row in enumerate(table[1:-1], start=1):
         if row["tied"]:
             errors.append(f"r{r} is neither the first nor the last stage but gave tied_parameters")
