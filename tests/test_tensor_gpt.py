@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 from test_tensor_parallel import TIGHT, tp  # noqa: F401  (the tp fixture: K1..K4, world)
 
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
@@ -132,3 +133,24 @@ def test_train_refuses_a_tp_that_does_not_divide(world):
                  val_data=data)
     with pytest.raises(ValueError, match="mode ddp or naive"):
         TrainConfig(tp=2, mode="ps").validate()
+
+
+def test_each_block_draws_its_own_masks_whatever_the_pipeline_split(tp):  # noqa: F811
+    # One stream for the whole model gave every pipeline stage's first block stage 0's
+    # first masks (each rank builds the model from one seed). Per-block streams: the
+    # blocks' masks differ, and a block draws the same masks alone as after the others.
+    cfg = CFG.with_(dropout=0.5, n_layers=3)
+
+    def masks(model, blocks):
+        out = []
+        for i in blocks:
+            with model.blocks[i].streams.fork("tensor"):
+                out.append(F.dropout(torch.ones(32, dtype=torch.float64), 0.5))
+        return out
+
+    torch.manual_seed(7)
+    full = GPT(cfg)
+    every = masks(TensorParallelGPT.from_full(full, tp, seed=11), range(3))
+    assert not any(torch.equal(every[i], every[j]) for i in range(3) for j in range(i))
+    alone = masks(TensorParallelGPT.from_full(full, tp, seed=11), [2])  # a stage of block 2
+    assert torch.equal(alone[0], every[2])

@@ -57,6 +57,11 @@ class _Replicated(nn.Module):
         return F.layer_norm(x, self.shape, w, b, self.eps)
 
 
+#: Seed distance between two blocks' streams: a prime above the tensor stream's offset
+#: plus any tensor-parallel rank, so no block's stream starts where another's does.
+BLOCK_SEED_STRIDE = 10007
+
+
 class TensorParallelBlock(nn.Module):
     """One pre-norm block with its heads and MLP columns split over ``comm``."""
 
@@ -105,7 +110,8 @@ class TensorParallelGPT(nn.Module):
         sequence_parallel: Korthikanti et al.'s sequence parallelism.
         hidden_dropout: dropout after each residual branch (Megatron's; the
             project's GPT has none, so 0 keeps the two models equal).
-        seed: the dropout streams' shared seed.
+        seed: the dropout streams' shared seed (block i's streams start from
+            ``seed + BLOCK_SEED_STRIDE * i``).
         algo: the collectives' algorithm.
         full: the full model to slice (default: drawn from torch's generator).
 
@@ -120,13 +126,17 @@ class TensorParallelGPT(nn.Module):
         super().__init__()
         full = GPT(cfg) if full is None else full
         self.cfg, self.comm, self.algo, self.sp = full.cfg, comm, algo, sequence_parallel
-        self.streams = RNGStreams(seed, comm.rank)
         self.tok = VocabParallelEmbedding.from_full(full.tok, comm, sequence_parallel=sequence_parallel,
                                                     algo=algo)
         self.pos = nn.Embedding.from_pretrained(full.pos.weight.detach().clone(), freeze=False)
+        # Streams of its own per block, from the block's index: one stream for the
+        # whole model would hand each pipeline stage's first block the masks of stage
+        # 0's first block (every rank builds the model from the same seed), and the
+        # masks would change with the pipeline split.
         self.blocks = nn.ModuleList(
-            TensorParallelBlock(b, self.cfg, comm, sequence_parallel, algo, self.streams,
-                                hidden_dropout) for b in full.blocks)
+            TensorParallelBlock(b, self.cfg, comm, sequence_parallel, algo,
+                                RNGStreams(seed + BLOCK_SEED_STRIDE * i, comm.rank),
+                                hidden_dropout) for i, b in enumerate(full.blocks))
         self.ln_f = _Replicated(full.ln_f, comm, sequence_parallel, algo)
 
     @classmethod
