@@ -230,6 +230,17 @@ def test_vocab_parallel_embedding_equals_embedding(tp, seq, vocab, sequence):
     close(layer.weight.grad, layer.shard("weight", ref.weight.grad), "this rank's rows' gradient")
 
 
+@pytest.mark.parametrize("bad", [-1, 37])
+def test_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary(tp, bad):
+    # nn.Embedding raises; without the check, no rank owns the id and it comes back
+    # a zero vector.
+    layer = VocabParallelEmbedding(37, 6, tp)
+    ids = torch.tensor([[0, 5], [bad, 36]])
+    with pytest.raises(IndexError, match=r"outside \[0, 37\): pass token ids of the full"):
+        layer(ids)
+    assert layer(torch.zeros(0, 2, dtype=torch.long)).shape == (0, 2, 6)  # empty: nothing to check
+
+
 @pytest.mark.parametrize("vocab", [37, 3])
 @pytest.mark.parametrize("scale", [1.0, 1000.0], ids=["unit", "x1000"])
 def test_vocab_parallel_cross_entropy_equals_cross_entropy(tp, vocab, scale):
