@@ -278,6 +278,22 @@ def test_mixed_precision_computes_in_bfloat16(comm, reduce_dtype):
     model.close()
 
 
+def test_the_plain_state_dict_is_refused_with_the_fix(comm):
+    # nn.Module's state_dict would hold this rank's flat shards: a checkpoint of it,
+    # loaded on every rank, gives each rank rank 0's slices without an error.
+    from mpiring.parallel import checkpoint as ck
+
+    model = FullyShardedDataParallel(make_model(), comm)
+    fix = r"full_state_dict\(\) on every rank .* load_full_state_dict\(\)"
+    with pytest.raises(RuntimeError, match="FullyShardedDataParallel.state_dict\\(\\): .*" + fix):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="load_state_dict\\(\\): .*" + fix):
+        model.load_state_dict({})
+    with pytest.raises(RuntimeError, match=fix):
+        ck.training_state(1, model, None)
+    model.close()
+
+
 def test_full_state_dict_keys_and_tied_weights(comm):
     from mpiring.tools.models.gpt import GPT, PRESETS
 

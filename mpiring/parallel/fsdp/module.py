@@ -42,6 +42,13 @@ from mpiring.parallel.fsdp.runner import CommRunner
 from mpiring.parallel.fsdp.unit import Unit
 from mpiring.parallel.fsdp.wrap import Policy, assign_parameters, choose_units
 
+#: Why FullyShardedDataParallel has no plain state_dict, and what to call instead.
+_WHOLE_STATE = ("FullyShardedDataParallel.{what}: a rank holds only its shards of the "
+                "parameters. Save with full_state_dict() on every rank (a collective; save "
+                "it from one), load with load_full_state_dict() on every rank, and for the "
+                "optimizer full_optim_state_dict(model, opt) / load_full_optim_state_dict "
+                "(mpiring.parallel.fsdp)")
+
 #: The collectives' default algorithm: the segmented ring bounds the receive
 #: buffer to a few segments whatever the unit's size.
 DEFAULT_ALGO = "ring-seg"
@@ -309,6 +316,15 @@ class FullyShardedDataParallel(nn.Module):
             for g in grads:
                 g.detach().mul_(coef)
         return torch.tensor(total, dtype=torch.float64)
+
+    def state_dict(self, *args, **kwargs):
+        """Refused: nn.Module's would hold this rank's flat shards only, under names of
+        their own, and loading it on every rank would give each rank rank r's slices."""
+        raise RuntimeError(_WHOLE_STATE.format(what="state_dict()"))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Refused, as ``state_dict`` (see there)."""
+        raise RuntimeError(_WHOLE_STATE.format(what="load_state_dict()"))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped model's ``state_dict`` (same keys), on every rank (collective)."""
