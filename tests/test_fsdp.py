@@ -278,6 +278,29 @@ def test_mixed_precision_computes_in_bfloat16(comm, reduce_dtype):
     model.close()
 
 
+def test_a_forward_without_backward_does_not_keep_old_parameters(comm):
+    # The root and the last unit stay gathered after a forward with grad on (no
+    # backward came to free them); new shard values (a step, a load) must be gathered.
+    model, ref = FullyShardedDataParallel(make_model(), comm), make_model()
+    x, y = batch(0)
+    loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+    loss_fn(ref, x, y).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model(mine(x, comm))  # a metric without no_grad: no backward follows
+    opt.step()
+    ref_opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(mine(x, comm)), ref(mine(x, comm)), rtol=1e-12, atol=1e-12)
+    model(mine(x, comm))
+    other = make_model(seed=1)
+    model.load_full_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(mine(x, comm)), other(mine(x, comm)), rtol=1e-12,
+                                   atol=1e-12)
+    model.close()
+
+
 def test_the_plain_state_dict_is_refused_with_the_fix(comm):
     # nn.Module's state_dict would hold this rank's flat shards: a checkpoint of it,
     # loaded on every rank, gives each rank rank 0's slices without an error.

@@ -66,6 +66,7 @@ class Unit:
         self.reduced = False               # its gradient was handed over in this backward
         self.acc: torch.Tensor | None = None  # full gradient kept under no_sync
         self._gather = None
+        self._shard_version = -1
         self._hook = flat.full.register_post_accumulate_grad_hook(self._post_backward)
 
     # --- parameters: gather and free ----------------------------------------------
@@ -73,6 +74,7 @@ class Unit:
         """Queue the AllGather of the full parameters (no-op unless SHARDED)."""
         if self.status != SHARDED:
             return
+        self._shard_version = self.flat.shard._version  # what ``full`` will hold
         if not self.flat.allocated:
             self.owner._count(self.flat.numel * self.flat.full.element_size())
         self.flat.alloc()
@@ -104,6 +106,11 @@ class Unit:
 
     # --- hooks ------------------------------------------------------------------------
     def pre_forward(self) -> None:
+        if (self.status != SHARDED and not self.owner._in_backward
+                and self.flat.shard._version != self._shard_version):
+            # Kept gathered (a forward with no backward after it) while the shard moved
+            # on (an optimizer step, a loaded state dict): gather the new values.
+            self.reshard()
         self.unshard()
         self.wait()
         self.flat.set_views()
