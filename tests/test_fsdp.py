@@ -301,6 +301,19 @@ def test_a_forward_without_backward_does_not_keep_old_parameters(comm):
     model.close()
 
 
+def test_a_refused_state_dict_loads_nothing(comm):
+    model = FullyShardedDataParallel(make_model(), comm)
+    before = model.full_state_dict()
+    bad = make_model(seed=2).state_dict()
+    last = [k for k in bad if k.startswith("blocks.")][-1]  # the last unit: the others load first
+    bad[last] = torch.zeros(2, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"{last}: the state dict has shape"):
+        model.load_full_state_dict(bad)
+    for k, v in model.full_state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed although the state dict was refused"
+    model.close()
+
+
 def test_the_plain_state_dict_is_refused_with_the_fix(comm):
     # nn.Module's state_dict would hold this rank's flat shards: a checkpoint of it,
     # loaded on every rank, gives each rank rank 0's slices without an error.

@@ -55,14 +55,15 @@ def load_full_state_dict(fsdp, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy this rank's chunk of every parameter (and every buffer) from a full state dict."""
     _check_keys(fsdp._keys, state_dict, "the state dict")
     fsdp.runner.wait_all()
+    for u in fsdp.units:  # every shape first: a refused dict must leave the model as it was
+        for s in u.flat.slots:
+            if tuple(state_dict[s.fqn].shape) != tuple(s.shape):
+                raise ValueError(f"{s.fqn}: the state dict has shape "
+                                 f"{tuple(state_dict[s.fqn].shape)}, the model "
+                                 f"{tuple(s.shape)}")
     with torch.no_grad():
         for u in fsdp.units:
             f = u.flat
-            for s in f.slots:
-                if tuple(state_dict[s.fqn].shape) != tuple(s.shape):
-                    raise ValueError(f"{s.fqn}: the state dict has shape "
-                                     f"{tuple(state_dict[s.fqn].shape)}, the model "
-                                     f"{tuple(s.shape)}")
             for s, a, b in f.pieces():
                 at = s.offset + a - f.lo
                 f.shard[at:at + b - a].copy_(state_dict[s.fqn].reshape(-1)[a:b])
