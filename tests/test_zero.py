@@ -127,6 +127,30 @@ def test_zero_equals_unsharded_data_parallel(comm, stage):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("stage", (1, 2))
+def test_max_grad_norm_clips_the_mean_gradient(comm, stage):
+    # What clip_grad_norm_ does on one process between backward and step: the norm of
+    # the mean gradient, which no rank holds before step().
+    model, ref = make_model(), make_model()
+    opt = ZeroRedundancyOptimizer(groups(model), comm, torch.optim.AdamW, stage=stage, lr=0.05,
+                                  max_grad_norm=0.3)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=0.05)
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss_fn(model, shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        ref_opt.step()
+        assert opt.last_grad_norm == pytest.approx(float(norm), rel=1e-5)
+        assert float(norm) > 0.3  # the clipping did something
+    assert_same_params(model, ref)
+    with pytest.raises(ValueError, match="max_grad_norm=0: give a positive norm"):
+        ZeroRedundancyOptimizer(model.parameters(), comm, max_grad_norm=0, lr=0.1)
+
+
 def test_zero_sgd_tiny_model_and_empty_shards(comm):
     # 3 elements over up to 4 ranks: some ranks own nothing and must still take part.
     torch.manual_seed(3)

@@ -6,6 +6,8 @@ beside it; the package docstring tells the whole story.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,6 +58,11 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
             the rebuilt ones);
             stage 1 takes DDP's averaged gradients as they are. ``no_sync``
             works as with DDP: step after the synced backward.
+        max_grad_norm: clip the mean gradient to this global 2-norm in ``step()``,
+            once the gradients are averaged (DeepSpeed's ``gradient_clipping``);
+            ``last_grad_norm`` is the norm before clipping. Do not call
+            ``torch.nn.utils.clip_grad_norm_`` before ``step()``: until then
+            ``p.grad`` is this rank's own gradient, and its norm is not the mean's.
         **defaults: hyperparameters for ``optimizer_class`` (lr, betas, ...).
 
     Raises:
@@ -73,7 +80,7 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], comm=None,
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  stage: int = 2, *, broadcast_params: bool = True, ddp=None,
-                 **defaults: Any):
+                 max_grad_norm: float | None = None, **defaults: Any):
         self._initialized = False
         if comm is None:  # torch's habit: the default process group (or DDP's)
             comm = ddp.comm if ddp is not None else resolve(None, "ZeroRedundancyOptimizer")
@@ -93,6 +100,9 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
                                         and hasattr(ddp, "reducer")):
                 raise TypeError(f"ddp must be an mpiring.DistributedDataParallel, got "
                                 f"{type(ddp).__name__}")
+            if max_grad_norm is not None and not float(max_grad_norm) > 0:
+                raise ValueError(f"max_grad_norm={max_grad_norm!r}: give a positive norm, or None "
+                                 "to leave the gradients unclipped")
             if ddp is not None and ddp.comm.size != comm.size:
                 raise ValueError(f"ddp runs on {ddp.comm.size} ranks, comm has {comm.size}: "
                                  "pass the communicator the DDP model was built with")
@@ -117,6 +127,8 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
         self._consolidated: dict[str, Any] | None = None
         self._consolidated_at = -1
         self._steps = 0
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_grad_norm: float | None = None
         self._ddp = ddp
         self._ddp_iteration = -1   # DDP's synced backward count at the last step
         # bucket -> (ids of its params, all-reduced rather than reduce-scattered), from the hook
@@ -225,6 +237,20 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
                     if p.grad is not None:
                         p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
 
+    def _clip(self) -> None:
+        """Scale this rank's shard of the mean gradient so the whole one's 2-norm is at
+        most ``max_grad_norm``: the shards cover every parameter once, so the squares
+        of all ranks' pieces sum to the norm's square (one scalar all-reduce)."""
+        grads = [pc.view.grad for pc in self._pieces() if pc.view.grad is not None]
+        local = sum(float(g.double().pow(2).sum()) for g in grads)
+        total = math.sqrt(self.comm.control.allreduce_scalar(local, "sum")
+                          if self.comm.size > 1 else local)
+        self.last_grad_norm = total
+        coef = self.max_grad_norm / (total + 1e-6)  # torch's clip_grad_norm_ epsilon
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Average the gradients, update this rank's shard, gather the parameters.
@@ -246,6 +272,8 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
         self._reduce_gradients()
         for pc in self._pieces():
             pc.view.grad = pc.grad if has_grad[pc.index] else None
+        if self.max_grad_norm is not None:
+            self._clip()
         # Learning-rate schedulers change self.param_groups: pass that on.
         self._sync_groups(self.param_groups, self.optim.param_groups)
         self.optim.step(**kwargs)
