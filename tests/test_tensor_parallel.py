@@ -230,6 +230,33 @@ def test_vocab_parallel_embedding_equals_embedding(tp, seq, vocab, sequence):
     close(layer.weight.grad, layer.shard("weight", ref.weight.grad), "this rank's rows' gradient")
 
 
+@pytest.mark.parametrize("sequence", [False, True], ids=["plain", "sequence"])
+def test_a_second_derivative_through_the_layers(tp, sequence):
+    # create_graph=True: each collective's backward must itself be differentiable,
+    # else the tensor-parallel path drops out of the second derivative while another
+    # path (x**3) keeps the graph alive, and the result is silently wrong.
+    torch.manual_seed(5)  # the same full layers on every rank
+    ref_c, ref_r = nn.Linear(6, 9).double(), nn.Linear(9, 4).double()
+    col = ColumnParallelLinear.from_full(ref_c, tp, sequence_parallel=sequence)
+    row = RowParallelLinear.from_full(ref_r, tp, sequence_parallel=sequence)
+    x = full(SEQ, BATCH, 6, seed=6)
+
+    def second(fn, inp):
+        inp = inp.clone().requires_grad_()
+        (g,) = torch.autograd.grad(fn(inp).sum() + (inp ** 3).sum(), inp, create_graph=True)
+        return torch.autograd.grad((g ** 2).sum(), inp)[0]
+
+    part = rows(tp, SEQ) if sequence else slice(None)
+    want = second(lambda v: ref_r(torch.tanh(ref_c(v)))[part], x)[part]
+    got = second(lambda v: row(torch.tanh(col(v, seq_len=SEQ))), x[part])
+    close(got, want, "second derivative")
+    logits = full(SEQ, BATCH, 37, seed=12)[..., rows(tp, 37)].clone().requires_grad_()
+    target = (torch.arange(SEQ * BATCH).view(SEQ, BATCH) * 7 + 1) % 37
+    with pytest.raises(RuntimeError, match="no second derivative"):  # said, not dropped
+        torch.autograd.grad(vocab_parallel_cross_entropy(logits, target, tp), logits,
+                            create_graph=True)
+
+
 @pytest.mark.parametrize("bad", [-1, 37])
 def test_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary(tp, bad):
     # nn.Embedding raises; without the check, no rank owns the id and it comes back

@@ -86,6 +86,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph=True: this backward builds no graph
+            raise RuntimeError("vocab_parallel_cross_entropy has no second derivative "
+                               "(create_graph=True): its gradient would count as a constant")
         softmax, local, outside, ignored = ctx.saved_tensors
         g = softmax.clone()
         if g.shape[-1]:

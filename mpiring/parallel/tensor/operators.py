@@ -116,7 +116,9 @@ class AllReduceInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.comm, ctx.algo), None, None
+        # Each backward is its partner operator, applied: a second derivative
+        # (create_graph=True) then runs the partner's own backward, not a detached sum.
+        return AllReduceInForward.apply(grad, ctx.comm, ctx.algo), None, None
 
 
 class AllReduceInForward(torch.autograd.Function):
@@ -128,11 +130,12 @@ class AllReduceInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, algo):
+        ctx.comm, ctx.algo = comm, algo
         return _all_reduce(x, comm, algo)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return AllReduceInBackward.apply(grad, ctx.comm, ctx.algo), None, None
 
 
 class AllGatherForwardReduceScatterBackward(torch.autograd.Function):
@@ -150,7 +153,8 @@ class AllGatherForwardReduceScatterBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.comm, ctx.dim, ctx.sizes, ctx.algo), None, None, None, None
+        return (ReduceScatterForwardAllGatherBackward.apply(grad, ctx.comm, ctx.dim, ctx.sizes,
+                                                            ctx.algo), None, None, None, None)
 
 
 class ReduceScatterForwardAllGatherBackward(torch.autograd.Function):
@@ -168,7 +172,8 @@ class ReduceScatterForwardAllGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.comm, ctx.dim, ctx.sizes, ctx.algo), None, None, None, None
+        return (AllGatherForwardReduceScatterBackward.apply(grad, ctx.comm, ctx.dim, ctx.sizes,
+                                                            ctx.algo), None, None, None, None)
 
 
 class AllGatherForwardSplitBackward(torch.autograd.Function):
@@ -181,12 +186,13 @@ class AllGatherForwardSplitBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, sizes, algo):
         sizes = _sizes(comm, x, dim, sizes, full=False)
-        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        ctx.comm, ctx.dim, ctx.sizes, ctx.algo = comm, dim, sizes, algo
         return _all_gather(x, comm, dim, sizes, algo)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.comm, ctx.dim, ctx.sizes), None, None, None, None
+        return (SplitForwardAllGatherBackward.apply(grad, ctx.comm, ctx.dim, ctx.sizes, ctx.algo),
+                None, None, None, None)
 
 
 class SplitForwardAllGatherBackward(torch.autograd.Function):
@@ -203,7 +209,8 @@ class SplitForwardAllGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.comm, ctx.dim, ctx.sizes, ctx.algo), None, None, None, None
+        return (AllGatherForwardSplitBackward.apply(grad, ctx.comm, ctx.dim, ctx.sizes, ctx.algo),
+                None, None, None, None)
 
 
 # --- the functional forms the layers call ------------------------------------------
