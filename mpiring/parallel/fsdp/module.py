@@ -21,9 +21,12 @@ unit's ReduceScatter while backward goes on; ``loss.backward()`` returns once
 every shard's gradient is in ``shard.grad``.
 
 Every rank must run the units in the same order (the same model and control
-flow), as with any FSDP: the gathers are issued in that order. A unit takes
-part in every synced backward; one that got no gradient on a rank reduces
-zeros there.
+flow), as with any FSDP: the gathers are issued in that order, and every
+rank's backward must reach the same units (the reductions are issued in
+backward order). A unit that no backward reached reduces zeros at the end,
+on every rank alike: its shard gets a zero gradient, not None, so AdamW
+still decays it and moves its moments (torch skips a parameter whose .grad
+is None; a flat shard cannot skip part of itself).
 """
 
 from __future__ import annotations
