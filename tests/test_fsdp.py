@@ -216,7 +216,12 @@ def test_no_sync_accumulates_unsharded_gradients(comm):
         loss_fn(model, mine(x, comm), mine(y, comm)).backward()
     assert all(p.grad is None for p in model.parameters())  # nothing reduced yet
     assert model.units[1].acc is not None and model.units[1].acc.numel() == 336
+    # The unsharded sums count as unsharded bytes: the whole model's gradient.
+    held = sum(u.acc.numel() * u.acc.element_size() for u in model.units if u.acc is not None)
+    assert held == sum(u.flat.numel for u in model.units) * 8
+    assert model.unsharded_bytes == held and model.peak_unsharded_bytes >= held
     model.zero_grad()
+    assert model.unsharded_bytes == 0
     _, losses, _ = train(model, comm, 2, micro=3)
     ref, ref_losses, _ = reference(2, micro=3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)

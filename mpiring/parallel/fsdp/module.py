@@ -296,7 +296,7 @@ class FullyShardedDataParallel(nn.Module):
         """Clear the shards' gradients and the unsharded ones no_sync kept."""
         super().zero_grad(set_to_none=set_to_none)
         for u in self.units:
-            u.acc = None
+            u.keep_acc(None)
 
     # --- gradients and state ---------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

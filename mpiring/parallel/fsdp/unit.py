@@ -172,9 +172,9 @@ class Unit:
         if self.acc is not None:
             buf = buf + self.acc
         if not owner.sync:  # no_sync: keep the unsharded sum for the synced backward
-            self.acc = buf
+            self.keep_acc(buf)
             return
-        self.acc = None
+        self.keep_acc(None)  # buf holds it now, counted below
         if f.numel == 0:
             return
         comm, algo, shard = owner.thread_comm, owner.algo, f.shard
@@ -198,6 +198,15 @@ class Unit:
                 owner._count(-nbytes)
 
         owner.runner.submit(reduce_scatter)
+
+    def keep_acc(self, acc: torch.Tensor | None) -> None:
+        """Keep ``acc`` as the unsharded gradient sum no_sync holds (None: drop it), with
+        its bytes in the owner's unsharded count (the whole model's, in a pipeline's
+        micro-batches)."""
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        self.owner._count(size(acc) - size(self.acc))
+        self.acc = acc
 
     def end_backward(self) -> None:
         """Back to SHARDED (unless the owner keeps units after backward) and ready for the
