@@ -377,6 +377,13 @@ def test_checkpoint_moves_between_world_sizes(comm, tmp_path_factory):
     one = FullyShardedDataParallel(make_model(seed=5), alone)
     one_opt = torch.optim.AdamW(one.parameters(), lr=0.05, weight_decay=0.1)
     one.load_full_state_dict(sd)
+    # A saved moment of another size is refused, not cut to the parameter's length.
+    name = next(iter(osd["state"]))
+    bigger = {**osd, "state": {**osd["state"], name: {
+        **osd["state"][name], "exp_avg": torch.zeros(osd["state"][name]["exp_avg"].numel() + 3,
+                                                     dtype=torch.float64)}}}
+    with pytest.raises(ValueError, match=f"{name}: the optimizer state's 'exp_avg' has"):
+        load_full_optim_state_dict(one, one_opt, bigger)
     load_full_optim_state_dict(one, one_opt, osd)
     x, y = batch(2)
     one_opt.zero_grad()

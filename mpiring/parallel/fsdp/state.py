@@ -13,6 +13,8 @@ loads at any other K (each rank keeps its own chunk), or into the plain model.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -131,6 +133,14 @@ def load_full_optim_state_dict(fsdp, optimizer: torch.optim.Optimizer,
     if len(state["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"the optimizer state has {len(state['param_groups'])} parameter "
                          f"groups, this optimizer {len(optimizer.param_groups)}")
+    for u in fsdp.units:  # every size first: a copy below would cut a larger tensor short
+        for s in u.flat.slots:
+            for k, v in (state["state"].get(s.fqn) or {}).items():
+                n = math.prod(s.shape)
+                if k in state["per_element"] and v.numel() != n:
+                    raise ValueError(f"{s.fqn}: the optimizer state's {k!r} has {v.numel()} "
+                                     f"elements, the parameter {n}: load the state of this "
+                                     "model")
     for mine, saved in zip(optimizer.param_groups, state["param_groups"]):
         mine.update({k: v for k, v in saved.items() if k != "params"})
     with torch.no_grad():
