@@ -257,6 +257,15 @@ def test_a_second_derivative_through_the_layers(tp, sequence):
                             create_graph=True)
 
 
+def test_a_row_layer_given_the_full_input_names_input_is_parallel(tp):
+    if tp.size == 1:
+        pytest.skip("one rank's features are the full input")
+    layer = RowParallelLinear(12, 4, tp).double()
+    with pytest.raises(ValueError, match="the input has 12 features, this rank's rows of the "
+                                         "weight take .* input_is_parallel=False"):
+        layer(full(3, 12, seed=1))
+
+
 @pytest.mark.parametrize("bad", [-1, 37])
 def test_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary(tp, bad):
     # nn.Embedding raises; without the check, no rank owns the id and it comes back

@@ -192,6 +192,13 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_forward_all_gather_backward(x, self.comm, -1, self.sizes, self.algo)
+        elif x.shape[-1] != self.weight.shape[1]:
+            hint = ("for the full input, build the layer with input_is_parallel=False"
+                    if x.shape[-1] == self.in_features and self.comm.size > 1 else
+                    "pass this rank's features (a ColumnParallelLinear's output)")
+            raise ValueError(f"RowParallelLinear: the input has {x.shape[-1]} features, this "
+                             f"rank's rows of the weight take {self.weight.shape[1]} of "
+                             f"{self.in_features}: {hint}")
         y = F.linear(x, self.weight)
         bias = self.bias
         if self.sequence_parallel:
