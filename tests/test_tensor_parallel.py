@@ -257,6 +257,24 @@ def test_a_second_derivative_through_the_layers(tp, sequence):
                             create_graph=True)
 
 
+def test_an_input_that_only_one_rank_gets_wrong_is_refused_on_every_rank(tp):
+    # The last rank's shard has a row too many (or its targets do not fit): every rank
+    # raises before any data moves, not that one alone while the others wait for it.
+    if tp.size == 1:
+        pytest.skip("needs another rank to notice")
+    last = tp.rank == tp.size - 1
+    layer = ColumnParallelLinear(6, 9, tp, sequence_parallel=True).double()
+    lo, hi = chunk_bounds(SEQ, tp.size)[tp.rank]
+    with pytest.raises(ValueError, match=rf"r{tp.size - 1}: the tensor has \d+ entries along "
+                                         r"dim 0, sizes=.* pass the sizes of the split"):
+        layer(full(hi - lo + int(last), BATCH, 6, seed=3), seq_len=SEQ)
+    logits = full(4, 37, seed=4)[:, rows(tp, 37)]
+    target = torch.zeros(5 if last else 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"target shape \(5,\) does not match the logits' "
+                                         r"\(4,\)"):
+        vocab_parallel_cross_entropy(logits, target, tp)
+
+
 def test_a_row_layer_given_the_full_input_names_input_is_parallel(tp):
     if tp.size == 1:
         pytest.skip("one rank's features are the full input")

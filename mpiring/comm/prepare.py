@@ -105,6 +105,30 @@ class Preparation:
             self._busy.release()
             raise
 
+    def refuse(self, collective: str, error: Exception) -> None:
+        """Take part in the coming ``collective`` only to refuse it: raises ``error``
+        here and a ValueError quoting it on every other rank, before any data moves.
+
+        For a layer that finds, before the call, that this rank's own input is wrong
+        (a shape only it sees): the other ranks are about to enter ``collective``,
+        and its argument check carries the error to them. With the check off
+        (``check=False``, ``MPIRING_CHECK=0``) there is no such exchange: ``error``
+        is raised here only.
+        """
+        if not self.check or self.size == 1:
+            raise error
+        if not self._busy.acquire(False):
+            self._other_thread(collective)
+        call = self._next_call(collective)
+        try:
+            self._act.begin(collective, call, None)
+            agree(self._be, collective, call, None, None, "ring", None, None, None, error,
+                  site_code(2))
+        finally:
+            self._calls[collective] = call - 1  # refused by every rank: it does not count
+            self._busy.release()
+        raise error  # pragma: no cover - agree raised it already
+
     def _checked(self, collective: str, call: int, x, op, algo, root, chunks,
                  check) -> tuple[Buffer, int]:
         self._act.begin(collective, call, algo if isinstance(algo, str) else None)

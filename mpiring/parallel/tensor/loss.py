@@ -29,13 +29,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, comm, vocab_size, algo, ignore_index, smoothing, reduction):
         lo, hi = vocab_range(vocab_size, comm)
+        # Found on this rank, maybe on it alone: refused through the max AllReduce's
+        # argument check below, so that every rank raises.
         if logits.shape[-1] != hi - lo:
-            raise ValueError(f"r{comm.rank}: local logits have {logits.shape[-1]} classes, this "
-                             f"rank owns [{lo}, {hi}) of vocab_size={vocab_size}: pass the "
-                             "logits of this rank's vocabulary rows")
+            comm.refuse("all_reduce", ValueError(
+                f"r{comm.rank}: local logits have {logits.shape[-1]} classes, this rank owns "
+                f"[{lo}, {hi}) of vocab_size={vocab_size}: pass the logits of this rank's "
+                "vocabulary rows"))
         if target.shape != logits.shape[:-1]:
-            raise ValueError(f"target shape {tuple(target.shape)} does not match the logits' "
-                             f"{tuple(logits.shape[:-1])}: one target per row of logits")
+            comm.refuse("all_reduce", ValueError(
+                f"target shape {tuple(target.shape)} does not match the logits' "
+                f"{tuple(logits.shape[:-1])}: one target per row of logits"))
         # 16-bit logits are summed in float32, as Megatron does: exp-sums over a
         # 50k vocabulary lose most of bfloat16's 8 bits. The gradient goes back
         # in the logits' dtype; the loss stays float32.

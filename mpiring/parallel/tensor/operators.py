@@ -56,6 +56,16 @@ def _sizes(comm, x: torch.Tensor, dim: int, sizes: Sequence[int] | None, full: b
     return sizes
 
 
+def _agreed_sizes(collective: str, comm, x, dim, sizes, full: bool) -> list[int]:
+    """``_sizes``, where a tensor that does not fit (on this rank only, maybe) is refused
+    through ``collective``'s argument check, so every rank raises, not this one alone."""
+    try:
+        return _sizes(comm, x, dim, sizes, full)
+    except ValueError as exc:
+        comm.refuse(collective, exc)
+        raise
+
+
 def _all_reduce(x: torch.Tensor, comm, algo: str) -> torch.Tensor:
     # A copy: the input may be saved by another backward or be a gradient in use.
     buf = x.detach().clone(memory_format=torch.contiguous_format)
@@ -147,7 +157,7 @@ class AllGatherForwardReduceScatterBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, dim, sizes, algo):
-        sizes = _sizes(comm, x, dim, sizes, full=False)
+        sizes = _agreed_sizes("all_gather", comm, x, dim, sizes, full=False)
         ctx.comm, ctx.dim, ctx.sizes, ctx.algo = comm, dim, sizes, algo
         return _all_gather(x, comm, dim, sizes, algo)
 
@@ -166,7 +176,7 @@ class ReduceScatterForwardAllGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, dim, sizes, algo):
-        sizes = _sizes(comm, x, dim, sizes, full=True)
+        sizes = _agreed_sizes("reduce_scatter", comm, x, dim, sizes, full=True)
         ctx.comm, ctx.dim, ctx.sizes, ctx.algo = comm, dim, sizes, algo
         return _reduce_scatter(x, comm, dim, sizes, algo)
 
@@ -185,7 +195,7 @@ class AllGatherForwardSplitBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, dim, sizes, algo):
-        sizes = _sizes(comm, x, dim, sizes, full=False)
+        sizes = _agreed_sizes("all_gather", comm, x, dim, sizes, full=False)
         ctx.comm, ctx.dim, ctx.sizes, ctx.algo = comm, dim, sizes, algo
         return _all_gather(x, comm, dim, sizes, algo)
 
@@ -203,7 +213,7 @@ class SplitForwardAllGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, dim, sizes, algo):
-        sizes = _sizes(comm, x, dim, sizes, full=True)
+        sizes = _sizes(comm, x, dim, sizes, full=True)  # no collective to carry an error
         ctx.comm, ctx.dim, ctx.sizes, ctx.algo = comm, dim, sizes, algo
         return _split(x, comm, dim, sizes)
 
