@@ -141,6 +141,31 @@ def test_join_uneven_inputs_equal_the_twin(comm, divide_initial):
     ddp.close()
 
 
+@pytest.mark.deadline(120)
+def test_join_takes_the_buffers_of_the_highest_rank_still_training(comm):
+    # torch's _find_common_rank is a MAX: with ranks 0 and K-1 training to the end,
+    # rank K-1 is the buffers' root throughout and the final model is its own: its
+    # BatchNorm statistics are those of its own batches alone.
+    if comm.size < 2:
+        pytest.skip("needs two ranks training to the end")
+
+    steps = 3 if comm.rank in (0, comm.size - 1) else 1
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.BatchNorm1d(5), nn.Linear(5, 3)).double()  # stats of the data
+    ddp = DDP(model, comm)
+    with ddp.join():
+        for step in range(steps):
+            x, y = batch(comm.rank, step)
+            loss_fn(ddp(x), y).backward()
+            sgd(model)
+    alone = nn.BatchNorm1d(5).double()  # rank K-1's batches alone
+    for step in range(3):
+        alone(batch(comm.size - 1, step)[0])
+    for got, want in zip(model[0].buffers(), alone.buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    ddp.close()
+
+
 @pytest.mark.deadline(60)
 def test_join_throw_on_early_termination_raises_everywhere(comm):
     if comm.size == 1:

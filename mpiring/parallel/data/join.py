@@ -10,7 +10,8 @@ others wait in their next bucket AllReduce for ever. Inside ``join()``:
   passes: the same bucket rebuild, buffer broadcast and bucket AllReduces in the
   same order, with zero gradients (``Reducer.shadow_backward``);
 * when nobody trains any more, every rank takes the parameters and buffers of
-  the lowest rank among the last ones to finish, whose optimizer ran every step.
+  the highest rank among the last ones to finish, whose optimizer ran every step
+  (torch's choice: the MAX over the ranks still training).
 
 The mean is over the initial world size, the joined ranks counting as zeros
 (torch's default), or with ``divide_by_initial_world_size=False`` over the ranks
@@ -20,8 +21,7 @@ still training. Per rank and step::
     rank 1   |fwd bwd|  exit: shadow  ..  shadow       |sync model|
     flags     [1, 1]  [1, 0]  [1, 0]  [0, 0] -> done
 
-The buffer broadcast's root is the lowest rank still training (rank 0 while it
-is). Optimizer state (momentum, Adam moments) is not synchronised at the end:
+The buffer broadcast's root is the highest rank still training, as in torch. Optimizer state (momentum, Adam moments) is not synchronised at the end:
 a joined rank's optimizer skipped the shadowed steps, as in torch.
 """
 
@@ -59,7 +59,7 @@ class JoinState:
     def notify(self) -> int:
         """Called by a training rank at each synced forward; returns the buffers' root."""
         self._flags(True)
-        return self.last_active[0]
+        return self.last_active[-1]
 
     def shadow_until_done(self) -> None:
         """On a rank that is out of inputs: shadow every synced step of the others."""
@@ -67,16 +67,17 @@ class JoinState:
             flags = self._flags(False)
             if not flags.any():
                 break
-            self.ddp.sync_before_backward(root=self.last_active[0])
+            self.ddp.sync_before_backward(root=self.last_active[-1])
             self.ddp.reducer.shadow_backward()
 
     def sync_final_model(self) -> None:
-        """Every rank takes the model of the lowest rank among the last to finish."""
+        """Every rank takes the model of the highest rank among the last to finish (torch's
+        ``_find_common_rank``: the MAX over the ranks still training)."""
         from mpiring.parallel.data.distributed import sync_from_root
 
         module = self.ddp.module
         tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
-        sync_from_root(self.comm, tensors, root=self.last_active[0], check=False)
+        sync_from_root(self.comm, tensors, root=self.last_active[-1], check=False)
 
 
 @contextmanager
