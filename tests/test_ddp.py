@@ -191,6 +191,37 @@ class Branchy(nn.Module):
         return self.b(h) + self.c(h) if use_c else self.b(h)
 
 
+def test_a_dataclass_output_is_searched_for_tensors(comm):
+    # find_unused_parameters walks the output for the graph: a dataclass's fields too
+    # (torch's _find_tensors), else every parameter looks unused and no rank's gradient
+    # is averaged.
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+        tag: str = "logits"
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Branchy(with_never=False)
+
+        def forward(self, x):
+            return Out(self.inner(x, True))
+
+    model = Wrapped()
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, find_unused_parameters=True)
+    X, Y = global_batch(comm.size, 31)
+    loss_fn(ddp(shard(X, comm)).y, shard(Y, comm)).backward()
+    ref = Wrapped()
+    ref.load_state_dict(model.state_dict())
+    loss_fn(ref(X).y, Y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    ddp.close()
+
+
 def test_unused_parameters_with_flag(comm):
     model = Branchy()
     ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, find_unused_parameters=True)

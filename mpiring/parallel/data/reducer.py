@@ -41,6 +41,7 @@ raises the same error instead of one rank waiting forever for a bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -394,6 +395,8 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
         return [t for o in obj for t in _tensors(o)]
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in _tensors(o)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # as torch's _find_tensors
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
     return []
 
 
