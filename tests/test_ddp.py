@@ -191,6 +191,20 @@ class Branchy(nn.Module):
         return self.b(h) + self.c(h) if use_c else self.b(h)
 
 
+@pytest.mark.parametrize("option", ["bucket_cap_mb", "find_unused_parameters", "algo"])
+def test_options_that_differ_across_ranks_are_refused_on_every_rank(comm, option):
+    # A bucket cap of its own on one rank met the others' messages truncated; another
+    # algorithm or unused-parameter rule stalled at the first step.
+    if comm.size == 1:
+        pytest.skip("needs another rank to differ from")
+    last = comm.rank == comm.size - 1
+    value = {"bucket_cap_mb": 1.0 if last else 25.0, "find_unused_parameters": last,
+             "algo": "native" if last else "ring"}[option]
+    with pytest.raises(ValueError, match=rf"r{comm.size - 1} have option {option}=.* Pass the "
+                                         "same arguments on every rank"):
+        DDP(Branchy(with_never=False), comm, **{option: value})
+
+
 def test_a_dataclass_output_is_searched_for_tensors(comm):
     # find_unused_parameters walks the output for the graph: a dataclass's fields too
     # (torch's _find_tensors), else every parameter looks unused and no rank's gradient

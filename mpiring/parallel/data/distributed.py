@@ -145,7 +145,14 @@ class DistributedDataParallel(nn.Module):
         self._join = None  # the JoinState while inside join()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        check_same_model(comm, describe_module(module))
+        # The options that shape the buckets and the calls must match too: a bucket cap
+        # or an algorithm of its own on one rank meets the others' messages truncated.
+        options = [f"option {k}={v!r}" for k, v in (
+            ("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb),
+            ("find_unused_parameters", find_unused_parameters), ("algo", algo),
+            ("broadcast_buffers", broadcast_buffers), ("init_sync", init_sync),
+            ("overlap", overlap))]
+        check_same_model(comm, describe_module(module) + options)
         if init_sync:
             sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()))
         self._buffers_to_sync = [b for b in module.buffers()]
@@ -297,11 +304,12 @@ def check_same_model(comm, lines: Sequence[str], what: str = "DistributedDataPar
               or table[r, first] != table[0, first] or counts[r] <= first]
     parts = "; ".join(f"{', '.join(f'r{r}' for r in ranks)} have {desc}"
                       for desc, ranks in groups.items())
+    fix = ("Pass the same arguments on every rank" if text.startswith("option ") else
+           "Build the same model (same architecture, arguments and dtypes) on every rank "
+           "before wrapping it")
     raise ValueError(
         f"{what}: the model differs across ranks at entry #{first} "
-        f"(rank(s) {', '.join(f'r{r}' for r in differ)} differ from r0): {parts}. "
-        "Build the same model (same architecture, arguments and dtypes) on every rank "
-        "before wrapping it")
+        f"(rank(s) {', '.join(f'r{r}' for r in differ)} differ from r0): {parts}. {fix}")
 
 
 @outside_compile
