@@ -205,6 +205,24 @@ def test_options_that_differ_across_ranks_are_refused_on_every_rank(comm, option
         DDP(Branchy(with_never=False), comm, **{option: value})
 
 
+def test_a_parameter_used_only_under_no_sync_is_averaged(comm):
+    # c takes part in the no_sync micro-batch only: the synced backward does not reach
+    # it, yet its accumulated gradient must be averaged over the ranks, not left local.
+    model = Branchy(with_never=False)
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, find_unused_parameters=True)
+    X0, Y0 = global_batch(comm.size, 40)
+    X1, Y1 = global_batch(comm.size, 41)
+    with ddp.no_sync():
+        loss_fn(ddp(shard(X0, comm), True), shard(Y0, comm)).backward()
+    loss_fn(ddp(shard(X1, comm), False), shard(Y1, comm)).backward()
+    ref = Branchy(with_never=False)
+    ref.load_state_dict(model.state_dict())
+    (loss_fn(ref(X0, True), Y0) + loss_fn(ref(X1, False), Y1)).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    ddp.close()
+
+
 def test_a_dataclass_output_is_searched_for_tensors(comm):
     # find_unused_parameters walks the output for the graph: a dataclass's fields too
     # (torch's _find_tensors), else every parameter looks unused and no rank's gradient

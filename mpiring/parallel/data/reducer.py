@@ -151,6 +151,7 @@ class Reducer(BucketLayout, EndOfBackward):
         self._started = False
         self._error_code = _OK
         self._unused: list[int] = []
+        self._carried: list[int] = []
         self._records: list[dict[str, Any]] = []
         self._t_backward = 0.0
         self._exposed_s = 0.0
@@ -200,7 +201,12 @@ class Reducer(BucketLayout, EndOfBackward):
             # gradient; mark them ready at the first hook so their buckets need
             # not wait for the end of backward.
             reached = _graph_leaves(tensors)
-            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            unreached = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            # One that no_sync's micro-batches gave a gradient is not unused: its hook
+            # will not fire in this backward, so it goes in with what it holds (torch's
+            # reducer does the same), or its accumulated gradient is never averaged.
+            self._carried = [i for i in unreached if self.params[i].grad is not None]
+            self._unused = [i for i in unreached if self.params[i].grad is None]
         if tensors and tensors[0].grad_fn is not None:
             tensors[0].register_hook(self._on_output_grad)
 
@@ -226,6 +232,8 @@ class Reducer(BucketLayout, EndOfBackward):
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for i in self._unused:
             self._mark_ready(i, zero=True)
+        for i in self._carried:
+            self._on_grad_ready(i, self.params[i])
 
     def _make_hook(self, i: int):
         # Eager under compiled autograd too: the hook copies into the bucket and may
