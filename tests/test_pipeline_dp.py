@@ -76,56 +76,46 @@ def stage_bounds(n: int, k: int, i: int) -> tuple[int, int]:
     return chunk_bounds(n, k)[i]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"pp{t[0]}xdp{t[1]}")
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
-@pytest.mark.parametrize("m", (1, 4))
-def test_pp_x_dp_matches_one_process(world, layout, name, m):
-    pp, dp = layout
+def train_and_compare(world, pp: int, dp: int, name: str, m: int, set_to_none: bool = True,
+                      **ddp_options):
+    """Three steps of schedule ``name`` on a pp x dp grid against one process, float64.
+
+    The second step runs on DDP's rebuilt buckets; the third reuses the transport's
+    slots (shared memory on one host) for a second time.
+    """
     grid = grid_of(world, pp, dp)
     full = net()
     lo, hi = stage_bounds(len(full), pp, grid.pp_rank)
     part = copy.deepcopy(full[lo:hi])
-    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp)
+    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp, **ddp_options)
     stage = mpiring.PipelineStage(ddp, grid.pp_rank, pp, grid.pp)
     sched = SCHEDULES[name](stage, m, mse)
     try:
-        # The second step runs on DDP's rebuilt buckets; the third reuses the transport's
-        # slots (shared memory on one host) for a second time.
         for salt in (0, 1, 2):
             data = shards(dp, salt)
             reference(full, data, m, mse)
             x, y = data[grid.dp_rank]
-            part.zero_grad(set_to_none=True)
+            part.zero_grad(set_to_none=set_to_none)
             sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
             for mine, ref in zip(part.parameters(), full[lo:hi].parameters()):
+                assert mine.grad.grad_fn is None  # no graph hangs on .grad (W's GEMM)
                 torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-10, atol=1e-12)
         assert ddp.reducer.iteration == 3  # one reduction per step, not one per micro-batch
     finally:
         ddp.close()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"pp{t[0]}xdp{t[1]}")
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("m", (1, 4))
+def test_pp_x_dp_matches_one_process(world, layout, name, m):
+    train_and_compare(world, *layout, name, m)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb"])
 def test_gradients_as_bucket_views(world, name):
     # .grad is a view into DDP's bucket: W adds into it in place, step after step.
-    grid = grid_of(world, 2, 2)
-    full = net()
-    lo, hi = stage_bounds(len(full), 2, grid.pp_rank)
-    part = copy.deepcopy(full[lo:hi])
-    ddp = mpiring.DistributedDataParallel(part, comm=grid.dp, gradient_as_bucket_view=True)
-    stage = mpiring.PipelineStage(ddp, grid.pp_rank, 2, grid.pp)
-    sched = SCHEDULES[name](stage, 4, mse)
-    try:
-        for salt in (0, 1, 2):
-            data = shards(2, salt)
-            reference(full, data, 4, mse)
-            x, y = data[grid.dp_rank]
-            part.zero_grad(set_to_none=False)  # the views stay, zeroed
-            sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
-            for mine, ref in zip(part.parameters(), full[lo:hi].parameters()):
-                assert mine.grad.grad_fn is None
-                torch.testing.assert_close(mine.grad, ref.grad, rtol=1e-10, atol=1e-12)
-    finally:
-        ddp.close()
+    train_and_compare(world, 2, 2, name, 4, set_to_none=False, gradient_as_bucket_view=True)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb"])
