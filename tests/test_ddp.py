@@ -223,6 +223,31 @@ def test_a_parameter_used_only_under_no_sync_is_averaged(comm):
     ddp.close()
 
 
+def test_a_gradient_after_its_bucket_went_out_raises(comm):
+    # b is not reached from the output, so it is marked unused and its bucket goes out;
+    # then the loss's other term gives it a gradient. torch raises; so must this, not
+    # step with each rank's own gradient of b.
+    class Aux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+            self.double()
+
+        def forward(self, x):
+            self.extra = self.b(x)  # an auxiliary term the loss picks up
+            return self.a(x)
+
+    model = Aux()
+    ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY, find_unused_parameters=True)
+    X, Y = global_batch(comm.size, 50)
+    out = ddp(shard(X, comm))
+    with pytest.raises(RuntimeError, match="reported a gradient after it had already been "
+                                           f"reduced or marked unused \\(rank\\(s\\) r{comm.rank}"):
+        loss_fn(out + model.extra, shard(Y, comm)).backward()
+    ddp.close()
+
+
 def test_a_dataclass_output_is_searched_for_tensors(comm):
     # find_unused_parameters walks the output for the graph: a dataclass's fields too
     # (torch's _find_tensors), else every parameter looks unused and no rank's gradient

@@ -60,6 +60,12 @@ class EndOfBackward:
             self._raise_steps(steps)
         if any(codes):
             self._raise_status(codes, no_grad)
+        if self._error_code & ~self._sent_code:
+            # Recorded after the status tail went out (a gradient that came after its
+            # bucket was reduced): no other rank can know, so this one raises alone
+            # rather than step on a gradient that was never averaged.
+            self._raise_status([self._error_code if r == self.rank else 0
+                                for r in range(self.size)], no_grad)
         if self.find_unused_parameters:
             self._finish_unused(no_grad)
         if self.iteration == 0 and not self.rebuilt and not self.find_unused_parameters:

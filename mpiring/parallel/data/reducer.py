@@ -150,6 +150,7 @@ class Reducer(BucketLayout, EndOfBackward):
         self._next_launch = 0
         self._started = False
         self._error_code = _OK
+        self._sent_code = _OK  # the error code the status tail carried to every rank
         self._unused: list[int] = []
         self._carried: list[int] = []
         self._records: list[dict[str, Any]] = []
@@ -361,6 +362,7 @@ class Reducer(BucketLayout, EndOfBackward):
         # One slot per rank for both (a longer tail would move the ring's chunk
         # bounds, and with them the rounding, against a comm hook's reduction).
         status[self.rank] = float(self._error_code + _CODES * (self.iteration % STEP_MOD + 1))
+        self._sent_code = self._error_code
         for i, fired in enumerate(self._fired):
             if not fired:
                 status[self.size + i] = 1.0
