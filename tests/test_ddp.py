@@ -248,6 +248,22 @@ def test_a_gradient_after_its_bucket_went_out_raises(comm):
     ddp.close()
 
 
+def test_a_comm_hook_on_some_ranks_only_is_refused_on_every_rank(comm):
+    from mpiring.parallel.data import comm_hooks
+
+    if comm.size == 1:
+        pytest.skip("needs a rank without the hook")
+    model = Branchy(with_never=False)
+    ddp = DDP(model, comm)
+    if comm.rank == comm.size - 1:
+        ddp.register_comm_hook(None, comm_hooks.fp16_compress_hook)
+    X, _ = global_batch(comm.size, 60)
+    with pytest.raises(ValueError, match=rf"different comm hooks \(r0: none, .*r{comm.size - 1}: "
+                                         r"fp16_compress_hook\)"):
+        ddp(shard(X, comm), False)
+    ddp.close()
+
+
 def test_a_dataclass_output_is_searched_for_tensors(comm):
     # find_unused_parameters walks the output for the graph: a dataclass's fields too
     # (torch's _find_tensors), else every parameter looks unused and no rank's gradient

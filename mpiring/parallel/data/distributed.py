@@ -143,6 +143,7 @@ class DistributedDataParallel(nn.Module):
         self.overlap = overlap
         self.require_backward_grad_sync = True
         self._join = None  # the JoinState while inside join()
+        self._hooks_agreed = False  # compared at the first synced forward (_agree_hooks)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # The options that shape the buckets and the calls must match too: a bucket cap
@@ -186,6 +187,8 @@ class DistributedDataParallel(nn.Module):
 
     def sync_before_backward(self, root: int = 0) -> None:
         """The collectives of a synced forward: the bucket rebuild, the buffer broadcast."""
+        if not self._hooks_agreed:  # every rank's first synced forward, hooks registered
+            self._agree_hooks()
         self.reducer.rebuild_if_due()
         if self.broadcast_buffers and self._buffers_to_sync:
             # The root's running statistics win, as in torch DDP (check off: the
@@ -237,6 +240,20 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("register_comm_hook: the state is a communicator other than this "
                              "model's: pass None (the hooks use the model's own)")
         self.reducer.register_comm_hook(None if is_comm(state) else state, hook)
+
+    def _agree_hooks(self) -> None:
+        """Every rank must reduce its buckets alike: a comm hook on some ranks only meets
+        the others' plain AllReduce in a different message pattern (truncated, then a
+        stall). Compared once, at the first synced forward, by the hook's name."""
+        self._hooks_agreed = True
+        hook = self.reducer._comm_hook
+        mine = "none" if hook is None else getattr(hook[1], "__qualname__", repr(hook[1]))
+        names = self.comm.control.allgather_json(mine) if self.comm.size > 1 else [mine]
+        if len(set(names)) > 1:
+            shown = ", ".join(f"r{r}: {n}" for r, n in enumerate(names))
+            raise ValueError(f"DistributedDataParallel: the ranks reduce with different comm "
+                             f"hooks ({shown}): call register_comm_hook with the same hook on "
+                             "every rank, before the first forward")
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread (the module stays usable).
