@@ -32,8 +32,11 @@ Consistency checks ride on the data: the last bucket carries a small status tail
 (one slot per rank: an error code and that rank's synced-backward count mod
 ``STEP_MOD``; one slot per parameter: 1 where that parameter got no gradient
 on this rank). Ranks whose counts differ are reducing different
-steps' gradients (a rank's backward failed and was caught, or it ran one under
-``no_sync`` alone): every rank raises instead of stepping with mixed means. After the last AllReduce every rank
+steps' gradients (a rank's backward failed after its buckets started and was
+caught, or it ran one under ``no_sync`` alone): every rank raises instead of
+stepping with mixed means. A backward that fails before any bucket started
+finishes no synced backward and is not caught by the count: that rank's next
+step pairs with the others' previous one, as in torch. After the last AllReduce every rank
 knows, without another collective, whether any rank missed a gradient and
 which parameters did, so with ``find_unused_parameters=False`` every rank
 raises the same error instead of one rank waiting forever for a bucket.
