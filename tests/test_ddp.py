@@ -264,6 +264,13 @@ def test_a_comm_hook_on_some_ranks_only_is_refused_on_every_rank(comm):
     ddp.close()
 
 
+def test_a_sparse_embedding_is_refused_when_wrapped(comm):
+    # Refused on every rank at construction, not at the first backward.
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)).double()
+    with pytest.raises(TypeError, match="0 is built with sparse=True: use sparse=False"):
+        DDP(model, comm)
+
+
 def test_a_dataclass_output_is_searched_for_tensors(comm):
     # find_unused_parameters walks the output for the graph: a dataclass's fields too
     # (torch's _find_tensors), else every parameter looks unused and no rank's gradient

@@ -145,6 +145,8 @@ class DistributedDataParallel(nn.Module):
         self._join = None  # the JoinState while inside join()
         self._hooks_agreed = False  # compared at the first synced forward (_agree_hooks)
 
+        sparse = [n for n, m in module.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # The options that shape the buckets and the calls must match too: a bucket cap
         # or an algorithm of its own on one rank meets the others' messages truncated.
@@ -152,8 +154,12 @@ class DistributedDataParallel(nn.Module):
             ("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb),
             ("find_unused_parameters", find_unused_parameters), ("algo", algo),
             ("broadcast_buffers", broadcast_buffers), ("init_sync", init_sync),
-            ("overlap", overlap))]
+            ("overlap", overlap), ("sparse embeddings", sparse))]
         check_same_model(comm, describe_module(module) + options)
+        if sparse:  # the same on every rank (just compared): all raise alike, before any step
+            raise TypeError(f"DistributedDataParallel reduces dense gradients only, and "
+                            f"{', '.join(sparse)} {'is' if len(sparse) == 1 else 'are'} built "
+                            "with sparse=True: use sparse=False in the embedding")
         if init_sync:
             sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()))
         self._buffers_to_sync = [b for b in module.buffers()]
