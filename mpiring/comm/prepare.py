@@ -90,14 +90,14 @@ class Preparation:
         return buf
 
     def _prepare(self, collective: str, x, *, op=None, algo="ring", root=None,
-                 chunks=None, check=None) -> tuple[Buffer, int]:
+                 chunks=None, check=None, error: Exception | None = None) -> tuple[Buffer, int]:
         if not self._busy.acquire(False):
             self._other_thread(collective)
         self._owner = _get_ident()
         self._owner_call = collective
         call = self._next_call(collective)
         try:
-            return self._checked(collective, call, x, op, algo, root, chunks, check)
+            return self._checked(collective, call, x, op, algo, root, chunks, check, error)
         except BaseException:
             # A call refused before any data moved does not count: every rank
             # refused it, so the call numbers stay in step across ranks.
@@ -115,29 +115,19 @@ class Preparation:
         (``check=False``, ``MPIRING_CHECK=0``) there is no such exchange: ``error``
         is raised here only.
         """
-        if not self.check or self.size == 1:
-            raise error
-        if not self._busy.acquire(False):
-            self._other_thread(collective)
-        call = self._next_call(collective)
-        try:
-            self._act.begin(collective, call, None)
-            agree(self._be, collective, call, None, None, "ring", None, None, None, error,
-                  site_code(2))
-        finally:
-            self._calls[collective] = call - 1  # refused by every rank: it does not count
-            self._busy.release()
-        raise error  # pragma: no cover - agree raised it already
+        self._prepare(collective, None, error=error)  # raises: the call's own refusal path
+        raise error  # pragma: no cover
 
     def _checked(self, collective: str, call: int, x, op, algo, root, chunks,
-                 check) -> tuple[Buffer, int]:
+                 check, error: Exception | None = None) -> tuple[Buffer, int]:
+        """``error``: refused before the call (``refuse``), nothing to validate."""
         self._act.begin(collective, call, algo if isinstance(algo, str) else None)
-        error: Exception | None = None
         buf = None
-        try:
-            buf = self._validate(collective, x, op, algo, root, chunks)
-        except Exception as exc:  # noqa: BLE001 - any local failure must reach the other ranks
-            error = exc
+        if error is None:
+            try:
+                buf = self._validate(collective, x, op, algo, root, chunks)
+            except Exception as exc:  # noqa: BLE001 - any local failure must reach the other ranks
+                error = exc
         if not (self.check if check is None else check) or self.size == 1:
             if error is not None:
                 raise error
