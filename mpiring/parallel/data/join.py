@@ -21,8 +21,9 @@ still training. Per rank and step::
     rank 1   |fwd bwd|  exit: shadow  ..  shadow       |sync model|
     flags     [1, 1]  [1, 0]  [1, 0]  [0, 0] -> done
 
-The buffer broadcast's root is the highest rank still training, as in torch. Optimizer state (momentum, Adam moments) is not synchronised at the end:
-a joined rank's optimizer skipped the shadowed steps, as in torch.
+The buffer broadcast's root is the highest rank still training, as in torch.
+Optimizer state (momentum, Adam moments) is not synchronised at the end: a
+joined rank's optimizer skipped the shadowed steps, as in torch.
 """
 
 from __future__ import annotations

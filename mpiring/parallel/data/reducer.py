@@ -36,8 +36,8 @@ steps' gradients (a rank's backward failed after its buckets started and was
 caught, or it ran one under ``no_sync`` alone): every rank raises instead of
 stepping with mixed means. A backward that fails before any bucket started
 finishes no synced backward and is not caught by the count: that rank's next
-step pairs with the others' previous one, as in torch. After the last AllReduce every rank
-knows, without another collective, whether any rank missed a gradient and
+step pairs with the others' previous one, as in torch. After the last AllReduce
+every rank knows, without another collective, whether any rank missed a gradient and
 which parameters did, so with ``find_unused_parameters=False`` every rank
 raises the same error instead of one rank waiting forever for a bucket.
 """

@@ -94,12 +94,12 @@ class PipelineSchedule:
         if any(row[5] and any(a.kind == W for a in actions[r]) for r, row in enumerate(table)):
             raise ValueError(f"{type(self).__name__}: {data_parallel.FSDP_SPLIT}")
         self.actions = actions
-        self._groups = groups(actions[stage.stage_index])
-        self._eager = _eager_sends(actions[stage.stage_index])
-        self._split = {a.mb for a in actions[stage.stage_index] if a.kind == W}
+        program = actions[stage.stage_index]
+        self._groups = groups(program)
+        self._eager = _eager_sends(program)
+        self._split = {a.mb for a in program if a.kind == W}
         if self._split:
             stage.split_backward()
-        program = actions[stage.stage_index]
         backwards = [i for i, a in enumerate(program) if a.kind == B]
         weights = [i for i, a in enumerate(program) if a.kind == W]
         self._last_b = program[backwards[-1]].mb if backwards else -1
