@@ -316,22 +316,6 @@ def test_a_stage_that_computes_its_own_loss_returns_the_losses(comm):
         torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
 
 
-def test_a_stage_that_returns_a_tuple_is_told_to_pack_it(comm):
-    if comm.size > 1:
-        pytest.skip("one stage: the others would wait for it until the deadline")
-
-    class Pair(nn.Module):
-        def forward(self, x):
-            return x, x * 2
-
-    stage = PipelineStage(Pair(), 0, 1, comm)
-    sched = Schedule1F1B(stage, 2, lambda out, t: (out[0] - t[:, :1]).pow(2).mean())
-    x, y = data()
-    with pytest.raises(RuntimeError, match="returned a tuple: a stage hands one tensor to the "
-                                           "next .* torch.cat or torch.stack"):
-        sched.step(x, target=y)
-
-
 def _failing_pipeline(rank0_subprocess, ranks: int, timeout: int, layer: str, steps: int):
     """Run a 1F1B pipeline of Linear stages whose stage 1 is ``layer`` (its class source,
     named Bad) in a job of its own, which must fail within 30 s; its output, or None on
@@ -357,13 +341,19 @@ def _failing_pipeline(rank0_subprocess, ranks: int, timeout: int, layer: str, st
     return out
 
 
-def test_a_stage_that_raises(rank0_subprocess):
+@pytest.mark.parametrize("body, said", [
+    ("raise RuntimeError('boom in the middle stage')", "boom in the middle stage"),
+    # Not a tensor or a tuple of tensors: the fix is named.
+    ("return {'h': super().forward(x)}",
+     "returned a dict; a stage hands the next one a tensor or a tuple of tensors"),
+])
+def test_a_stage_that_raises(rank0_subprocess, body, said):
     layer = ("class Bad(nn.Linear):\n"
              "    def forward(self, x):\n"
-             "        raise RuntimeError('boom in the middle stage')\n")
+             f"        {body}\n")
     out = _failing_pipeline(rank0_subprocess, 3, 4, layer, steps=1)
     if out is not None:
-        assert "pipeline stage 1 failed in 1F0" in out and "boom in the middle stage" in out, out
+        assert "pipeline stage 1 failed in 1F0" in out and said in out, out
 
 
 def test_a_stage_that_hangs_ends_at_the_deadline_naming_the_shared_slot(rank0_subprocess,

@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from mpiring.parallel.pipeline import data_parallel
+from mpiring.parallel.pipeline import data_parallel, packing
 from mpiring.parallel.pipeline.actions import (
     SEND_B,
     SEND_F,
@@ -179,7 +179,9 @@ class PipelineSchedule:
         self._outs, self._losses, self._xs, self._ts = {}, {}, None, None
         if not outs:
             return None
-        return torch.stack(outs) if outs[0].dim() == 0 else torch.cat(outs)  # 0-dim: a loss
+        if not isinstance(outs[0], torch.Tensor):  # a tuple: each part merged
+            return type(outs[0])(_merged(list(col)) for col in zip(*outs))
+        return _merged(outs)
 
     def close(self) -> None:
         """Collective: free what the schedule holds between steps (the shared-memory window
@@ -212,25 +214,24 @@ class PipelineSchedule:
     def _compute(self, a: Action) -> None:
         st, t0, t1 = self.stage, time.perf_counter(), None
         if a.kind == F:
-            x = self._xs[a.mb] if st.is_first else self._recv.pop(("F", a.mb))
+            x = self._xs[a.mb] if st.is_first else self._received(a.mb)
             out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
                                    target=self._ts[a.mb] if st.is_last else None,
                                    loss_fn=self.loss_fn, scale=self.scale)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"the stage's forward returned a {type(out).__name__}: a stage "
-                                "hands one tensor to the next (and to loss_fn); put several "
-                                "into one with torch.cat or torch.stack")
             if st.is_last:
-                self._outs[a.mb], self._losses[a.mb] = out.detach(), loss.detach()
-            else:
+                self._outs[a.mb], self._losses[a.mb] = _detached(out), loss.detach()
+            elif isinstance(out, torch.Tensor):
                 t1 = self._output(a, out.detach().contiguous())
+            else:
+                t1 = self._output(a, packing.pack([o.detach() for o in _parts(out)]))
         elif a.kind == B:
-            grad = None if st.is_last else self._recv.pop(("B", a.mb))
+            grad = None if st.is_last else self._grad(a.mb)
             gin = st.backward(a.mb, grad, split=a.mb in self._split,
                               sync=self._sync_in_b and a.mb == self._last_b)
             self.after_backward(a.mb)  # PipeDream's update: compute, before the send
             if not st.is_first:
-                t1 = self._output(a, gin.contiguous())
+                t1 = self._output(a, gin.contiguous() if isinstance(gin, torch.Tensor)
+                                  else packing.pack(gin))
         else:
             st.weight(a.mb, sync=self._sync_in_w and a.mb == self._last_w)
         if t1 is None:
@@ -241,6 +242,29 @@ class PipelineSchedule:
             tracer.event(str(a), "pipeline", t0, t1, action=a.kind, stage=a.stage, mb=a.mb,
                          schedule=self.name, microbatches=self.n_microbatches,
                          replica=0 if st.ddp is None else st.ddp.comm.rank)
+
+    def _received(self, mb: int):
+        """Micro-batch ``mb``'s input from the stage before: its tensor, or its parts."""
+        buf = self._recv.pop(("F", mb))
+        layout = self.transport.layout(mb)
+        return buf if layout is None else packing.unpack(buf, layout)
+
+    def _grad(self, mb: int):
+        """The gradient of micro-batch ``mb``'s output, from the stage after (per
+        floating-point part, for a tuple)."""
+        buf = self._recv.pop(("B", mb))
+        out = self.stage._out[mb]
+        if isinstance(out, torch.Tensor):
+            return buf
+        return packing.unpack(buf, packing.grad_layout(_layout(out)))
+
+    def _grad_like(self, mb: int):
+        """What the gradient of micro-batch ``mb``'s output arrives as (shape and dtype)."""
+        out = self.stage._out[mb]
+        if isinstance(out, torch.Tensor):
+            return out
+        _, total = packing.spans(packing.grad_layout(_layout(out)))
+        return torch.empty(total, dtype=torch.uint8, device="meta")
 
     def _output(self, a: Action, t: torch.Tensor) -> float:
         """Hand ``a``'s output to the transport: sent now if the program sends it next.
@@ -256,7 +280,7 @@ class PipelineSchedule:
         return t1
 
     def _communicate(self, run: list[Action], sends: list) -> None:
-        self.transport.exchange(run, self._send, self._recv, lambda mb: self.stage._out[mb], sends)
+        self.transport.exchange(run, self._send, self._recv, self._grad_like, sends)
 
     def _reduce_tied(self) -> None:
         st = self.stage
@@ -274,6 +298,35 @@ class PipelineSchedule:
 
     def after_backward(self, mb: int) -> None:
         """Called after each micro-batch's B (PipeDream updates the weights here)."""
+
+
+def _merged(outs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(outs) if outs[0].dim() == 0 else torch.cat(outs)  # 0-dim: a loss
+
+
+def _parts(out) -> tuple:
+    """A non-last stage's output as the parts of a packed boundary, or the fix."""
+    if isinstance(out, (tuple, list)):
+        why = packing.check_parts(out, DTYPES, MAX_DIMS)
+    else:
+        why = (f"a {type(out).__name__}; a stage hands the next one a tensor or a tuple of "
+               "tensors (its forward's positional arguments): return the tensors in a tuple")
+    if why:
+        raise TypeError(f"the stage's forward returned {why}")
+    return tuple(out)
+
+
+def _layout(out) -> packing.Layout:
+    return tuple((o.dtype, tuple(o.shape)) for o in out)
+
+
+def _detached(out):
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        return type(out)(o.detach() for o in out)
+    raise TypeError(f"the last stage's forward returned a {type(out).__name__}; step() merges "
+                    "a tensor or a tuple of tensors: return those (loss_fn gets the same)")
 
 
 def _eager_sends(program: list[Action]) -> dict[tuple[str, int], Action]:

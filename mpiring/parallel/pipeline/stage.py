@@ -102,18 +102,26 @@ class PipelineStage:
     # --- F --------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, *, recompute: bool = False,
                 stash: bool = False, target=None, loss_fn=None, scale: float = 1.0):
-        """Run micro-batch ``mb``'s forward; returns the output (the loss on the last stage)."""
-        inp = x.requires_grad_(True) if x.is_floating_point() and not self.is_first else x
-        self._inp[mb] = inp
+        """Run micro-batch ``mb``'s forward; returns the output (the loss on the last stage).
+
+        ``x``: a tensor, or the parts of a packed boundary (a tuple: the module's
+        positional arguments).
+        """
+        if isinstance(x, tuple):
+            args = x if self.is_first else tuple(_leaf(a) for a in x)
+            self._inp[mb] = args
+        else:  # one tensor: the common case, without the tuple's steps
+            inp = self._inp[mb] = _leaf(x) if not self.is_first else x
+            args = (inp,)
         last = self.is_last
         if recompute:
             self._rng[mb] = torch.get_rng_state()
             with torch.no_grad():
-                out = self.module(inp)
+                out = self.module(*args)
                 loss = loss_fn(out, target) if last else None
             self._loss_args[mb] = (loss_fn, target, scale)
             if self.count_activations:
-                self._held[mb] = inp.nelement() * inp.element_size()
+                self._held[mb] = sum(a.nelement() * a.element_size() for a in args)
         else:
             params = None
             if stash:  # PipeDream: this micro-batch's weights, kept until its backward
@@ -122,7 +130,7 @@ class PipelineStage:
                 self._stash[mb] = params
 
             def run():  # the loss's saved tensors (the log-softmax) count as activations too
-                y = self._call(inp, params)
+                y = self._call(args, params)
                 return y, (loss_fn(y, target) if last else None)
             (out, loss), self._held[mb] = self._counted(run)
         self._grow(self._held.get(mb, 0))  # recomputation without counting holds none
@@ -132,8 +140,8 @@ class PipelineStage:
         self._out[mb] = out
         return out, None
 
-    def _call(self, inp, params):
-        return self.module(inp) if params is None else functional_call(self.module, params, (inp,))
+    def _call(self, args: tuple, params):
+        return self.module(*args) if params is None else functional_call(self.module, params, args)
 
     def _counted(self, fn):
         """Run ``fn``; with ``count_activations``, also the activation bytes autograd saves
@@ -167,18 +175,24 @@ class PipelineStage:
         ``sync`` (with a DDP-wrapped stage): this backward also reduces the
         gradients accumulated so far over the data-parallel replicas.
 
-        Returns the gradient for the previous stage (None on the first stage).
+        ``grad``: the output's gradient; for a tuple output, one per floating-point
+        part, in order.
+
+        Returns the gradient for the previous stage (None on the first stage): a
+        tensor, or for a tuple input one per floating-point part.
         """
         inp, out = self._inp.pop(mb), self._out.pop(mb)
         if mb in self._rng:  # recompute: the forward again, with the same random numbers
-            if not self.is_first:  # a received leaf; the first stage's input is the user's
-                inp = inp.detach().requires_grad_(inp.requires_grad)
+            args = inp if isinstance(inp, tuple) else (inp,)
+            if not self.is_first:  # received leaves; the first stage's input is the user's
+                args = tuple(a.detach().requires_grad_(a.requires_grad) for a in args)
+                inp = args if isinstance(inp, tuple) else args[0]
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(self._rng.pop(mb))
                 loss_fn, target, scale = self._loss_args.pop(mb)
 
                 def run():
-                    y = self.module(inp)
+                    y = self.module(*args)
                     return loss_fn(y, target) * scale if self.is_last else y
                 out, extra = self._counted(run)
                 self._grow(extra)
@@ -187,11 +201,17 @@ class PipelineStage:
             self._sink.queue = self._wq.setdefault(mb, []) if split else None
         if sync and self.ddp is not None:
             data_parallel.arm(self.ddp, out)
+        # An output that needs no gradient (a frozen first stage, an integer output)
+        # has no backward: nothing before it learns.
         try:
-            # An output that needs no gradient (a frozen first stage, an integer output)
-            # has no backward: nothing before it learns.
-            if out.requires_grad:
-                torch.autograd.backward(out, None if self.is_last else grad)
+            if isinstance(out, torch.Tensor):
+                if out.requires_grad:
+                    torch.autograd.backward(out, None if self.is_last else grad)
+            else:  # a tuple: the gradients came for its floating-point parts
+                floats = [o for o in out if o.is_floating_point()]
+                pairs = [(o, g) for o, g in zip(floats, grad) if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         finally:
             if self._sink is not None:
                 self._sink.queue = None
@@ -203,6 +223,9 @@ class PipelineStage:
             return None
         # An input the stage did not use, or one that takes no gradient (integers): the
         # stage before still waits for a gradient, which is zero.
+        if isinstance(inp, tuple):
+            return tuple(a.grad if a.grad is not None else torch.zeros_like(a)
+                         for a in inp if a.is_floating_point())
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
     def weight(self, mb: int, *, sync: bool = False) -> None:
@@ -226,6 +249,11 @@ class PipelineStage:
 
     def _release(self, mb: int) -> None:
         self._grow(-self._held.pop(mb, 0))
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    """A received input, as a leaf whose gradient B leaves in ``.grad`` (floats only)."""
+    return x.requires_grad_(True) if x.is_floating_point() else x
 
 
 def _check_layout(table: list[dict], size: int) -> None:

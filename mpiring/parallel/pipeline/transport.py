@@ -57,7 +57,7 @@ import time
 import numpy as np
 import torch
 
-from mpiring.parallel.pipeline import shared
+from mpiring.parallel.pipeline import packing, shared
 from mpiring.parallel.pipeline.actions import RECV_B, RECV_F, SEND_F, Action
 
 TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
@@ -74,19 +74,46 @@ SLEEP_S = 2e-5
 POLL_S = 1.0
 
 
-def header(t: torch.Tensor) -> np.ndarray:
-    """dtype index, number of dims, then the dims (-1 padded): what a receiver allocates from."""
-    if t.dim() > MAX_DIMS or t.dtype not in DTYPES:
-        raise TypeError(f"activation of shape {tuple(t.shape)} and dtype {t.dtype}: a stage "
-                        f"may pass up to {MAX_DIMS} dimensions of {', '.join(map(str, DTYPES))}")
-    h = np.full(2 + MAX_DIMS, -1, dtype=np.int64)
-    h[0], h[1] = DTYPES.index(t.dtype), t.dim()
-    h[2:2 + t.dim()] = t.shape
+#: dtype index in a header's first row that marks a packed boundary (``packing``).
+PACKED = len(DTYPES)
+ROW = 2 + MAX_DIMS
+#: int64s in a header: a row for the message, then one per part of a packed one.
+HEADER = ROW * (1 + packing.MAX_PARTS)
+
+
+def header(t: torch.Tensor | packing.Packed) -> np.ndarray:
+    """dtype index, number of dims, then the dims (-1 padded): what a receiver allocates
+    from; for a packed boundary, (PACKED, 1, bytes, parts), then a row per part."""
+    h = np.full(HEADER, -1, dtype=np.int64)
+    parts = t.layout if isinstance(t, packing.Packed) else ((t.dtype, tuple(t.shape)),)
+    for i, (dtype, shape) in enumerate(parts, start=1 if isinstance(t, packing.Packed) else 0):
+        if len(shape) > MAX_DIMS or dtype not in DTYPES:
+            raise TypeError(f"activation of shape {tuple(shape)} and dtype {dtype}: a stage "
+                            f"may pass up to {MAX_DIMS} dimensions of {', '.join(map(str, DTYPES))}")
+        h[i * ROW:i * ROW + 2] = DTYPES.index(dtype), len(shape)
+        h[i * ROW + 2:i * ROW + 2 + len(shape)] = shape
+    if isinstance(t, packing.Packed):
+        h[:4] = PACKED, 1, t.data.numel(), len(t.layout)
     return h
 
 
-def from_header(h: np.ndarray) -> tuple[tuple[int, ...], torch.dtype]:
-    return tuple(int(v) for v in h[2:2 + int(h[1])]), DTYPES[int(h[0])]
+def from_header(h: np.ndarray) -> tuple[tuple[int, ...], torch.dtype, packing.Layout | None]:
+    """(shape, dtype) of the message, and the parts' layout of a packed one (else None)."""
+    if int(h[0]) == PACKED:
+        rows = [h[i * ROW:(i + 1) * ROW] for i in range(1, 1 + int(h[3]))]
+        layout = tuple((DTYPES[int(r[0])], tuple(int(v) for v in r[2:2 + int(r[1])]))
+                       for r in rows)
+        return (int(h[2]),), torch.uint8, layout
+    return tuple(int(v) for v in h[2:2 + int(h[1])]), DTYPES[int(h[0])], None
+
+
+def _describe(what) -> str:
+    """A layout (or a description already) in an error message."""
+    if isinstance(what, str):
+        return what
+    if what is None:
+        return "one tensor (not a tuple)"
+    return "a tuple of " + ", ".join(f"{d} {tuple(s)}" for d, s in what)
 
 
 def _timer_slack(ns: int | None) -> int | None:
@@ -205,6 +232,7 @@ class Transport:
         # slots are laid out for, at that step's end (the old window is reused or
         # retired there, both collectively; renegotiate() itself touches no window).
         self.sent: dict[tuple[str, int], tuple] = {}
+        self.sent_layouts: dict[tuple[str, int], packing.Layout | None] = {}
         self.shared_on = False
 
     def start_step(self, program: list[Action]) -> None:
@@ -252,24 +280,36 @@ class Transport:
                 self.bufs, self.prepared_recvs = {}, {}
         self.fresh = False
 
+    def layout(self, mb: int) -> packing.Layout | None:
+        """The parts of micro-batch ``mb``'s received activation, if its boundary is packed."""
+        return self.meta[mb][2] if mb in self.meta else None
+
     def _buffer(self, key: tuple[str, int], shape, dtype) -> torch.Tensor:
         buf = self.bufs.get(key)
         if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
             buf = self.bufs[key] = torch.empty(shape, dtype=dtype)
         return _reused(buf)
 
-    def send(self, a: Action, t: torch.Tensor, sends: list) -> None:
+    def send(self, a: Action, t: torch.Tensor | packing.Packed, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
         tag = TAG_ACT if a.kind == SEND_F else TAG_GRAD
+        layout = t.layout if isinstance(t, packing.Packed) else None
+        message = t.data if layout is not None else t
+        key = (a.channel, a.mb)
         if self.fresh:
-            self.sent[(a.channel, a.mb)] = (a.peer, tuple(t.shape), t.dtype)
-        elif (agreed := self.sent.get((a.channel, a.mb))) is not None and (
-                t.shape != agreed[1] or t.dtype != agreed[2]):
+            self.sent[key] = (a.peer, tuple(message.shape), message.dtype)
+            self.sent_layouts[key] = layout
+        elif (agreed := self.sent.get(key)) is not None and (
+                message.shape != agreed[1] or message.dtype != agreed[2] or
+                layout != self.sent_layouts.get(key)):
             # The unchecked messages carry bytes only: a new shape of the same size
             # would land in the old one's buffer, reinterpreted, without an error.
-            raise self._changed(a, ValueError(
-                f"got {t.dtype} of shape {tuple(t.shape)}, agreed {agreed[2]} of shape "
-                f"{agreed[1]}"))
+            agreed_layout = self.sent_layouts.get(key)
+            got, want = ((layout, agreed_layout) if layout or agreed_layout else
+                         (f"{message.dtype} of shape {tuple(message.shape)}",
+                          f"{agreed[2]} of shape {agreed[1]}"))
+            raise self._changed(a, ValueError(f"got {_describe(got)}, agreed {_describe(want)}"))
+        t = message
         if self.shared_on:
             try:
                 self.shared.send(a.channel, a.mb, a.peer, t, self.steps, tag)
@@ -279,7 +319,6 @@ class Transport:
         if not self.fresh and self.mpi:
             # Checked once per micro-batch and channel: right after a compute action,
             # wrapping a tensor for MPI runs cold and costs more than the message.
-            key = (a.channel, a.mb)
             prepared = self.prepared_sends.get(key)
             if prepared is None:
                 prepared = self.prepared_sends[key] = self.fast.prepare_send(t, a.peer, tag)
@@ -291,7 +330,8 @@ class Transport:
         comm = self.checked if self.fresh else self.fast
         if a.kind == SEND_F:
             if a.mb not in self.meta_sent:
-                sends.append(self.checked.isend(header(t), a.peer, TAG_META))
+                h = header(packing.Packed(t, layout) if layout is not None else t)
+                sends.append(self.checked.isend(h, a.peer, TAG_META))
                 self.meta_sent.add(a.mb)
             sends.append(comm.isend(t, a.peer, TAG_ACT))
         else:
@@ -319,7 +359,7 @@ class Transport:
         recvs = []
         for a in run:  # headers first (first step only), so a group holds only the data
             if a.kind == RECV_F and a.mb not in self.meta:
-                h = self.checked.recv(np.empty(2 + MAX_DIMS, dtype=np.int64), a.peer, TAG_META)
+                h = self.checked.recv(np.empty(HEADER, dtype=np.int64), a.peer, TAG_META)
                 self.meta[a.mb] = from_header(h)
         grouped = comm.group() if comm.backend == "nccl" else contextlib.nullcontext()
         with grouped:
@@ -330,7 +370,7 @@ class Transport:
                     incoming[key] = buf
                     recvs.append(req)
                 elif a.kind == RECV_F:
-                    buf = incoming[key] = self._buffer(key, *self.meta[a.mb])
+                    buf = incoming[key] = self._buffer(key, *self.meta[a.mb][:2])
                     recvs.append(comm.irecv(buf, a.peer, TAG_ACT))
                 elif a.kind == RECV_B:
                     out = grad_like(a.mb)

@@ -1,0 +1,192 @@
+"""Stages that hand the next one several tensors (a tuple), against the unsplit model.
+
+Every boundary carries a float tensor the next stage computes with, an int64
+tensor (no gradient), a bool mask and a float tensor the model never uses (its
+gradient is zero), on K = 1..4 stages, over MPI messages and shared memory.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_pipeline_runtime import bounds
+from torch import nn
+
+from mpiring.parallel.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleZeroBubble,
+    packing,
+    transport,
+)
+from mpiring.parallel.pipeline.actions import SEND_F, Action
+
+SCHEDULES = {
+    "gpipe": lambda st, m, lf: ScheduleGPipe(st, m, lf),
+    "gpipe-recompute": lambda st, m, lf: ScheduleGPipe(st, m, lf, recompute=True),
+    "1f1b": lambda st, m, lf: Schedule1F1B(st, m, lf),
+    "zb": lambda st, m, lf: ScheduleZeroBubble(st, m, lf),
+}
+ROWS = 10  # does not divide by 3 or 4
+
+
+class Start(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x):
+        ids = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+        return torch.tanh(self.lin(x)), ids, x[:, 2] > 0, x * 3  # the last one: never used
+
+
+class Block(nn.Module):
+    def __init__(self, salt: int):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.emb = nn.Embedding(3, 4)
+        self.salt = salt
+
+    def forward(self, h, ids, mask, unused):
+        new = torch.tanh(self.lin(h)) + self.emb(ids)
+        h = torch.where(mask[:, None], new, h * 0.5)
+        ids = (ids + self.salt) % 3 if self.salt else ids
+        return h, ids, mask if self.salt % 2 else ~mask, unused
+
+
+class End(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, h, ids, mask, unused):
+        return self.lin(h), h.sum(1)  # a tuple for loss_fn and for step()'s merged output
+
+
+class Chain(nn.Module):
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, *args):
+        for p in self.parts:
+            args = p(*args)
+            args = args if isinstance(args, tuple) else (args,)
+        return args[0] if len(args) == 1 else args
+
+
+def model() -> list[nn.Module]:
+    torch.manual_seed(5)
+    return [m.double() for m in (Start(), Block(0), Block(1), Block(2), End())]
+
+
+def loss_fn(out, target):
+    pred, extra = out
+    return ((pred - target) ** 2).mean() + 0.1 * extra.pow(2).mean()
+
+
+def data(salt: int):
+    g = torch.Generator().manual_seed(40 + salt)
+    return (torch.randn(ROWS, 3, generator=g, dtype=torch.float64),
+            torch.randn(ROWS, 2, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("path", ["shared", "mpi"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("m", (1, 3, 4))
+def test_tuple_boundaries_match_the_unsplit_model(comm, monkeypatch, name, m, path):
+    monkeypatch.setenv("MPIRING_PP_SHARED", "1" if path == "shared" else "0")
+    mods = model()
+    full = Chain(copy.deepcopy(mods))
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    part = Chain(copy.deepcopy(mods[lo:hi]))
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = SCHEDULES[name](stage, m, loss_fn)
+    for salt in (0, 1, 2):  # steps 2 and 3: the agreed layouts, over the fast path
+        x, y = data(salt)
+        full.zero_grad()
+        losses = [loss_fn(full(a), b) for a, b in zip(torch.tensor_split(x, m),
+                                                      torch.tensor_split(y, m))]
+        torch.stack(losses).mean().backward()
+        part.zero_grad()
+        out = sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+        if stage.is_last:
+            with torch.no_grad():
+                want = full(x)
+            assert isinstance(out, tuple) and len(out) == 2
+            for got, ref in zip(out, want):
+                torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        ref_params = dict(full.parts[lo:hi].named_parameters())
+        for n, p in part.parts.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-10, atol=1e-12)
+    sched.close()
+
+
+def test_one_stage_returns_the_tuple_merged(comm):
+    if comm.size > 1:
+        pytest.skip("one stage")
+    stage = PipelineStage(Chain(model()), 0, 1, comm)
+    x, y = data(0)
+    out = Schedule1F1B(stage, 3, loss_fn).step(x, target=y)
+    want = Chain(model())(x)
+    for got, ref in zip(out, want):
+        torch.testing.assert_close(got, ref.detach())
+
+
+def test_the_header_carries_the_layout():
+    parts = (torch.zeros(2, 3), torch.ones(5, dtype=torch.int64), torch.zeros((), dtype=torch.bool),
+             torch.zeros(0, 4, dtype=torch.float64))
+    p = packing.pack(parts)
+    assert p.data.dtype == torch.uint8 and p.data.numel() % packing.ALIGN == 0
+    shape, dtype, layout = transport.from_header(transport.header(p))
+    assert (shape, dtype) == ((p.data.numel(),), torch.uint8)
+    assert layout == tuple((t.dtype, tuple(t.shape)) for t in parts)
+    # A plain tensor's header has no layout.
+    assert transport.from_header(transport.header(torch.zeros(2, 7)))[1:] == (torch.float32, None)
+    back = packing.unpack(p.data, layout)
+    for a, b in zip(parts, back):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    assert [b.data_ptr() % packing.ALIGN for b in back if b.numel()] == [0, 0, 0]
+
+
+def test_the_parts_are_views_and_the_gradients_are_the_float_parts():
+    parts = (torch.arange(6.0).view(2, 3), torch.arange(4), torch.ones(3, dtype=torch.float64))
+    p = packing.pack(parts)
+    back = packing.unpack(p.data, p.layout)
+    back[0][0, 0] = 42.0  # a view of the message, not a copy
+    assert packing.unpack(p.data, p.layout)[0][0, 0] == 42.0
+    assert packing.grad_layout(p.layout) == ((torch.float32, (2, 3)), (torch.float64, (3,)))
+    assert packing.pack(()).data.numel() == 0  # the gradients of a boundary of integers
+
+
+@pytest.mark.parametrize("parts, why", [
+    ((), "an empty tuple"),
+    ((torch.zeros(1), 3), "element 1 of the tuple is a int"),
+    ((torch.zeros(1),) * 17, "a tuple of 17 tensors; a boundary carries up to 16"),
+    ((torch.zeros(1, dtype=torch.complex64),), "element 0 is torch.complex64"),
+])
+def test_parts_that_cannot_cross_say_why(parts, why):
+    assert why in packing.check_parts(parts, transport.DTYPES, transport.MAX_DIMS)
+
+
+def test_a_changed_layout_of_the_same_size_names_renegotiate(comm):
+    if comm.size == 1:
+        pytest.skip("a send needs a neighbour")
+    t = transport.Transport(comm)
+    if comm.rank == 0:
+        a = Action(0, SEND_F, 2)
+        first = packing.pack((torch.zeros(2, 4), torch.zeros(4, 2)))
+        t.fresh = False  # a fast step: the first one agreed this layout
+        t.sent[(a.channel, a.mb)] = (1, tuple(first.data.shape), torch.uint8)
+        t.sent_layouts[(a.channel, a.mb)] = first.layout
+        # The same bytes in other parts: the message alone would fit the receiver's buffer.
+        for other in (packing.pack((torch.zeros(4, 2), torch.zeros(2, 4))), torch.zeros(
+                first.data.numel(), dtype=torch.uint8)):
+            with pytest.raises(ValueError, match=r"not the shape agreed on the first step .*"
+                                                 r"agreed a tuple of torch.float32 \(2, 4\), "
+                                                 r"torch.float32 \(4, 2\).*renegotiate\(\)"):
+                t.send(a, other, [])
+    comm.barrier()
