@@ -190,3 +190,81 @@ def test_a_changed_layout_of_the_same_size_names_renegotiate(comm):
                                                  r"torch.float32 \(4, 2\).*renegotiate\(\)"):
                 t.send(a, other, [])
     comm.barrier()
+
+
+class Start2(nn.Module):
+    """A first stage of two inputs; the second's width reaches the boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x, w):
+        h = torch.tanh(self.lin(x)) * w.sum(1, keepdim=True)
+        ids = (x[:, 0] > 0).long()
+        return h, ids, x[:, 1] > 0, w  # w: a float part whose width the input decides
+
+
+def two_input_model() -> list[nn.Module]:
+    torch.manual_seed(6)
+    return [m.double() for m in (Start2(), Block(1), Block(2), End())]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb"])
+def test_several_inputs_and_eval_match_the_unsplit_model(comm, name):
+    # step(x, w) splits both along dim 0; a new width of w alone is a new signature
+    # (the boundary's layout changes with it). eval() between the steps runs the
+    # forwards only: the unsplit model's outputs and losses, no gradient, nothing
+    # held, and the training steps around it keep their own agreed shapes.
+    mods = two_input_model()
+    full = Chain(copy.deepcopy(mods))
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    part = Chain(copy.deepcopy(mods[lo:hi]))
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    m = 3
+    sched = SCHEDULES[name](stage, m, loss_fn)
+    for salt, width in ((0, 2), (1, 5), (2, 5), (3, 2)):
+        x, y = data(salt)
+        w = torch.randn(ROWS, width, generator=torch.Generator().manual_seed(salt),
+                        dtype=torch.float64)
+        full.zero_grad()
+        chunks = zip(torch.tensor_split(x, m), torch.tensor_split(w, m), torch.tensor_split(y, m))
+        want_losses = [loss_fn(full(a, b), t) for a, b, t in chunks]
+        torch.stack(want_losses).mean().backward()
+        with torch.no_grad():
+            want = full(x, w)
+        ins = (x, w) if stage.is_first else ()
+        part.zero_grad(set_to_none=True)
+        losses: list = []
+        got = sched.eval(*ins, target=y if stage.is_last else None,
+                         losses=losses if stage.is_last else None)
+        assert all(p.grad is None for p in part.parameters())
+        assert stage.live_bytes == 0
+        if stage.is_last:
+            for g, ref in zip(got, want):
+                torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-12)
+            assert [float(v) for v in losses] == pytest.approx(
+                [float(v.detach()) for v in want_losses], rel=1e-12)
+            assert sched.eval(*ins) is not None  # no target: outputs, and no loss
+        else:
+            assert sched.eval(*ins) is None
+        out = sched.step(*ins, target=y if stage.is_last else None)
+        if stage.is_last:
+            torch.testing.assert_close(out[0], want[0], rtol=1e-12, atol=1e-12)
+        ref_params = dict(full.parts[lo:hi].named_parameters())
+        for n, p in part.parts.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-10, atol=1e-12)
+    sched.close()
+
+
+def test_inputs_of_different_batch_sizes_are_refused_on_every_rank(comm):
+    mods = two_input_model()
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    stage = PipelineStage(Chain(mods[lo:hi]), comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 2, loss_fn)
+    x, y = data(0)
+    for call in (sched.step, sched.eval):
+        with pytest.raises(ValueError, match=r"r0: stage 0: the inputs have \[10, 4\] rows; "
+                                             r"each is split .* one batch size"):
+            call(*((x, torch.zeros(4, 2, dtype=torch.float64)) if stage.is_first else ()),
+                 target=y if stage.is_last else None)

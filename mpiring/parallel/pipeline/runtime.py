@@ -27,6 +27,7 @@ once, from the program).
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from mpiring.parallel.pipeline.actions import (
     format_schedule,
     groups,
 )
-from mpiring.parallel.pipeline.schedules import build, check_sizes
+from mpiring.parallel.pipeline.schedules import build, check_sizes, lower
 from mpiring.parallel.pipeline.stage import PipelineStage
 from mpiring.parallel.pipeline.transport import DTYPES, MAX_DIMS, Transport
 from mpiring.parallel.pipeline.validate import Span, check
@@ -95,8 +96,6 @@ class PipelineSchedule:
             raise ValueError(f"{type(self).__name__}: {data_parallel.FSDP_SPLIT}")
         self.actions = actions
         program = actions[stage.stage_index]
-        self._groups = groups(program)
-        self._eager = _eager_sends(program)
         self._split = {a.mb for a in program if a.kind == W}
         if self._split:
             stage.split_backward()
@@ -113,18 +112,21 @@ class PipelineSchedule:
         self._sync_in_w = ddp and bool(weights) and (not backwards or weights[-1] > backwards[-1])
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
         self.transport = Transport(stage.comm)  # collective (a dup), as the gather above
-        if not self.transport.mpi:  # NCCL: a send goes in its group, with the receive
-            self._eager = {}
-        self._signature: list[int] | None = None
+        # NCCL: a send goes in its group, with the receive (no send posted early).
+        eager = _eager_sends(program) if self.transport.mpi else {}
+        self._train = _Plan(program, groups(program), eager, self.transport)
+        self._eval: _Plan | None = None  # made at the first eval(), on every rank alike
+        self._plan = self._train
         self.timeline: list[Span] = []
 
     # --- the step ---------------------------------------------------------------
-    def step(self, x: torch.Tensor | None = None, *, target: torch.Tensor | None = None,
+    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
              losses: list | None = None):
         """One training step's forward and backward over the micro-batches.
 
         Args:
-            x: the input batch, on the first stage only.
+            args: the input batch, on the first stage only: one tensor, or several
+                (the first stage's positional arguments), each split along dim 0.
             target: the targets, on the last stage only.
             losses: a list the last stage appends each micro-batch's loss to.
 
@@ -137,12 +139,45 @@ class PipelineSchedule:
             PipelineError: on the rank whose stage failed; the others stop at the
                 communicator's deadline.
         """
+        return self._run(self._train, args, target, losses)
+
+    def eval(self, *args: torch.Tensor, target: torch.Tensor | None = None,
+             losses: list | None = None):
+        """The forwards alone, under ``torch.no_grad`` (torch's ``schedule.eval``).
+
+        The micro-batches go through the stages in order (GPipe's forward half),
+        nothing is kept for a backward and no gradient or optimizer state is
+        touched; call ``module.eval()`` first for dropout and batch norm, as
+        without a pipeline. The target is optional: with it, ``losses`` gets
+        each micro-batch's loss. Collective: every rank calls it. Its messages go
+        on a communicator of their own, so training steps keep their agreed
+        shapes and buffers.
+
+        Returns:
+            The merged output on the last stage, else None.
+        """
+        if self._eval is None:
+            st, m = self.stage, self.n_microbatches
+            program = lower([Action(st.stage_index, F, k) for k in range(m)], st.num_stages)
+            transport = Transport(st.comm)  # collective: every rank makes its first eval()
+            eager = _eager_sends(program) if transport.mpi else {}
+            self._eval = _Plan(program, groups(program), eager, transport, train=False)
+        return self._run(self._eval, args, target, losses)
+
+    def _run(self, plan: _Plan, args: tuple, target, losses):
         st, m = self.stage, self.n_microbatches
-        self._agree(x, target, losses)
-        self._xs = list(torch.tensor_split(x, m)) if st.is_first else None
-        self._ts = list(torch.tensor_split(target, m)) if st.is_last else None
+        x = _input(args)
+        self._agree(plan, x, target, losses)
+        if not st.is_first:
+            self._xs = None
+        elif isinstance(x, tuple):  # several inputs: micro-batch k takes row block k of each
+            self._xs = list(zip(*(torch.tensor_split(t, m) for t in x)))
+        else:
+            self._xs = list(torch.tensor_split(x, m))
+        self._ts = (list(torch.tensor_split(target, m)) if st.is_last and target is not None
+                    else None)
         st.reset()
-        if st.ddp is not None:
+        if plan.train and st.ddp is not None:
             data_parallel.start_step(st.ddp)
         self._recv: dict[tuple[str, int], torch.Tensor] = {}
         self._send: dict[tuple[str, int], torch.Tensor] = {}
@@ -150,13 +185,16 @@ class PipelineSchedule:
         self._losses: dict[int, torch.Tensor] = {}
         self.timeline = []
         self._sends = sends = []
-        self.transport.start_step(self.actions[st.stage_index])
-        for run in self._groups:
+        self._plan = plan
+        plan.transport.start_step(plan.program)
+        for run in plan.groups:
             try:
                 if run[0].is_comm:
                     self._communicate(run, sends)
-                else:
+                elif plan.train:
                     self._compute(run[0])
+                else:
+                    self._evaluate(run[0])
             except PipelineError:
                 raise
             except Exception as exc:
@@ -167,11 +205,12 @@ class PipelineSchedule:
                     f"deadline ({st.comm.timeout:g} s)") from exc
         for req in sends:
             req.wait()
-        self.transport.end_step()
-        if st.ddp is not None and not (self._sync_in_b or self._sync_in_w):
-            data_parallel.reduce_now(st.ddp)
-        self._reduce_tied()
-        if losses is not None and st.is_last:
+        plan.transport.end_step()
+        if plan.train:
+            if st.ddp is not None and not (self._sync_in_b or self._sync_in_w):
+                data_parallel.reduce_now(st.ddp)
+            self._reduce_tied()
+        if losses is not None and st.is_last and self._losses:
             losses.extend(self._losses[k] for k in range(m))
         outs = [self._outs[k] for k in range(m)] if st.is_last else []
         # Nothing of this step kept past it but what is returned (the last stage's
@@ -187,29 +226,42 @@ class PipelineSchedule:
         """Collective: free what the schedule holds between steps (the shared-memory window
         of stages on one host). Later steps still run, over MPI messages."""
         self.transport.close()
+        if self._eval is not None:
+            self._eval.transport.close()
 
-    def _agree(self, x, target, losses) -> None:
+    def _agree(self, plan: _Plan, x, target, losses) -> None:
         """Every rank's argument errors and the input's shape, in one small exchange."""
         st, m = self.stage, self.n_microbatches
-        err = _arg_error(st, m, x, target, losses)
-        rows_x = int(x.shape[0]) if st.is_first and not err else -1
-        rows_t = int(target.shape[0]) if st.is_last and not err else -1
-        shape = [-1] * (MAX_DIMS + 1)
+        what = "step()" if plan.train else "eval()"
+        err = _arg_error(st, m, x, target, losses, need_target=plan.train)
+        first = x[0] if isinstance(x, tuple) else x
+        rows_x = int(first.shape[0]) if st.is_first and not err else -1
+        # eval() without a target: nothing to compare the input's rows with.
+        rows_t = (int(target.shape[0]) if target is not None else -2) if st.is_last and not err \
+            else -1
+        shape = [-1] * (MAX_DIMS + 3)
         if st.is_first and not err:
-            shape[:x.dim() + 1] = [DTYPES.index(x.dtype) if x.dtype in DTYPES else -2, *x.shape]
+            inputs = x if isinstance(x, tuple) else (x,)
+            # Several inputs: their count and a checksum of every shape and dtype stand
+            # for them (the row has a fixed size); the first one's shape in full.
+            sig = repr([(str(t.dtype), tuple(t.shape)) for t in inputs]).encode()
+            shape[:first.dim() + 3] = [len(inputs), zlib.crc32(sig),
+                                       DTYPES.index(first.dtype) if first.dtype in DTYPES else -2,
+                                       *first.shape]
         row = [int(bool(err)), rows_x, rows_t, *shape]
         comm = st.comm
         table = comm.control.allgather_array(row) if comm.size > 1 else np.array([row])
         if table[:, 0].any():
             texts = comm.control.allgather_json(err) if comm.size > 1 else [err]
-            raise ValueError("step(): " + "; ".join(f"r{r}: {t}" for r, t in enumerate(texts) if t))
-        if table[0, 1] != table[-1, 2]:
-            raise ValueError(f"step(): the input has {table[0, 1]} rows on the first stage but "
+            raise ValueError(f"{what}: " + "; ".join(f"r{r}: {t}" for r, t in enumerate(texts)
+                                                     if t))
+        if table[-1, 2] != -2 and table[0, 1] != table[-1, 2]:
+            raise ValueError(f"{what}: the input has {table[0, 1]} rows on the first stage but "
                              f"the target {table[-1, 2]} on the last; give them the same batch")
         signature = table[0, 3:].tolist()
-        if signature != self._signature:  # a new input shape: agree the activations again
-            self._signature = signature
-            self.transport.renegotiate()
+        if signature != plan.signature:  # a new input shape: agree the activations again
+            plan.signature = signature
+            plan.transport.renegotiate()
 
     def _compute(self, a: Action) -> None:
         st, t0, t1 = self.stage, time.perf_counter(), None
@@ -243,10 +295,26 @@ class PipelineSchedule:
                          schedule=self.name, microbatches=self.n_microbatches,
                          replica=0 if st.ddp is None else st.ddp.comm.rank)
 
+    def _evaluate(self, a: Action) -> None:
+        """Micro-batch ``a.mb``'s forward alone (eval()): nothing kept for a backward."""
+        st, t0 = self.stage, time.perf_counter()
+        x = self._xs[a.mb] if st.is_first else self._received(a.mb)
+        with torch.no_grad():
+            out = st.module(*(x if isinstance(x, tuple) else (x,)))
+            if st.is_last:
+                self._outs[a.mb] = _detached(out)
+                if self._ts is not None:
+                    self._losses[a.mb] = self.loss_fn(out, self._ts[a.mb]).detach()
+        t1 = time.perf_counter()
+        if not st.is_last:
+            self._output(a, out.contiguous() if isinstance(out, torch.Tensor)
+                         else packing.pack(_parts(out)))
+        self.timeline.append(Span(a, t0, t1))
+
     def _received(self, mb: int):
         """Micro-batch ``mb``'s input from the stage before: its tensor, or its parts."""
         buf = self._recv.pop(("F", mb))
-        layout = self.transport.layout(mb)
+        layout = self._plan.transport.layout(mb)
         return buf if layout is None else packing.unpack(buf, layout)
 
     def _grad(self, mb: int):
@@ -272,15 +340,15 @@ class PipelineSchedule:
         Returns the compute action's end (before the send: posting it is not compute).
         """
         t1 = time.perf_counter()
-        send = self._eager.get((a.kind, a.mb))
+        send = self._plan.eager.get((a.kind, a.mb))
         if send is not None:
-            self.transport.send(send, t, self._sends)
+            self._plan.transport.send(send, t, self._sends)
         else:
             self._send[(a.kind, a.mb)] = t
         return t1
 
     def _communicate(self, run: list[Action], sends: list) -> None:
-        self.transport.exchange(run, self._send, self._recv, self._grad_like, sends)
+        self._plan.transport.exchange(run, self._send, self._recv, self._grad_like, sends)
 
     def _reduce_tied(self) -> None:
         st = self.stage
@@ -348,30 +416,52 @@ def _eager_sends(program: list[Action]) -> dict[tuple[str, int], Action]:
     return out
 
 
-def _arg_error(st: PipelineStage, m: int, x, target, losses) -> str:
+def _arg_error(st: PipelineStage, m: int, x, target, losses, *, need_target: bool = True) -> str:
     def rows(name, t):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return f"give {name} as a tensor with a batch dimension"
         if t.shape[0] < m:
             return (f"{name} has {t.shape[0]} rows, fewer than n_microbatches={m}: use at most "
                     f"{t.shape[0]} micro-batches or a larger batch")
+        if t.dim() > MAX_DIMS:  # its shape is part of the step's agreement, a fixed row
+            return (f"{name} has {t.dim()} dimensions; the first stage's input may have up "
+                    f"to {MAX_DIMS}: fold some into one (x.flatten(1, 2), say)")
         return ""
     if st.is_first:
-        if (e := rows("x", x)):
-            return f"stage 0: {e}"
-        if x.dim() > MAX_DIMS:  # its shape is part of the step's agreement, a fixed row
-            return (f"stage 0: x has {x.dim()} dimensions; the first stage's input may have up "
-                    f"to {MAX_DIMS}: fold some into one (x.flatten(1, 2), say)")
+        inputs = x if isinstance(x, tuple) else (x,)
+        for i, t in enumerate(inputs):
+            if (e := rows("x" if len(inputs) == 1 else f"input {i}", t)):
+                return f"stage 0: {e}"
+        if len({int(t.shape[0]) for t in inputs}) > 1:
+            return (f"stage 0: the inputs have {[int(t.shape[0]) for t in inputs]} rows; each "
+                    "is split into the micro-batches along dim 0: give them one batch size")
     elif x is not None:
         return f"stage {st.stage_index}: x is given, but only the first stage takes the input"
     if st.is_last:
-        if (e := rows("target", target)):
+        if (need_target or target is not None) and (e := rows("target", target)):
             return f"stage {st.stage_index}: {e}"
         if losses is not None and not isinstance(losses, list):
             return f"stage {st.stage_index}: losses must be a list (or None)"
     elif target is not None:
         return f"stage {st.stage_index}: target is given, but only the last stage takes it"
     return ""
+
+
+def _input(args: tuple):
+    """step()'s positional arguments: None (no input on this stage), one tensor, or a tuple."""
+    if len(args) == 0 or (len(args) == 1 and args[0] is None):
+        return None
+    return args[0] if len(args) == 1 else tuple(args)
+
+
+class _Plan:
+    """What one kind of step runs: this rank's program, its runs of actions, the sends
+    posted by the action before them, and the transport (shapes agreed per plan)."""
+
+    def __init__(self, program, runs, eager, transport, *, train: bool = True):
+        self.program, self.groups, self.eager, self.transport = program, runs, eager, transport
+        self.train = train
+        self.signature: list[int] | None = None
 
 
 class ScheduleGPipe(PipelineSchedule):
