@@ -32,7 +32,7 @@ import zlib
 import numpy as np
 import torch
 
-from mpiring.parallel.pipeline import data_parallel, packing
+from mpiring.parallel.pipeline import clip, data_parallel, packing
 from mpiring.parallel.pipeline.actions import (
     SEND_B,
     SEND_F,
@@ -221,6 +221,14 @@ class PipelineSchedule:
         if not isinstance(outs[0], torch.Tensor):  # a tuple: each part merged
             return type(outs[0])(_merged(list(col)) for col in zip(*outs))
         return _merged(outs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """After ``step()``: clip every stage's gradients by the whole model's norm, as
+        ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns that norm.
+        Collective over the pipeline (see ``parallel/pipeline/clip.py``)."""
+        return clip.clip_grad_norm_(self.stage, max_norm, norm_type,
+                                    error_if_nonfinite=error_if_nonfinite)
 
     def close(self) -> None:
         """Collective: free what the schedule holds between steps (the shared-memory window

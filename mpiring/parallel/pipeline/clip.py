@@ -1,0 +1,114 @@
+"""Gradient clipping over a whole pipelined model: one norm for every stage's gradients.
+
+``torch.nn.utils.clip_grad_norm_`` on one stage would clip by that stage's
+norm: each stage a different factor, none of them the model's. Here every rank
+adds up its share of the norm, the shares are summed over the ranks that hold
+different parts of the model, and every rank scales by the same factor, so the
+result is ``clip_grad_norm_`` on the unsplit model (Megatron's
+``clip_grad_norm_fp32`` over its model-parallel group). What counts once:
+
+* a tied parameter (embedding and output layer): after ``step()`` both copies
+  hold the same summed gradient; the first stage counts it;
+* data parallelism: DDP replicas hold the same averaged gradients, so one
+  pipeline's sum is the model's; an FSDP stage's ranks hold different shards,
+  whose shares are summed over its group too;
+* tensor parallelism (``mpiring.parallel.tensor`` layers in a stage): the
+  split weights' shares are summed over the layer's group; every other
+  parameter (a row layer's bias, the LayerNorms, whose gradients the group
+  keeps equal) is counted on the group's rank 0 only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mpiring.parallel.pipeline import data_parallel
+
+
+def _tensor_parallel(module: torch.nn.Module):
+    """``{id(module): names of its split parameters}`` for the tensor-parallel layers in
+    ``module``, and their group (None without any)."""
+    from mpiring.parallel.tensor.embedding import VocabParallelEmbedding
+    from mpiring.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    split, group = {}, None
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            if group is not None and m.comm.size != group.size:
+                raise ValueError("clip_grad_norm_: the stage's tensor-parallel layers use groups "
+                                 "of different sizes; build them on one tensor-parallel group")
+            group = group or m.comm
+            # A column layer's bias is split with its columns; a row layer's is whole.
+            split[id(m)] = {"weight", "bias"} if isinstance(m, ColumnParallelLinear) else {"weight"}
+    return split, group
+
+
+def _grads(stage, split: dict):
+    """``(gradient, split, counted)`` for every piece of gradient this rank holds: split
+    over the tensor-parallel group or not, counted here or on the other tied stage."""
+    once = set()
+    if stage.tied_comm is not None and stage.is_last and not stage.is_first:
+        once = {id(q) for q in stage.tied_parameters}  # the first stage counts them
+    if data_parallel.is_fsdp(stage.ddp):  # flat shards: a piece per parameter in each
+        for u in stage.ddp.units:
+            g, f = u.flat.shard.grad, u.flat
+            if g is None:
+                continue
+            counted = id(f.shard) not in once
+            for slot, start, stop in f.pieces():
+                at = start + slot.offset - f.lo
+                yield (g[at:at + stop - start], slot.name in split.get(id(slot.module), ()),
+                       counted)
+        return
+    seen = set()  # a parameter registered in two places is one gradient
+    for m in stage.module.modules():
+        for name, q in m.named_parameters(recurse=False):
+            if q.grad is not None and id(q) not in seen:
+                seen.add(id(q))
+                yield q.grad, name in split.get(id(m), ()), id(q) not in once
+
+
+def clip_grad_norm_(stage, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale ``stage``'s gradients so that the whole model's norm is at most ``max_norm``.
+
+    Collective: every stage of the pipeline calls it after ``step()`` (and, with
+    an FSDP or tensor-parallel stage, every rank of those groups). Returns the
+    model's norm before clipping (float64), the same on every rank. A norm
+    that is not finite leaves the gradients as they are (torch would multiply
+    them by NaN), or with ``error_if_nonfinite`` raises on every rank.
+    """
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"norm_type={norm_type!r}: use a positive number or math.inf")
+    fsdp = stage.ddp if data_parallel.is_fsdp(stage.ddp) else None
+    if fsdp is not None:
+        fsdp.runner.wait_all()  # its ReduceScatters write the shards' gradients
+    split, tp = _tensor_parallel(fsdp.module if fsdp is not None else stage.module)
+    # Each rank adds its split pieces; rank 0 of the tensor-parallel group adds the
+    # rest, which every rank of the group holds alike.
+    first = tp is None or tp.rank == 0
+    pieces = list(_grads(stage, split))
+    op = "max" if math.isinf(p) else "sum"
+    mine = 0.0
+    for g, is_split, counted in pieces:
+        if counted and (is_split or first) and g.numel():
+            g = g.detach()
+            mine = (max(mine, float(g.abs().max())) if op == "max"
+                    else mine + float(g.double().abs().pow(p).sum()))
+    groups = [tp, stage.comm, None if fsdp is None else fsdp.comm]
+    for comm in groups:  # stage parts, then stages, then FSDP's shards of each
+        if comm is not None and comm.size > 1:
+            mine = comm.control.allreduce_scalar(mine, op)
+    total = mine if op == "max" else mine ** (1.0 / p)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the gradients' total norm of order {norm_type} "
+                           f"is {total} (the same on every rank); skip this step's update, or "
+                           "lower the learning rate or the loss scale")
+    coef = float(max_norm) / (total + 1e-6)
+    if math.isfinite(total) and coef < 1.0:  # inf would zero them, NaN poison them
+        for g, _, _ in pieces:  # the tied copies too: they must stay equal
+            g.detach().mul_(coef)
+    return torch.tensor(total, dtype=torch.float64)
