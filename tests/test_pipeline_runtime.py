@@ -264,7 +264,7 @@ def test_bad_arguments_raise_on_every_rank(comm):
         PipelineStage(nn.Identity(), (comm.rank + 1) % comm.size if comm.size > 1 else 1,
                       comm.size, comm)
     deep = torch.zeros((ROWS,) + (1,) * 8, dtype=torch.float64)  # 9 dimensions
-    with pytest.raises(ValueError, match="x has 9 dimensions; the first stage's input may have "
+    with pytest.raises(ValueError, match="x has 9 dimensions; the first stage's inputs may have "
                                          "up to 8"):
         sched.step(deep if stage.is_first else None, target=y if stage.is_last else None)
 

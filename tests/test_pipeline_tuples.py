@@ -1,4 +1,5 @@
-"""Stages that hand the next one several tensors (a tuple), against the unsplit model.
+"""Stages that hand the next one several tensors (a tuple), several first-stage inputs and
+eval(), against the unsplit model.
 
 Every boundary carries a float tensor the next stage computes with, an int64
 tensor (no gradient), a bool mask and a float tensor the model never uses (its
@@ -8,6 +9,7 @@ gradient is zero), on K = 1..4 stages, over MPI messages and shared memory.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -268,3 +270,97 @@ def test_inputs_of_different_batch_sizes_are_refused_on_every_rank(comm):
                                              r"each is split .* one batch size"):
             call(*((x, torch.zeros(4, 2, dtype=torch.float64)) if stage.is_first else ()),
                  target=y if stage.is_last else None)
+
+
+class Pair(NamedTuple):
+    pred: torch.Tensor
+    extra: torch.Tensor
+
+
+class NamedEnd(End):
+    def forward(self, h, ids, mask, unused):
+        return Pair(*super().forward(h, ids, mask, unused))
+
+
+def test_a_namedtuple_output_comes_back_as_one(comm):
+    mods = model()[:-1] + [NamedEnd().double()]
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    stage = PipelineStage(Chain(copy.deepcopy(mods[lo:hi])), comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 3, loss_fn)
+    x, y = data(0)
+    want = Chain(copy.deepcopy(mods))(x)
+    for run in (sched.step, sched.eval):
+        out = run(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+        if stage.is_last:
+            assert isinstance(out, Pair)
+            torch.testing.assert_close(out.pred, want.pred.detach())
+            torch.testing.assert_close(out.extra, want.extra.detach())
+
+
+class Grow(nn.Module):
+    """Its output's width is set from outside (a data-dependent shape)."""
+
+    width = 2
+
+    def forward(self, x):
+        return x[:, :1].repeat(1, Grow.width)
+
+
+def test_eval_after_renegotiate_and_close(comm, monkeypatch):
+    # A first stage that hands its input on unchanged (it requires grad: eval must
+    # detach it), a shape that changes with the input's unchanged (renegotiate() on
+    # every rank reaches eval's transport too), and an eval() made after close() lays
+    # out no shared window.
+    if comm.size != 2:
+        pytest.skip("two stages")
+    monkeypatch.setattr(Grow, "width", 2)
+    part = nn.Identity() if comm.rank == 0 else Grow()
+    stage = PipelineStage(part, comm.rank, 2, comm)
+    sched = Schedule1F1B(stage, 2, lambda out, t: out.sum())
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    ins = (x,) if stage.is_first else ()
+    sched.close()
+    out = sched.eval(*ins)
+    assert not sched._eval.transport.use_shared and sched._eval.transport.shared is None
+    Grow.width = 5
+    sched.renegotiate()
+    out = sched.eval(*ins)
+    if stage.is_last:
+        assert out.shape == (4, 5)
+    sched.step(*ins, target=torch.zeros(4) if stage.is_last else None)
+    if stage.is_first:
+        assert x.grad is not None
+
+
+def test_eval_leaves_the_steps_counts_and_timeline(comm):
+    mods = model()
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    stage = PipelineStage(Chain(copy.deepcopy(mods[lo:hi])), comm.rank, comm.size, comm,
+                          count_activations=True)
+    sched = ScheduleZeroBubble(stage, 3, loss_fn)
+    x, y = data(0)
+    ins = (x,) if stage.is_first else ()
+    sched.step(*ins, target=y if stage.is_last else None)
+    peak, spans = stage.peak_activation_bytes, list(sched.timeline)
+    sched.eval(*ins)
+    assert stage.peak_activation_bytes == peak > 0 and sched.timeline == spans
+    assert [s.action.kind for s in sched.eval_timeline] == ["F"] * 3
+
+
+def test_keyword_inputs_are_refused_on_every_rank(comm):
+    mods = model()
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    stage = PipelineStage(Chain(copy.deepcopy(mods[lo:hi])), comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 2, loss_fn)
+    x, y = data(0)
+    kwargs = {"mask": x} if stage.is_first else {}
+    for call in (sched.step, sched.eval):
+        with pytest.raises(ValueError, match=r"keyword inputs \['mask'\]: pass the first "
+                                             r"stage's inputs positionally"):
+            call(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+                 **kwargs)
+    # A target of many dimensions is the loss's business, not the agreement's.
+    from mpiring.parallel.pipeline.runtime import _arg_error
+    deep = torch.zeros((2,) + (1,) * 9)
+    if stage.is_last:
+        assert _arg_error(stage, 2, x if stage.is_first else None, deep, None) == ""

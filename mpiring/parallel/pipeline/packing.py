@@ -21,9 +21,12 @@ from typing import NamedTuple
 
 import torch
 
-#: Byte alignment of each part in a packed message (a cache line: the views are
-#: as aligned as a fresh tensor's data for the kernels that read them).
-ALIGN = 64
+from mpiring.parallel.pipeline import shared
+
+#: Byte alignment of each part: the shared slots', a cache line, so that the views
+#: are as aligned as a fresh tensor's data for the kernels that read them.
+ALIGN = shared.ALIGN
+
 #: The most tensors one boundary may carry (the first step's header has a row for each).
 MAX_PARTS = 16
 
@@ -37,17 +40,13 @@ class Packed(NamedTuple):
     layout: Layout
 
 
-def _round(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def spans(layout: Layout) -> tuple[list[tuple[int, int]], int]:
     """Each part's (offset, bytes) in the message, and the message's bytes."""
     out, offset = [], 0
     for dtype, shape in layout:
         n = torch.Size(shape).numel() * dtype.itemsize
         out.append((offset, n))
-        offset += _round(n)
+        offset += shared._round(n)
     return out, offset
 
 
@@ -64,6 +63,9 @@ def check_parts(parts, dtypes, max_dims: int) -> str:
         return (f"a tuple of {len(parts)} tensors; a boundary carries up to {MAX_PARTS}: "
                 "stack some into one")
     for i, p in enumerate(parts):
+        if isinstance(p, (tuple, list, dict)):
+            return (f"element {i} of the tuple is a {type(p).__name__}; a boundary carries a "
+                    "flat tuple of tensors: return the nested tensors in the outer tuple")
         if not isinstance(p, torch.Tensor):
             return (f"element {i} of the tuple is a {type(p).__name__}; a boundary carries "
                     "tensors only: pass other values as module attributes")

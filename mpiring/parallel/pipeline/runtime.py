@@ -20,8 +20,8 @@ window (``shared``).
 On MPI the neighbour should have its data as soon as it exists: every receive
 of a step is posted when the step starts (``Transport.start_step``), and a
 send that the program lists right after the compute action producing it is
-posted by that action, before anything else runs (the plan ``_eager`` is made
-once, from the program).
+posted by that action, before anything else runs (``_Plan.eager``, made once
+from the program).
 """
 
 from __future__ import annotations
@@ -117,11 +117,13 @@ class PipelineSchedule:
         self._train = _Plan(program, groups(program), eager, self.transport)
         self._eval: _Plan | None = None  # made at the first eval(), on every rank alike
         self._plan = self._train
-        self.timeline: list[Span] = []
+        self.timeline: list[Span] = []       # the last step()'s compute spans
+        self.eval_timeline: list[Span] = []  # the last eval()'s
+        self._closed = False
 
     # --- the step ---------------------------------------------------------------
     def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
-             losses: list | None = None):
+             losses: list | None = None, **kwargs):
         """One training step's forward and backward over the micro-batches.
 
         Args:
@@ -135,14 +137,14 @@ class PipelineSchedule:
 
         Raises:
             ValueError: on every rank, before any data moves, when some rank's
-                arguments do not fit (missing input, too few rows, ...).
+                arguments do not fit (missing input, too few rows, keyword inputs, ...).
             PipelineError: on the rank whose stage failed; the others stop at the
                 communicator's deadline.
         """
-        return self._run(self._train, args, target, losses)
+        return self._run(self._train, args, target, losses, kwargs)
 
     def eval(self, *args: torch.Tensor, target: torch.Tensor | None = None,
-             losses: list | None = None):
+             losses: list | None = None, **kwargs):
         """The forwards alone, under ``torch.no_grad`` (torch's ``schedule.eval``).
 
         The micro-batches go through the stages in order (GPipe's forward half),
@@ -150,8 +152,10 @@ class PipelineSchedule:
         touched; call ``module.eval()`` first for dropout and batch norm, as
         without a pipeline. The target is optional: with it, ``losses`` gets
         each micro-batch's loss. Collective: every rank calls it. Its messages go
-        on a communicator of their own, so training steps keep their agreed
-        shapes and buffers.
+        on a transport of their own (a communicator, and a shared window unless
+        ``close()`` came first), so training steps keep their agreed shapes and
+        buffers; its spans go to ``eval_timeline``, and the stages' activation
+        counts are left as the last step() left them.
 
         Returns:
             The merged output on the last stage, else None.
@@ -160,14 +164,25 @@ class PipelineSchedule:
             st, m = self.stage, self.n_microbatches
             program = lower([Action(st.stage_index, F, k) for k in range(m)], st.num_stages)
             transport = Transport(st.comm)  # collective: every rank makes its first eval()
+            if self._closed:  # closed before: no new window either (collective, as close())
+                transport.close()
             eager = _eager_sends(program) if transport.mpi else {}
             self._eval = _Plan(program, groups(program), eager, transport, train=False)
-        return self._run(self._eval, args, target, losses)
+        return self._run(self._eval, args, target, losses, kwargs)
 
-    def _run(self, plan: _Plan, args: tuple, target, losses):
+    def renegotiate(self) -> None:
+        """Agree the activations' shapes again at the next step() and eval(); call it on
+        every rank before a step whose stage outputs change shape while the input's
+        does not (data-dependent shapes)."""
+        for plan in (self._train, self._eval):
+            if plan is not None:
+                plan.signature = None
+                plan.transport.renegotiate()
+
+    def _run(self, plan: _Plan, args: tuple, target, losses, kwargs: dict):
         st, m = self.stage, self.n_microbatches
         x = _input(args)
-        self._agree(plan, x, target, losses)
+        self._agree(plan, x, target, losses, kwargs)
         if not st.is_first:
             self._xs = None
         elif isinstance(x, tuple):  # several inputs: micro-batch k takes row block k of each
@@ -176,14 +191,17 @@ class PipelineSchedule:
             self._xs = list(torch.tensor_split(x, m))
         self._ts = (list(torch.tensor_split(target, m)) if st.is_last and target is not None
                     else None)
-        st.reset()
-        if plan.train and st.ddp is not None:
-            data_parallel.start_step(st.ddp)
+        if plan.train:  # eval() holds nothing on the stage: its counts stay the step's
+            st.reset()
+            self.timeline = []
+            if st.ddp is not None:
+                data_parallel.start_step(st.ddp)
+        else:
+            self.eval_timeline = []
         self._recv: dict[tuple[str, int], torch.Tensor] = {}
         self._send: dict[tuple[str, int], torch.Tensor] = {}
         self._outs: dict[int, torch.Tensor] = {}
         self._losses: dict[int, torch.Tensor] = {}
-        self.timeline = []
         self._sends = sends = []
         self._plan = plan
         plan.transport.start_step(plan.program)
@@ -219,7 +237,7 @@ class PipelineSchedule:
         if not outs:
             return None
         if not isinstance(outs[0], torch.Tensor):  # a tuple: each part merged
-            return type(outs[0])(_merged(list(col)) for col in zip(*outs))
+            return _like(outs[0], [_merged(list(col)) for col in zip(*outs)])
         return _merged(outs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
@@ -233,15 +251,18 @@ class PipelineSchedule:
     def close(self) -> None:
         """Collective: free what the schedule holds between steps (the shared-memory window
         of stages on one host). Later steps still run, over MPI messages."""
+        self._closed = True
         self.transport.close()
         if self._eval is not None:
             self._eval.transport.close()
 
-    def _agree(self, plan: _Plan, x, target, losses) -> None:
+    def _agree(self, plan: _Plan, x, target, losses, kwargs: dict) -> None:
         """Every rank's argument errors and the input's shape, in one small exchange."""
         st, m = self.stage, self.n_microbatches
         what = "step()" if plan.train else "eval()"
-        err = _arg_error(st, m, x, target, losses, need_target=plan.train)
+        err = (f"stage {st.stage_index}: keyword inputs {sorted(kwargs)}: pass the first "
+               "stage's inputs positionally, in its forward's order" if kwargs else
+               _arg_error(st, m, x, target, losses, need_target=plan.train))
         first = x[0] if isinstance(x, tuple) else x
         rows_x = int(first.shape[0]) if st.is_first and not err else -1
         # eval() without a target: nothing to compare the input's rows with.
@@ -280,10 +301,8 @@ class PipelineSchedule:
                                    loss_fn=self.loss_fn, scale=self.scale)
             if st.is_last:
                 self._outs[a.mb], self._losses[a.mb] = _detached(out), loss.detach()
-            elif isinstance(out, torch.Tensor):
-                t1 = self._output(a, out.detach().contiguous())
             else:
-                t1 = self._output(a, packing.pack([o.detach() for o in _parts(out)]))
+                t1 = self._hand_on(a, out)
         elif a.kind == B:
             grad = None if st.is_last else self._grad(a.mb)
             gin = st.backward(a.mb, grad, split=a.mb in self._split,
@@ -294,14 +313,24 @@ class PipelineSchedule:
                                   else packing.pack(gin))
         else:
             st.weight(a.mb, sync=self._sync_in_w and a.mb == self._last_w)
-        if t1 is None:
-            t1 = time.perf_counter()
-        self.timeline.append(Span(a, t0, t1))
+        self._record(a, t0, time.perf_counter() if t1 is None else t1)
+
+    def _record(self, a: Action, t0: float, t1: float) -> None:
+        """The compute span of ``a``: in this step's timeline, and the trace's."""
+        st = self.stage
+        (self.timeline if self._plan.train else self.eval_timeline).append(Span(a, t0, t1))
         tracer = st.comm.tracer
         if tracer.enabled:
             tracer.event(str(a), "pipeline", t0, t1, action=a.kind, stage=a.stage, mb=a.mb,
-                         schedule=self.name, microbatches=self.n_microbatches,
+                         schedule=self.name if self._plan.train else f"{self.name}.eval",
+                         microbatches=self.n_microbatches,
                          replica=0 if st.ddp is None else st.ddp.comm.rank)
+
+    def _hand_on(self, a: Action, out) -> float:
+        """Send forward ``a``'s output (one tensor, or a tuple packed into one message)."""
+        if isinstance(out, torch.Tensor):
+            return self._output(a, out.detach().contiguous())
+        return self._output(a, packing.pack([o.detach() for o in _parts(out)]))
 
     def _evaluate(self, a: Action) -> None:
         """Micro-batch ``a.mb``'s forward alone (eval()): nothing kept for a backward."""
@@ -309,15 +338,14 @@ class PipelineSchedule:
         x = self._xs[a.mb] if st.is_first else self._received(a.mb)
         with torch.no_grad():
             out = st.module(*(x if isinstance(x, tuple) else (x,)))
-            if st.is_last:
-                self._outs[a.mb] = _detached(out)
-                if self._ts is not None:
-                    self._losses[a.mb] = self.loss_fn(out, self._ts[a.mb]).detach()
-        t1 = time.perf_counter()
-        if not st.is_last:
-            self._output(a, out.contiguous() if isinstance(out, torch.Tensor)
-                         else packing.pack(_parts(out)))
-        self.timeline.append(Span(a, t0, t1))
+            if st.is_last and self._ts is not None:
+                self._losses[a.mb] = self.loss_fn(out, self._ts[a.mb]).detach()
+        if st.is_last:
+            self._outs[a.mb] = _detached(out)
+            t1 = time.perf_counter()
+        else:
+            t1 = self._hand_on(a, out)
+        self._record(a, t0, t1)
 
     def _received(self, mb: int):
         """Micro-batch ``mb``'s input from the stage before: its tensor, or its parts."""
@@ -396,11 +424,17 @@ def _layout(out) -> packing.Layout:
     return tuple((o.dtype, tuple(o.shape)) for o in out)
 
 
+def _like(seq, items: list):
+    """``items`` in a sequence of ``seq``'s type (a namedtuple's fields by position)."""
+    kind = type(seq)
+    return kind._make(items) if hasattr(kind, "_make") else kind(items)
+
+
 def _detached(out):
     if isinstance(out, torch.Tensor):
         return out.detach()
     if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
-        return type(out)(o.detach() for o in out)
+        return _like(out, [o.detach() for o in out])
     raise TypeError(f"the last stage's forward returned a {type(out).__name__}; step() merges "
                     "a tensor or a tuple of tensors: return those (loss_fn gets the same)")
 
@@ -431,15 +465,16 @@ def _arg_error(st: PipelineStage, m: int, x, target, losses, *, need_target: boo
         if t.shape[0] < m:
             return (f"{name} has {t.shape[0]} rows, fewer than n_microbatches={m}: use at most "
                     f"{t.shape[0]} micro-batches or a larger batch")
-        if t.dim() > MAX_DIMS:  # its shape is part of the step's agreement, a fixed row
-            return (f"{name} has {t.dim()} dimensions; the first stage's input may have up "
-                    f"to {MAX_DIMS}: fold some into one (x.flatten(1, 2), say)")
         return ""
     if st.is_first:
         inputs = x if isinstance(x, tuple) else (x,)
         for i, t in enumerate(inputs):
-            if (e := rows("x" if len(inputs) == 1 else f"input {i}", t)):
+            name = "x" if len(inputs) == 1 else f"input {i}"
+            if (e := rows(name, t)):
                 return f"stage 0: {e}"
+            if t.dim() > MAX_DIMS:  # the first one's shape is a row of the step's agreement
+                return (f"stage 0: {name} has {t.dim()} dimensions; the first stage's inputs "
+                        f"may have up to {MAX_DIMS}: fold some into one (x.flatten(1, 2), say)")
         if len({int(t.shape[0]) for t in inputs}) > 1:
             return (f"stage 0: the inputs have {[int(t.shape[0]) for t in inputs]} rows; each "
                     "is split into the micro-batches along dim 0: give them one batch size")

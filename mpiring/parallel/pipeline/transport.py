@@ -17,7 +17,7 @@ micro-batch:
   ``MismatchError``). Later steps send on a duplicate with the check off: one
   message per tensor instead of two, and no comparison. When a stage's output
   shape can change while the input's does not (data-dependent shapes), every
-  rank must call ``sched.transport.renegotiate()`` before such a step;
+  rank must call ``sched.renegotiate()`` before such a step;
 * the buffers: each micro-batch's receive buffer is allocated on the first step
   and received into again on the next ones;
 * the receives: on MPI, once the shapes are known, every receive of the step is
@@ -183,7 +183,7 @@ class Transport:
     """One stage's point-to-point traffic. ``comm``: the stage's own (duplicated) communicator.
 
     ``comm.dup()`` is collective: every stage of the pipeline builds its Transport
-    at the same point (``PipelineStage.__init__``).
+    at the same point (a schedule's constructor, and its first ``eval()``).
     """
 
     def __init__(self, comm):
@@ -342,7 +342,7 @@ class Transport:
         """The agreed shape changed without a new input shape."""
         return ValueError(f"{a}: this micro-batch's tensor is not the shape agreed on the first "
                           f"step ({exc}); when a stage's output shape depends on the data, call "
-                          "sched.transport.renegotiate() on every rank before such a step")
+                          "sched.renegotiate() on every rank before such a step")
 
     def exchange(self, run: list[Action], outgoing: dict, incoming: dict, grad_like,
                  sends: list) -> None:
