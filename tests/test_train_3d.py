@@ -84,6 +84,36 @@ def test_every_layout_matches_the_one_process_twin(world):
         np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"tp={tp} pp={pp}")
 
 
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("opts", [{}, dict(fsdp=True), dict(schedule="zb", microbatches=3)],
+                         ids=["default", "fsdp", "zb-m3"])
+def test_validation_loss_matches_the_one_process_model(world, opts):
+    # Before any step every layout holds the seed's model: each replica's validation
+    # windows through it (a pipeline's through sched.eval(), micro-batch by
+    # micro-batch) give the unsplit model's mean loss on the same windows.
+    for tp, pp in layouts(world.size):
+        if opts and pp == 1:
+            continue  # fsdp and zb: their pipeline form
+        j = job(world, tp=tp, pp=pp, **opts)
+        try:
+            got = j.evaluate(batches=2)
+            g, b, val = j.grid, j.cfg.batch_size, j.val_set
+            torch.manual_seed(j.cfg.seed)
+            full = GPT(j.cfg.model_config())
+            total = count = 0.0
+            with torch.no_grad():
+                for d in range(g.dp_size):
+                    order = list(DistributedSampler(len(val), g.dp_size, d, shuffle=False,
+                                                    drop_last=True))
+                    for k in range(2):
+                        x, y = val.batch(order[k * b:(k + 1) * b])
+                        total += float(lm_loss(full(x), y)) * len(x)
+                        count += len(x)
+            assert got == pytest.approx(total / count, rel=RTOL), (tp, pp, opts)
+        finally:
+            j.close()
+
+
 def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
     """(tp, pp) exercising ``opts`` at k ranks: dp > 1 for the data axis, pp > 1 for a schedule."""
     if "schedule" in opts:

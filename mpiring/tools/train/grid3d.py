@@ -184,12 +184,6 @@ class GPTStage(nn.Module):
         out = F.linear(h, self.tok.weight) if self.first else self.head(h)
         return out.transpose(0, 1)
 
-    def activation_shape(self, batch: int) -> tuple[int, int, int]:
-        """The ``[t, b, d]`` this stage receives (not the first) for a batch of windows."""
-        t = self.cfg.seq_len
-        rows = split_sizes(t, self.comm.size)[self.comm.rank] if self.sp else t
-        return rows, batch, self.cfg.d_model
-
     def num_params(self) -> int:
         """This rank's trainable parameters."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -218,29 +218,23 @@ class GridJob(TrainJob):
         try:
             for j in range(min(batches, len(order) // b)):
                 x, y = self.val_set.batch(order[j * b:(j + 1) * b], self.device)
-                out = self._forward(x)
-                if self.model.last:
+                if self.sched is not None:  # the stages' forwards, pipelined (no_grad)
+                    losses: list = []
+                    last = self.sched.stage.is_last
+                    self.sched.eval(x if self.sched.stage.is_first else None,
+                                    target=y if last else None, losses=losses if last else None)
+                    # Equal micro-batches (layout_error): their mean loss is the batch's.
+                    loss = float(torch.stack(losses).mean()) if last else math.nan
+                else:
+                    out = self.fsdp(x) if self.fsdp is not None else self.model(x)
                     loss = float(self.loss_fn(out, y))  # collective over the TP group
-                    if g.tp_rank == 0:
-                        total += (loss * len(x), len(x))
+                if self.model.last and g.tp_rank == 0:
+                    total += (loss * len(x), len(x))
         finally:
             self.model.train()
         if self.comm.size > 1:
             self.comm.all_reduce(total, op="sum", algo="native")
         return float(total[0] / total[1]) if total[1] else math.nan
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        g, stage = self.grid, self.model
-        run = self.fsdp if self.fsdp is not None else stage
-        if not stage.first:
-            # FSDP took the stage's parameters over: its shards have their dtype.
-            dtype = next(run.parameters()).dtype
-            x = torch.empty(stage.activation_shape(x.shape[0]), dtype=dtype)
-            g.pp.recv(x, g.pp_rank - 1)
-        out = run(x)
-        if not stage.last:
-            g.pp.send(out.contiguous(), g.pp_rank + 1)
-        return out
 
     # --- state (reshard: full tensors by parameter name) --------------------------------
     def state_dict(self):
