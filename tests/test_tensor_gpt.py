@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.nn import functional as F
 from test_tensor_parallel import TIGHT, tp  # noqa: F401  (the tp fixture: K1..K4, world)
+from torch.nn import functional as F
 
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 from mpiring.tools.models.gpt_tp import TensorParallelGPT

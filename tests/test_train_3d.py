@@ -211,7 +211,8 @@ def test_fsdp_pipeline_kept_gathered_gathers_each_unit_once_a_step(world):
         calls = []
         tc = j.fsdp.thread_comm
         inner = tc.all_gather
-        tc.all_gather = lambda buf, *a, **k: (calls.append(buf.numel()), inner(buf, *a, **k))[1]
+        tc.all_gather = lambda buf, *a, calls=calls, inner=inner, **k: (
+            calls.append(buf.numel()), inner(buf, *a, **k))[1]
         try:
             losses = []
             for _ in range(2):  # train() would add the validation's gathers

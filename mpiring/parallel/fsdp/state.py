@@ -14,7 +14,6 @@ loads at any other K (each rank keeps its own chunk), or into the plain model.
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import torch

@@ -7,7 +7,6 @@ beside it; the package docstring tells the whole story.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterable
 from typing import Any
 
