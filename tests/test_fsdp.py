@@ -229,6 +229,48 @@ def test_no_sync_accumulates_unsharded_gradients(comm):
     model.close()
 
 
+class SkipNet(Net):
+    """Net whose forward leaves out the Scale unit while ``skip`` is set (on every rank)."""
+
+    skip = False
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x if (SkipNet.skip and isinstance(b, Scale)) else b(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("micro", (1, 2))
+def test_a_unit_no_backward_reached_keeps_no_gradient(comm, monkeypatch, micro):
+    # As torch: the skipped unit's parameters get no gradient, so AdamW (with weight
+    # decay) leaves them alone; a zero gradient would decay them and move their moments.
+    # With two micro-batches the first (no_sync) reaches it: that sum is reduced.
+    def run(model, c):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        for s in range(3):
+            opt.zero_grad()
+            for m in range(micro):
+                monkeypatch.setattr(SkipNet, "skip", s == 1 and m == micro - 1)
+                x, y = batch(s * micro + m)
+                if c is not None:
+                    x, y = mine(x, c), mine(y, c)
+                ctx = model.no_sync() if c is not None and m < micro - 1 else _null()
+                with ctx:
+                    loss_fn(model, x, y).backward()
+            if c is not None and s == 1 and micro == 1:
+                assert model.units[2].flat.shard.grad is None  # Scale: no ReduceScatter
+            opt.step()
+        return model
+
+    torch.manual_seed(0)
+    ref = run(SkipNet().double(), None)
+    torch.manual_seed(0)
+    model = run(FullyShardedDataParallel(SkipNet().double(), comm), comm)
+    assert_state_close(model.full_state_dict(), ref)
+    model.close()
+
+
 @pytest.mark.parametrize("norm_type", (2.0, float("inf")))
 def test_clip_grad_norm_uses_the_global_norm(comm, norm_type):
     model = FullyShardedDataParallel(make_model(), comm)

@@ -23,10 +23,12 @@ every shard's gradient is in ``shard.grad``.
 Every rank must run the units in the same order (the same model and control
 flow), as with any FSDP: the gathers are issued in that order, and every
 rank's backward must reach the same units (the reductions are issued in
-backward order). A unit that no backward reached reduces zeros at the end,
-on every rank alike: its shard gets a zero gradient, not None, so AdamW
-still decays it and moves its moments (torch skips a parameter whose .grad
-is None; a flat shard cannot skip part of itself).
+backward order). So a unit that a backward did not reach was reached on no
+rank: it issues no ReduceScatter and its shard keeps ``grad=None``, as torch's
+parameters do, so the optimizer leaves it alone (AdamW would decay a zero
+gradient's parameter and move its moments). What ``no_sync`` kept for it is
+still reduced. A unit reached in part (some of its parameters unused) gets
+zeros for the unused ones: a flat shard cannot leave part of itself out.
 """
 
 from __future__ import annotations
@@ -240,7 +242,9 @@ class FullyShardedDataParallel(nn.Module):
         try:
             if self.sync:
                 for u in self.units:  # unit order: the same on every rank
-                    if not u.reduced:
+                    # Not reached: on no rank (the same-units rule). Only what no_sync
+                    # kept for it goes out; without that, its gradient stays None.
+                    if not u.reduced and u.acc is not None:
                         u.reduce(None)
             self.runner.wait_all()
         finally:

@@ -161,8 +161,8 @@ class Unit:
     def reduce(self, grad: torch.Tensor | None) -> None:
         """ReduceScatter (averaged) ``grad`` + what no_sync kept into ``shard.grad``.
 
-        ``grad=None`` reduces zeros: a unit that got no gradient on this rank
-        still takes part, so that every rank issues the same collectives.
+        ``grad=None``: a unit this backward did not reach (on any rank), whose
+        ``no_sync`` micro-batches kept a sum: that sum alone goes out.
         """
         self.reduced = True
         f, owner = self.flat, self.owner
