@@ -37,8 +37,9 @@ COMMON = dict(preset="tiny", seq_len=16, log_every=1, val_batches=1, lr=3e-3, se
 RTOL = 1e-5
 
 
-def twin_losses(steps: int, G: int = G) -> list[float]:  # noqa: N803
-    """The unsplit GPT with torch's AdamW on the global batches, in one process."""
+def twin_losses(steps: int, G: int = G, clip: float = 0.0) -> list[float]:  # noqa: N803
+    """The unsplit GPT with torch's AdamW on the global batches, in one process (each
+    step's gradients clipped to the norm ``clip`` by torch, when it is given)."""
     cfg = TrainConfig(steps=steps, global_batch=G, **COMMON)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
@@ -52,6 +53,9 @@ def twin_losses(steps: int, G: int = G) -> list[float]:  # noqa: N803
         loss = lm_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
+        if clip:
+            # Every step must clip, or the test would not see a wrong norm.
+            assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) > 2 * clip
         opt.step()
         out.append(float(loss.detach()))
     return out
@@ -82,6 +86,33 @@ def test_every_layout_matches_the_one_process_twin(world):
     for tp, pp in layouts(world.size):
         got = run(world, tp=tp, pp=pp)
         np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"tp={tp} pp={pp}")
+
+
+CLIP = 0.05
+
+
+@pytest.mark.deadline(120)
+def test_grad_clip_matches_the_twins_at_every_layout(world):
+    # One norm for the whole model at every layout: tensor-parallel shards, pipeline
+    # stages (the tied embedding once), FSDP shards and ZeRO-2's own clipping.
+    want = twin_losses(3, global_batch(world.size), clip=CLIP)
+    cases = [dict(tp=t, pp=p) for t, p in layouts(world.size)]
+    cases += [dict(tp=1, pp=1, fsdp=True), dict(tp=1, pp=1, optimizer="zero2")]
+    if world.size % 2 == 0:
+        cases += [dict(tp=1, pp=2, fsdp=True), dict(tp=2, pp=1, fsdp=True),
+                  dict(tp=1, pp=2, schedule="zb", microbatches=3)]
+    for case in cases:
+        got = run(world, grad_clip=CLIP, **case)
+        np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=str(case))
+
+
+def test_grad_clip_refuses_what_cannot_clip_the_whole_model():
+    for bad, why in ((dict(grad_clip=-1.0), "give a positive norm"),
+                     (dict(grad_clip=1.0, mode="ps"), "parameter server"),
+                     (dict(grad_clip=1.0, optimizer="zero1", pp=2), "optimizer adamw"),
+                     (dict(grad_clip=1.0, pp=2, schedule="pipedream"), "use 1f1b")):
+        with pytest.raises(ValueError, match=why):
+            TrainConfig(**bad).validate()
 
 
 @pytest.mark.deadline(120)

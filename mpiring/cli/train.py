@@ -86,6 +86,9 @@ def add_arguments(p) -> None:
     p.add_argument("--global-batch", type=int, default=None,
                    help="windows per step over all data-parallel replicas (instead of "
                         "--batch-size per replica): the same data at any layout")
+    p.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
+                   help="clip the gradients' global 2-norm (the whole model's, over every "
+                        "rank's part) to NORM before each step; 0: off (default)")
     p.add_argument("--metrics", metavar="FILE", default=None,
                    help="write one JSON line per step (step, loss, tokens, ms) to FILE")
     add_checkpoint_arguments(p)  # --checkpoint-dir/-every/-keep, --resume, --check-replicas
@@ -107,7 +110,8 @@ def config_from_args(args):
         comm_hook=args.comm_hook, topk_ratio=args.topk_ratio,
         powersgd_rank=args.powersgd_rank, hook_start=args.hook_start,
         tp=args.tp, sequence_parallel=args.sequence_parallel, pp=args.pp, fsdp=args.fsdp,
-        schedule=args.schedule, microbatches=args.microbatches, global_batch=args.global_batch)
+        schedule=args.schedule, microbatches=args.microbatches, global_batch=args.global_batch,
+        grad_clip=args.grad_clip)
 
 
 class ProgressBar:

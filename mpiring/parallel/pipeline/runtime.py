@@ -32,7 +32,8 @@ import zlib
 import numpy as np
 import torch
 
-from mpiring.parallel.pipeline import clip, data_parallel, packing
+from mpiring.parallel import clip
+from mpiring.parallel.pipeline import data_parallel, packing
 from mpiring.parallel.pipeline.actions import (
     SEND_B,
     SEND_F,
@@ -244,7 +245,7 @@ class PipelineSchedule:
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """After ``step()``: clip every stage's gradients by the whole model's norm, as
         ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns that norm.
-        Collective over the pipeline (see ``parallel/pipeline/clip.py``)."""
+        Collective over the pipeline (see ``mpiring/parallel/clip.py``)."""
         return clip.clip_grad_norm_(self.stage, max_norm, norm_type,
                                     error_if_nonfinite=error_if_nonfinite)
 

@@ -194,7 +194,7 @@ class GridJob(TrainJob):
             return super()._update(x, y)
         from mpiring.tools.train.pipeline import train_step
 
-        value = train_step(self.sched, self.optimizer, x, y)
+        value = train_step(self.sched, self.optimizer, x, y, grad_clip=self.cfg.grad_clip)
         return math.nan if value is None else value
 
     def global_mean(self, values) -> list[float]:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from mpiring.parallel.clip import clip_grad_norm_
 from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
 from mpiring.parallel.data.ps import ParameterServer
 from mpiring.parallel.data.sampler import DistributedSampler
@@ -80,6 +81,9 @@ class TrainConfig:
     schedule: str = "1f1b"
     microbatches: int | None = None   # default: pp (pp > 1), 1 otherwise
     global_batch: int | None = None   # windows per step over all replicas (overrides batch_size)
+    # Clip the gradients' global 2-norm (over every rank's part of the model) to this
+    # before each optimizer step; 0: off.
+    grad_clip: float = 0.0
 
     @property
     def uses_grid(self) -> bool:
@@ -104,6 +108,7 @@ class TrainConfig:
             raise ValueError(f"lr={self.lr}: must be positive")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout}: use a probability in [0, 1)")
+        self._validate_clip()
         self.model_config()
         self._validate_zero_and_hook()
         if self.tp < 1:
@@ -117,6 +122,22 @@ class TrainConfig:
         from mpiring.tools.train.job3d import validate_grid_config
 
         validate_grid_config(self)
+
+    def _validate_clip(self) -> None:
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ValueError(f"grad_clip={self.grad_clip}: give a positive norm, or 0 (off)")
+        if not self.grad_clip:
+            return
+        if self.mode == "ps":
+            raise ValueError("grad_clip with mode ps: the parameter server steps on gradients "
+                             "the workers never hold averaged; use mode ddp")
+        if self.optimizer != "adamw" and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"grad_clip with optimizer {self.optimizer} and tp={self.tp}, "
+                             f"pp={self.pp}: the sharded optimizer clips by its data-parallel "
+                             "group's norm only; use optimizer adamw (or tp = pp = 1)")
+        if self.pp > 1 and self.schedule == "pipedream":
+            raise ValueError("grad_clip with schedule pipedream: each stage steps after every "
+                             "micro-batch, with no whole-model gradient to clip; use 1f1b")
 
     def _validate_zero_and_hook(self) -> None:
         from mpiring.parallel.data.comm_hooks import HOOKS
@@ -236,8 +257,11 @@ class TrainJob:
         if self.cfg.optimizer in ("zero1", "zero2"):
             from mpiring.parallel.zero import ZeroRedundancyOptimizer
 
+            # It clips in step(), once the gradients are averaged (stage 2 holds them
+            # only there): tp = pp = 1, where its group's norm is the model's (validate).
             return ZeroRedundancyOptimizer(params, self.data_comm, torch.optim.AdamW,
-                                           stage=int(self.cfg.optimizer[-1]), ddp=ddp, **hyper)
+                                           stage=int(self.cfg.optimizer[-1]), ddp=ddp,
+                                           max_grad_norm=self.cfg.grad_clip or None, **hyper)
         return torch.optim.AdamW(params, **hyper)
 
     def _register_comm_hook(self, ddp) -> None:
@@ -333,6 +357,10 @@ class TrainJob:
         else:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if self.cfg.grad_clip and self.cfg.optimizer == "adamw":
+                # The whole model's norm: tensor-parallel and FSDP parts summed over their
+                # groups; DDP's replicas hold the mean already.
+                clip_grad_norm_(self.wrapped, self.cfg.grad_clip)
             self.optimizer.step()
         return float(loss.detach())
 

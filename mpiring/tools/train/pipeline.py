@@ -121,9 +121,11 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     return stage, sched, opt
 
 
-def train_step(sched, optimizer, x: torch.Tensor | None, y: torch.Tensor | None) -> float | None:
-    """One step: the pipeline's forward and backward, then the optimizer (PipeDream steps
-    inside). Returns the mean micro-batch loss on the last stage, None elsewhere."""
+def train_step(sched, optimizer, x: torch.Tensor | None, y: torch.Tensor | None, *,
+               grad_clip: float = 0.0) -> float | None:
+    """One step: the pipeline's forward and backward, the gradients clipped to the whole
+    model's norm ``grad_clip`` (0: not), then the optimizer (PipeDream steps inside).
+    Returns the mean micro-batch loss on the last stage, None elsewhere."""
     losses: list = []
     st = sched.stage
     if not isinstance(sched, SchedulePipeDream):
@@ -131,5 +133,7 @@ def train_step(sched, optimizer, x: torch.Tensor | None, y: torch.Tensor | None)
     sched.step(x if st.is_first else None, target=y if st.is_last else None,
                losses=losses if st.is_last else None)
     if not isinstance(sched, SchedulePipeDream):
+        if grad_clip:
+            sched.clip_grad_norm_(grad_clip)
         optimizer.step()
     return float(torch.stack(losses).mean()) if st.is_last else None

@@ -1,7 +1,8 @@
-"""Gradient clipping over a whole pipelined model: one norm for every stage's gradients.
+"""Gradient clipping over a whole model split over ranks: one norm for every part.
 
-``torch.nn.utils.clip_grad_norm_`` on one stage would clip by that stage's
-norm: each stage a different factor, none of them the model's. Here every rank
+``torch.nn.utils.clip_grad_norm_`` on one pipeline stage, one tensor-parallel
+shard or one FSDP shard clips by that part's norm: each part a different
+factor, none of them the model's. Here every rank
 adds up its share of the norm, the shares are summed over the ranks that hold
 different parts of the model, and every rank scales by the same factor, so the
 result is ``clip_grad_norm_`` on the unsplit model (Megatron's
@@ -25,6 +26,7 @@ import math
 import torch
 
 from mpiring.parallel.pipeline import data_parallel
+from mpiring.parallel.pipeline.stage import PipelineStage
 
 
 def _tensor_parallel(module: torch.nn.Module):
@@ -70,16 +72,30 @@ def _grads(stage, split: dict):
                 yield q.grad, name in split.get(id(m), ()), id(q) not in once
 
 
-def clip_grad_norm_(stage, max_norm: float, norm_type: float = 2.0, *,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Scale ``stage``'s gradients so that the whole model's norm is at most ``max_norm``.
+class _Whole:
+    """A model that is not pipelined, seen as the one stage of a pipeline of one."""
 
-    Collective: every stage of the pipeline calls it after ``step()`` (and, with
-    an FSDP or tensor-parallel stage, every rank of those groups). Returns the
-    model's norm before clipping (float64), the same on every rank. A norm
-    that is not finite leaves the gradients as they are (torch would multiply
-    them by NaN), or with ``error_if_nonfinite`` raises on every rank.
+    is_first = is_last = True
+    tied_comm, tied_parameters, comm = None, [], None
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.ddp = data_parallel.unwrap(module)
+
+
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale ``model``'s gradients so that the whole model's norm is at most ``max_norm``.
+
+    ``model``: a ``PipelineStage`` (after its schedule's ``step()``), or a module
+    that is not pipelined: with tensor-parallel layers, FSDP
+    (``FullyShardedDataParallel``) or mpiring's DDP around it, or plain.
+    Collective over every group that holds a different part (the pipeline,
+    the tensor-parallel group, FSDP's). Returns the model's norm before
+    clipping (float64), the same on every rank. A norm that is not finite
+    leaves the gradients as they are (torch would multiply them by NaN), or
+    with ``error_if_nonfinite`` raises on every rank.
     """
+    stage = model if isinstance(model, PipelineStage) else _Whole(model)
     p = float(norm_type)
     if not p > 0:
         raise ValueError(f"norm_type={norm_type!r}: use a positive number or math.inf")
