@@ -9,7 +9,13 @@ import pytest
 
 from mpiring.parallel.pipeline import diagram
 from mpiring.parallel.pipeline.actions import Action, format_schedule, parse, parse_schedule
-from mpiring.parallel.pipeline.schedules import GENERATORS, build, compute_only
+from mpiring.parallel.pipeline.schedules import (
+    GENERATORS,
+    build,
+    compute_only,
+    dump_csv,
+    load_csv,
+)
 from mpiring.parallel.pipeline.validate import (
     ScheduleError,
     bubble,
@@ -116,6 +122,23 @@ def test_action_strings_round_trip():
         parse("F1")
     with pytest.raises(ValueError, match="unknown action kind"):
         Action(0, "X", 0)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_csv_round_trip_and_torch_compute_only(tmp_path, name):
+    # Ours back as it was; torch's compute-only layout (its I for the input's backward,
+    # an empty cell for an idle slot) read and lowered to the same programs.
+    sched = build(name, 3, 4)
+    path = tmp_path / f"{name}.csv"
+    dump_csv(sched, path)
+    assert load_csv(path) == sched
+    torch_rows = [",".join([str(a).replace("B", "I") if name == "zb" else str(a)
+                            for a in compute_only(program)] + [""]) for program in sched]
+    (tmp_path / "torch.csv").write_text("\n".join(torch_rows) + "\n")
+    assert load_csv(tmp_path / "torch.csv") == sched
+    (tmp_path / "bad.csv").write_text("0F0,0X1\n")
+    with pytest.raises(ValueError, match=r"bad.csv: row 1, column 2: cannot read '0X1'"):
+        load_csv(tmp_path / "bad.csv")
 
 
 def _swap(rows: list[str], r: int, a: str, b: str) -> list[str]:

@@ -21,10 +21,11 @@ from mpiring.parallel.pipeline.runtime import (
     ScheduleGPipe,
     ScheduleZeroBubble,
 )
-from mpiring.parallel.pipeline.schedules import build
+from mpiring.parallel.pipeline.schedules import build, dump_csv, load_csv
 from mpiring.parallel.pipeline.stage import PipelineStage
 from mpiring.parallel.pipeline.validate import ScheduleError, check, simulate
 
 __all__ = ["Action", "PipelineError", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
            "ScheduleError", "ScheduleGPipe", "SchedulePipeDream", "ScheduleZeroBubble", "build",
-           "check", "draw", "draw_schedule", "parse", "parse_schedule", "simulate"]
+           "check", "draw", "draw_schedule", "dump_csv", "load_csv", "parse", "parse_schedule",
+           "simulate"]

@@ -28,7 +28,7 @@ SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (F, B, W)
 COMMS = (SEND_F, RECV_F, SEND_B, RECV_B)
 _PEER = {SEND_F: 1, RECV_F: -1, SEND_B: -1, RECV_B: 1}
-_REGEX = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)$")
+_REGEX = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,18 @@ class Action:
 
 
 def parse(text: str) -> Action:
-    """``"1F3"`` -> ``Action(1, "F", 3)``; the inverse of ``str(action)``."""
+    """``"1F3"`` -> ``Action(1, "F", 3)``; the inverse of ``str(action)``.
+
+    torch's ``I`` (its backward for the input, beside a ``W``) reads as ``B``: here a
+    ``B`` is the input's backward whenever the schedule has the ``W``, and the whole
+    backward otherwise, as torch's ``B``.
+    """
     m = _REGEX.match(text.strip())
     if m is None:
         raise ValueError(f"cannot read {text!r} as an action: write STAGE KIND MB, "
                          "e.g. 1F3, 0B2, 2W0, 1SEND_F3, 2RECV_B0")
-    return Action(int(m.group(1)), m.group(2), int(m.group(3)))
+    kind = B if m.group(2) == "I" else m.group(2)
+    return Action(int(m.group(1)), kind, int(m.group(3)))
 
 
 def parse_schedule(rows: list[str]) -> list[list[Action]]:

@@ -21,6 +21,9 @@ With equal stage times the GPipe and 1F1B bubble is (p-1)/(m+p-1) of the step.
 
 from __future__ import annotations
 
+import csv
+import os
+
 from mpiring.parallel.pipeline.actions import (
     RECV_B,
     RECV_F,
@@ -30,6 +33,7 @@ from mpiring.parallel.pipeline.actions import (
     B,
     F,
     W,
+    parse,
 )
 
 
@@ -118,3 +122,40 @@ def build(name: str, p: int, m: int) -> list[list[Action]]:
 def compute_only(program: list[Action]) -> list[Action]:
     """The compute actions of a program, in order (what the diagram draws)."""
     return [a for a in program if not a.is_comm]
+
+
+def dump_csv(programs: list[list[Action]], path: str | os.PathLike) -> None:
+    """Write every rank's program as CSV: a row per rank, an action per cell (torch's
+    ``_dump_csv`` layout), for a spreadsheet or a hand-edited schedule."""
+    with open(path, "w", newline="") as fh:
+        writer = csv.writer(fh)
+        for program in programs:
+            writer.writerow([str(a) for a in program])
+
+
+def load_csv(path: str | os.PathLike) -> list[list[Action]]:
+    """Every rank's program from CSV (``dump_csv``'s, or torch's ``_dump_csv``; empty
+    cells, torch's idle slots, are skipped). A file of compute actions only gets its
+    sends and receives added (``lower``), as torch's ``compute_only`` format does.
+    Give the result to ``PipelineSchedule(stage, m, loss_fn, actions=...)``: it is
+    checked on every rank before anything runs.
+
+    Raises:
+        ValueError: a cell that is not an action, naming its row and column.
+    """
+    programs = []
+    with open(path, newline="") as fh:
+        for r, row in enumerate(csv.reader(fh)):
+            program = []
+            for c, cell in enumerate(row):
+                if not cell.strip():
+                    continue
+                try:
+                    program.append(parse(cell))
+                except ValueError as exc:
+                    raise ValueError(f"{os.fspath(path)}: row {r + 1}, column {c + 1}: "
+                                     f"{exc}") from None
+            programs.append(program)
+    if not any(a.is_comm for program in programs for a in program):
+        programs = [lower(program, len(programs)) for program in programs]
+    return programs
