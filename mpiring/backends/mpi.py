@@ -489,6 +489,10 @@ class MPIBackend:
     def dup(self):
         return MPIBackend(self._collective("Comm_dup", self.comm.Dup))
 
+    def free(self) -> None:
+        """Collective: give the communicator (its context id) back to MPI."""
+        self._collective("Comm_free", self.comm.Free)
+
     def shared_window(self, nbytes: int):
         """Collective: ``nbytes`` of memory per rank that every rank of this communicator
         can read and write (an MPI-3 shared-memory window), or None on every rank when

@@ -535,6 +535,13 @@ class NCCLBackend:
     def dup(self):
         return self._factory(self._mpi.dup())
 
+    def free(self) -> None:
+        """Collective: the NCCL communicator, then its MPI control plane."""
+        destroy = getattr(self.nccl, "destroy", None)
+        if destroy is not None:
+            destroy()
+        self._mpi.free()
+
     def local_rank(self) -> tuple[int, int]:
         return self._mpi.local_rank()
 

@@ -325,6 +325,18 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         self._act.begin("dup", call, None)
         return self._child(self._be.dup(), f"dup{call}")
 
+    def free(self) -> None:
+        """Collective: release this communicator; any later call on it raises.
+
+        MPI has a few thousand communicators per process (each ``dup`` and
+        ``split`` takes one), so what builds one for a while (a schedule, a
+        job, a grid) frees it when done. Freeing twice is a no-op.
+        """
+        if isinstance(self._be, _Freed):
+            return
+        be, self._be = self._be, _Freed(self.name)
+        be.free()
+
     def _child(self, be, suffix: str) -> Communicator:
         # Named after the parent and the call that made it (a collective, so its
         # number is the same on every rank): the same name on every rank.
@@ -440,3 +452,14 @@ def _root_name(act: Activity) -> str:
 
 # For the desync detector: a thread in ``wait_until`` waits, it does not compute.
 desync.blocking_code(Communicator.wait_until)
+
+
+class _Freed:
+    """What a freed Communicator calls into: every use names the fix."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        raise RuntimeError(f"communicator {self._name} was freed (free()): build a new one "
+                           "(comm.dup() or comm.split()) for more calls")

@@ -135,6 +135,11 @@ class ProcessGrid:
             setattr(self, axis, sub)
             setattr(self, f"{axis}_ranks", mine)
 
+    def free(self) -> None:
+        """Collective: give back the three groups' communicators (the grid is done)."""
+        for axis in AXES:
+            getattr(self, axis).free()
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(tp_size, dp_size, pp_size)``."""

@@ -398,6 +398,7 @@ class Reducer(BucketLayout, EndOfBackward):
             h.remove()
         self._handles = []
         self._thread.close()
+        self._bucket_comm.free()  # the thread's duplicate: MPI has a few thousand
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -352,3 +352,4 @@ class FullyShardedDataParallel(nn.Module):
         for u in self.units:
             u.remove_hooks()
         self.runner.close()
+        self.thread_comm.free()  # the thread's duplicate: MPI has a few thousand

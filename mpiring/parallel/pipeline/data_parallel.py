@@ -71,6 +71,7 @@ def stage_grid(comm, pp: int) -> StageGrid:
     its stages in order (stage i is rank i there), as ``PipelineStage`` needs.
     """
     grid = ProcessGrid(comm, pp=pp)
+    grid.tp.free()  # one rank each here: not kept
     return StageGrid(grid.pp, grid.dp, grid.pp_rank, grid.dp_rank, pp, grid.dp_size)
 
 

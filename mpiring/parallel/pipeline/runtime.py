@@ -171,6 +171,15 @@ class PipelineSchedule:
             self._eval = _Plan(program, groups(program), eager, transport, train=False)
         return self._run(self._eval, args, target, losses, kwargs)
 
+    def free(self) -> None:
+        """Collective: ``close()``, and give back the communicators the schedule made
+        (its step()'s and eval()'s). No step or eval after this; the stage's own
+        communicator is the stage's (``stage.free()``)."""
+        self._closed = True
+        for plan in (self._train, self._eval):
+            if plan is not None:
+                plan.transport.free()
+
     def renegotiate(self) -> None:
         """Agree the activations' shapes again at the next step() and eval(); call it on
         every rank before a step whose stage outputs change shape while the input's

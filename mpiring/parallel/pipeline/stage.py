@@ -94,6 +94,13 @@ class PipelineStage:
         # Once a step, not once a forward: the optimizer updates the weights in place.
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
 
+    def free(self) -> None:
+        """Collective: give back the stage's communicators (its own duplicate, and the
+        tied pair's); after its schedules' ``free()``, when the stage is done."""
+        if self.tied_comm is not None:
+            self.tied_comm.free()
+        self.comm.free()
+
     def split_backward(self) -> None:
         """Let B leave the weight gradients to W (idempotent; see ``split_backward``)."""
         if self._sink is None:

@@ -217,6 +217,12 @@ class Transport:
             window.free()
         self.renegotiate()
 
+    def free(self) -> None:
+        """Collective: ``close()``, then give back the fast steps' communicator (no step
+        after this)."""
+        self.close()
+        self.fast.free()
+
     def renegotiate(self) -> None:
         """Agree the shapes again (and check them) on the next step; call it on every rank."""
         self.meta: dict[int, tuple] = {}

@@ -218,9 +218,12 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
             for i in range(warmup + steps):  # round-robin: one step of each mode in turn
                 for run in runs:
                     run.step(x, y, timed=i >= warmup)
-            for run in runs:  # each mode's window freed before the next m maps its own
+            for run in runs:  # each mode's window (and communicators) freed before the next
                 if isinstance(run, _Mpiring):
-                    run.sched.close()
+                    run.sched.free()
+                    run.stage.free()
+                    run.sched.grid.pp.free()
+                    run.sched.grid.dp.free()
             for mode, run in zip(modes, runs):
                 row, spans = run.row(comm, m, transfer)
                 # What a reader of the JSON alone needs to price the row again.

@@ -49,6 +49,11 @@ class Grid:
     dp_size: int
     pp_size: int
 
+    def free(self) -> None:
+        """Collective: give back the three groups' communicators (the job is done)."""
+        for comm in (self.tp, self.dp, self.pp):
+            comm.free()
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(dp, tp, pp)``: the order the docs and tests name layouts in."""
@@ -73,6 +78,7 @@ def make_grid(comm, tp: int, pp: int) -> Grid:
     """
     g = ProcessGrid(comm, tp=tp, pp=pp)
     dp = comm.split(g.tp_rank + tp * g.pp_rank, key=comm.rank)
+    g.dp.free()  # replaced by dp
     return Grid(g.tp, dp, g.pp, g.tp_rank, g.dp_rank, g.pp_rank, tp, g.dp_size, pp)
 
 

@@ -248,11 +248,14 @@ class GridJob(TrainJob):
                 "losses": list(self.losses)}
 
     def close(self) -> None:
+        """Collective: stop the threads and give back every window and communicator."""
         if self.sched is not None:
-            self.sched.close()  # collective: the pipeline's shared-memory window
+            self.sched.free()  # collective: the pipeline's windows and communicators
+            self.sched.stage.free()
         if self.fsdp is not None:
             self.fsdp.close()
         super().close()
+        self.grid.free()
 
 
 def make_job(comm, cfg, **kwargs) -> TrainJob:

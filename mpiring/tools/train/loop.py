@@ -249,6 +249,7 @@ class TrainJob:
             from mpiring.tools.train.tensor import split_groups
 
             self.tp_comm, self.data_comm = split_groups(self.comm, self.cfg.tp)
+            self._own_groups = (self.tp_comm, self.data_comm)  # freed by close()
 
     def _make_optimizer(self, params, ddp=None) -> torch.optim.Optimizer:
         hyper = dict(lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -438,6 +439,8 @@ class TrainJob:
             self.wrapped = self.model  # torch's DDP must not outlive its group
             destroy_torch_process_group(self.comm)
             self._pg = None
+        for comm in getattr(self, "_own_groups", ()):
+            comm.free()
 
 
 def train(job: TrainJob, callbacks: Sequence[Callback] = (),
