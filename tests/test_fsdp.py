@@ -271,6 +271,25 @@ def test_a_unit_no_backward_reached_keeps_no_gradient(comm, monkeypatch, micro):
     model.close()
 
 
+def test_the_optimizer_state_of_a_unit_never_reached(comm, monkeypatch):
+    # No step gave it a gradient: AdamW holds no state for it, so the full state has
+    # no entry for it (torch's has none) and loading that state steps on.
+    monkeypatch.setattr(SkipNet, "skip", True)
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(SkipNet().double(), comm)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    x, y = batch(0)
+    loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+    opt.step()
+    state = full_optim_state_dict(model, opt)
+    assert "blocks.1.p" not in state["state"] and "inp.weight" in state["state"]
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.05)
+    load_full_optim_state_dict(model, fresh, state)
+    loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+    fresh.step()  # a state without its step count would fail here
+    model.close()
+
+
 @pytest.mark.parametrize("norm_type", (2.0, float("inf")))
 def test_clip_grad_norm_uses_the_global_norm(comm, norm_type):
     model = FullyShardedDataParallel(make_model(), comm)

@@ -152,3 +152,53 @@ def test_tensor_parallel_stages(world):
         for name in ("weight", "bias"):
             want = layer.shard(name, getattr(ref, name).grad)
             torch.testing.assert_close(getattr(layer, name).grad, want, rtol=1e-10, atol=1e-14)
+
+
+def test_a_nan_gradient_under_the_inf_norm(comm):
+    # max() would drop a NaN, and MPI's MAX of one is undefined: it is counted apart.
+    full = mlp()
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 2, mse)
+    x, y = data()
+    sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    if comm.rank == 0:
+        next(part.parameters()).grad[0, 0] = math.nan
+    assert math.isnan(float(sched.clip_grad_norm_(1.0, math.inf)))
+    with pytest.raises(RuntimeError, match="total norm of order inf is nan"):
+        sched.clip_grad_norm_(1.0, math.inf, error_if_nonfinite=True)
+
+
+def test_a_split_weight_tied_to_a_plain_module_counts_as_split(comm):
+    # The vocabulary-split table is also a plain Linear's weight, registered first: it
+    # is still each rank's own rows, summed over the group.
+    from mpiring.parallel.clip import clip_grad_norm_
+    from mpiring.parallel.tensor.embedding import VocabParallelEmbedding
+
+    torch.manual_seed(2)
+    table = nn.Embedding(11, 3).double()
+    emb = VocabParallelEmbedding.from_full(table, comm)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(3, emb.weight.shape[0], bias=False).double()
+            self.head.weight = emb.weight  # registered here first
+            self.emb = emb
+
+    model = Tied()
+    grad = torch.arange(33, dtype=torch.float64).view(11, 3) / 10
+    emb.weight.grad = emb.shard("weight", grad)
+    want = float(grad.norm())
+    assert float(clip_grad_norm_(model, 1e9)) == pytest.approx(want, rel=1e-12)
+
+
+def test_pipedream_refuses_to_clip(comm):
+    from mpiring.parallel.pipeline import SchedulePipeDream
+
+    stage = PipelineStage(nn.Linear(3, 3).double(), comm.rank, comm.size, comm)
+    opt = torch.optim.SGD(stage.module.parameters(), lr=0.1)
+    sched = SchedulePipeDream(stage, 2, mse, optimizer=opt)
+    with pytest.raises(ValueError, match="leaves no gradient to clip"):
+        sched.clip_grad_norm_(1.0)

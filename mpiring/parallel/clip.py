@@ -53,23 +53,26 @@ def _grads(stage, split: dict):
     once = set()
     if stage.tied_comm is not None and stage.is_last and not stage.is_first:
         once = {id(q) for q in stage.tied_parameters}  # the first stage counts them
+    # A parameter registered in two places (a tie) is split if any of its places is
+    # a tensor-parallel layer's split one, whichever module registered it first.
     if data_parallel.is_fsdp(stage.ddp):  # flat shards: a piece per parameter in each
         for u in stage.ddp.units:
             g, f = u.flat.shard.grad, u.flat
             if g is None:
                 continue
             counted = id(f.shard) not in once
+            split_index = {s.index for s in f.slots if s.name in split.get(id(s.module), ())}
             for slot, start, stop in f.pieces():
                 at = start + slot.offset - f.lo
-                yield (g[at:at + stop - start], slot.name in split.get(id(slot.module), ()),
-                       counted)
+                yield g[at:at + stop - start], slot.index in split_index, counted
         return
+    split_ids = {id(getattr(m, n)) for m in stage.module.modules()
+                 for n in split.get(id(m), ()) if getattr(m, n, None) is not None}
     seen = set()  # a parameter registered in two places is one gradient
-    for m in stage.module.modules():
-        for name, q in m.named_parameters(recurse=False):
-            if q.grad is not None and id(q) not in seen:
-                seen.add(id(q))
-                yield q.grad, name in split.get(id(m), ()), id(q) not in once
+    for q in stage.module.parameters():  # each once
+        if q.grad is not None and id(q) not in seen:
+            seen.add(id(q))
+            yield q.grad, id(q) in split_ids, id(q) not in once
 
 
 class _Whole:
@@ -92,8 +95,8 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
     Collective over every group that holds a different part (the pipeline,
     the tensor-parallel group, FSDP's). Returns the model's norm before
     clipping (float64), the same on every rank. A norm that is not finite
-    leaves the gradients as they are (torch would multiply them by NaN), or
-    with ``error_if_nonfinite`` raises on every rank.
+    leaves the gradients as they are (torch would multiply them by NaN, or by
+    0 for an infinite norm), or with ``error_if_nonfinite`` raises on every rank.
     """
     stage = model if isinstance(model, PipelineStage) else _Whole(model)
     p = float(norm_type)
@@ -108,17 +111,24 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
     first = tp is None or tp.rank == 0
     pieces = list(_grads(stage, split))
     op = "max" if math.isinf(p) else "sum"
-    mine = 0.0
+    mine, nans = 0.0, 0.0
     for g, is_split, counted in pieces:
         if counted and (is_split or first) and g.numel():
             g = g.detach()
-            mine = (max(mine, float(g.abs().max())) if op == "max"
-                    else mine + float(g.double().abs().pow(p).sum()))
+            if op == "max":
+                top = float(g.abs().max())
+                # max() drops a NaN (and MPI's MAX of one is undefined): counted apart.
+                nans += math.isnan(top)
+                mine = max(mine, top)
+            else:
+                mine += float(g.double().abs().pow(p).sum())  # NaN stays NaN in a sum
     groups = [tp, stage.comm, None if fsdp is None else fsdp.comm]
     for comm in groups:  # stage parts, then stages, then FSDP's shards of each
         if comm is not None and comm.size > 1:
             mine = comm.control.allreduce_scalar(mine, op)
-    total = mine if op == "max" else mine ** (1.0 / p)
+            if op == "max":
+                nans = comm.control.allreduce_scalar(nans, "sum")
+    total = (math.nan if nans else mine) if op == "max" else mine ** (1.0 / p)
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the gradients' total norm of order {norm_type} "
                            f"is {total} (the same on every rank); skip this step's update, or "

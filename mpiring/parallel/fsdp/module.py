@@ -34,7 +34,6 @@ zeros for the unused ones: a flat shard cannot leave part of itself out.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 
@@ -303,26 +302,17 @@ class FullyShardedDataParallel(nn.Module):
             u.keep_acc(None)
 
     # --- gradients and state ---------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Scale the shards' gradients so that their global norm is at most ``max_norm``.
 
-        The norm is over every rank's shard (one scalar all-reduce), so it equals
-        ``torch.nn.utils.clip_grad_norm_`` on the unsharded model. Returns it.
+        The norm is over every rank's shard (and, with tensor-parallel layers
+        inside, every rank of their group): ``torch.nn.utils.clip_grad_norm_``
+        on the unsharded model (``mpiring.parallel.clip``). Returns it.
         """
-        self.runner.wait_all()
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        p = float(norm_type)
-        if math.isinf(p):
-            local = max((g.detach().abs().max().item() for g in grads if g.numel()), default=0.0)
-            total = self.comm.control.allreduce_scalar(float(local), "max")
-        else:
-            local = sum(g.detach().double().abs().pow(p).sum().item() for g in grads)
-            total = self.comm.control.allreduce_scalar(float(local), "sum") ** (1.0 / p)
-        coef = float(max_norm) / (total + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.detach().mul_(coef)
-        return torch.tensor(total, dtype=torch.float64)
+        from mpiring.parallel.clip import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def state_dict(self, *args, **kwargs):
         """Refused: nn.Module's would hold this rank's flat shards only, under names of

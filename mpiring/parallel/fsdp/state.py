@@ -93,8 +93,15 @@ def full_optim_state_dict(fsdp, optimizer: torch.optim.Optimizer) -> dict[str, A
         shard = u.flat.shard
         st = optimizer.state.get(shard, {})
         scalars = {k: v for k, v in st.items() if k not in keys}
+        has = bool(st)
         if fsdp.comm.size > 1:  # rank 0's step count (every rank holds the same one)
-            scalars = _scalars_from_wire(fsdp.comm.control.bcast_json(_scalars_to_wire(scalars)))
+            wire = fsdp.comm.control.bcast_json([has, _scalars_to_wire(scalars)])
+            has, scalars = wire[0], _scalars_from_wire(wire[1])
+        if not has:
+            # No step ever had its gradient (a unit no backward reached): no state, as
+            # torch keeps none for such a parameter (an entry of zeros would load as a
+            # state without its step count).
+            continue
         full = {}
         for k in keys:
             mine = st.get(k, torch.zeros(shard.numel(), dtype=shard.dtype))

@@ -38,6 +38,13 @@ class SchedulePipeDream(PipelineSchedule):
         self.optimizer = optimizer
         super().__init__(stage, n_microbatches, loss_fn, scale_grads=scale_grads)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs):
+        """Refused: each stage steps (and clears its gradients) after every micro-batch,
+        so after step() no gradient is left to clip."""
+        raise ValueError("SchedulePipeDream steps each stage after every micro-batch's "
+                         "backward, so step() leaves no gradient to clip: clip inside the "
+                         "optimizer, or use Schedule1F1B")
+
     def after_backward(self, mb: int) -> None:
         grads = self.stage.stashed_grads(mb)
         for name, p in self.stage.module.named_parameters():
