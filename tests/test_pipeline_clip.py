@@ -58,7 +58,8 @@ def test_clip_matches_the_unsplit_model(comm, name, norm_type):
         assert torch.equal(b, q.grad)
 
 
-def test_a_nonfinite_norm_is_refused_on_every_rank(comm):
+def _stepped(comm):
+    """This rank's stage of the MLP after one 1F1B step of two micro-batches."""
     full = mlp()
     lo, hi = bounds(len(full), comm.size)[comm.rank]
     part = copy.deepcopy(full[lo:hi])
@@ -66,6 +67,11 @@ def test_a_nonfinite_norm_is_refused_on_every_rank(comm):
     sched = Schedule1F1B(stage, 2, mse)
     x, y = data()
     sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    return part, sched
+
+
+def test_a_nonfinite_norm_is_refused_on_every_rank(comm):
+    part, sched = _stepped(comm)
     if comm.rank == comm.size - 1:
         next(part.parameters()).grad[0] = math.inf  # one element on one stage
     before = [q.grad.clone() for q in part.parameters()]
@@ -156,13 +162,7 @@ def test_tensor_parallel_stages(world):
 
 def test_a_nan_gradient_under_the_inf_norm(comm):
     # max() would drop a NaN, and MPI's MAX of one is undefined: it is counted apart.
-    full = mlp()
-    lo, hi = bounds(len(full), comm.size)[comm.rank]
-    part = copy.deepcopy(full[lo:hi])
-    stage = PipelineStage(part, comm.rank, comm.size, comm)
-    sched = Schedule1F1B(stage, 2, mse)
-    x, y = data()
-    sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    part, sched = _stepped(comm)
     if comm.rank == 0:
         next(part.parameters()).grad[0, 0] = math.nan
     assert math.isnan(float(sched.clip_grad_norm_(1.0, math.inf)))
