@@ -455,6 +455,79 @@ def test_checkpoint_moves_between_world_sizes(comm, tmp_path_factory):
     one.close()
 
 
+class LoRA(nn.Module):
+    """A frozen base Linear plus a trainable low-rank update, in one module (one unit)."""
+
+    def __init__(self, d, r=2):
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.a = nn.Linear(d, r, bias=False)
+        self.b = nn.Linear(r, d, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return x + self.base(torch.tanh(x)) + self.b(self.a(x))
+
+
+class Tuned(nn.Module):
+    """A frozen input layer (root), LoRA blocks (mixed units), a wholly frozen block and
+    a trainable head (root): what fine-tuning with FSDP looks like."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 13)
+        self.blocks = nn.ModuleList([LoRA(13), Block(13, 5), LoRA(13)])
+        self.out = nn.Linear(13, 3)
+        self.inp.requires_grad_(False)
+        self.blocks[1].requires_grad_(False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def test_frozen_parameters_stay_and_the_rest_trains(comm):
+    # As torch on one process: the frozen ones never move (AdamW with weight decay
+    # would move a zero gradient's), the trainable ones match. A unit's frozen
+    # parameters are a unit of their own, gathered for forward and backward and freed
+    # with the trainable part after its backward (the ZeRO-3 bound holds).
+    def make():
+        torch.manual_seed(1)
+        return Tuned().double()
+
+    ref = make()
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    train(ref, None, STEPS)
+    model = FullyShardedDataParallel(make(), comm, prefetch=False)
+    assert sum(not u.flat.requires_grad for u in model.units) == 4  # root, 3 blocks
+    train(model, comm, STEPS)
+    full = model.full_state_dict()
+    assert_state_close(full, ref)
+    for k in ("inp.weight", "blocks.0.base.weight", "blocks.1.fc1.weight", "blocks.2.base.bias"):
+        assert torch.equal(full[k], before[k]), k
+    assert all(not u.flat.shard.requires_grad or u.flat.shard.grad is not None
+               for u in model.units)
+    assert all(u.flat.shard.grad is None for u in model.units if not u.flat.requires_grad)
+    # When the gradient reaches blocks.0, blocks.2 (a LoRA unit) is freed, frozen part
+    # too; the wholly frozen blocks.1 stays gathered to the end of backward.
+    gathered = []
+
+    def probe(m, args, out):
+        out.register_hook(lambda g: gathered.append(
+            sorted({u.index for u in model.units if u.flat.allocated and u.index != 0})))
+    handle = model.units[3].module.register_forward_hook(probe)
+    x, y = batch(9)
+    loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+    handle.remove()
+    # (blocks.0 itself may be gathered already: FSDP's hook on that output ran first.)
+    assert len(gathered) == 1 and 3 not in gathered[0] and 2 in gathered[0], gathered
+    state = full_optim_state_dict(model, torch.optim.AdamW(model.parameters()))
+    assert "blocks.0.base.weight" not in state["state"]
+    model.close()
+
+
 def test_bad_model_raises_on_every_rank(comm):
     net = make_model()
     net.blocks[0].fc1.float()  # one unit with two dtypes

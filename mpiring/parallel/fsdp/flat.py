@@ -10,7 +10,11 @@ only copy that persists and the one the optimizer updates::
     chunks [ r0      | r1      | r2      | r3     ]      first numel % K one longer
     shard of r1 = flat[lo1:hi1]  (may start or end inside a parameter, may be empty)
 
-The gathered vector is ``full``: a tensor that requires grad, whose storage
+A unit's frozen parameters (``requires_grad=False``: a LoRA model's base
+weights, a frozen embedding) are a flat of their own whose shard and ``full``
+take no gradient, so the optimizer and the ReduceScatter never see them.
+
+The gathered vector is ``full``: a tensor that requires grad (trainable), whose storage
 is allocated before a forward or backward needs the parameters and set to zero
 bytes after (``untyped_storage().resize_``). The module's parameters are
 replaced by views of it (``full[off:off+n].view(shape)``), made anew at each
@@ -52,9 +56,12 @@ class FlatParam:
         rank, size: this rank and the number of ranks the shards spread over.
         compute_dtype: the dtype of the gathered buffer (the parameters' own,
             or the mixed-precision ``param_dtype``).
+        requires_grad: trainable parameters (False: frozen ones, gathered only).
     """
 
-    def __init__(self, places, rank: int, size: int, compute_dtype: torch.dtype | None = None):
+    def __init__(self, places, rank: int, size: int, compute_dtype: torch.dtype | None = None,
+                 requires_grad: bool = True):
+        self.requires_grad = requires_grad
         self.slots: list[Slot] = []
         offsets: dict[int, int] = {}
         index: dict[int, int] = {}
@@ -79,9 +86,9 @@ class FlatParam:
             flat = (torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors
                     else torch.zeros(0, dtype=self.dtype, device=self.device))
         self.initial = flat  # dropped by the unit once every rank has its shard
-        self.shard = nn.Parameter(flat[self.lo:self.hi].clone())
+        self.shard = nn.Parameter(flat[self.lo:self.hi].clone(), requires_grad=requires_grad)
         self.full = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
-        self.full.requires_grad_(True)
+        self.full.requires_grad_(requires_grad)
         self.free()
 
     @property

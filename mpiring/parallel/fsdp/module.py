@@ -150,20 +150,32 @@ class FullyShardedDataParallel(nn.Module):
         self.runner = CommRunner(f"mpiring-fsdp-r{comm.rank}", threaded=cpu)
         self.units: list[Unit] = []
         for i, grp in enumerate(places):
-            flat = FlatParam(grp, comm.rank, comm.size, mp.param_dtype if mp else None)
-            if sync_module_states and comm.size > 1 and flat.numel:
-                comm.broadcast(flat.initial, root=0)
-                flat.shard.data.copy_(flat.initial[flat.lo:flat.hi])
-            flat.initial = None
-            flat.unregister()
-            self.units.append(Unit(i, module if i == 0 else units[i - 1], flat, self,
-                                   bool(reshard_after_forward)))
+            owner_module = module if i == 0 else units[i - 1]
+            trainable = [pl for pl in grp if pl[3].requires_grad]
+            frozen = [pl for pl in grp if not pl[3].requires_grad]
+            made = []
+            # A unit's frozen parameters are a unit of their own on the same module.
+            for part, grad in ((trainable, True), (frozen, False)):
+                if part or (grad and not frozen):  # an empty unit keeps its place
+                    flat = FlatParam(part, comm.rank, comm.size,
+                                     mp.param_dtype if mp else None, requires_grad=grad)
+                    if sync_module_states and comm.size > 1 and flat.numel:
+                        comm.broadcast(flat.initial, root=0)
+                        flat.shard.data.copy_(flat.initial[flat.lo:flat.hi])
+                    flat.initial = None
+                    flat.unregister()
+                    made.append(Unit(i, owner_module, flat, self, bool(reshard_after_forward)))
+            if len(made) == 2:
+                made[0].frozen = made[1]
+            self.units.extend(made)
         if sync_module_states and comm.size > 1:
             for b in module.buffers():
                 comm.broadcast(b.data, root=0)
         self.shards = nn.ParameterList([u.flat.shard for u in self.units])
         self._handles = []
-        for u in self.units[1:]:
+        for u in self.units:
+            if u.module is module:  # the root's: forward() calls them
+                continue
             self._handles.append(u.module.register_forward_pre_hook(
                 lambda m, args, u=u: u.pre_forward()))
             self._handles.append(u.module.register_forward_hook(
@@ -180,9 +192,8 @@ class FullyShardedDataParallel(nn.Module):
                 return TypeError(f"unit {i} mixes parameter dtypes/devices {sorted(map(str, kinds))}:"
                                  " cast the model to one dtype, or wrap the parts apart")
             for _, _, fqn, p in grp:
-                if not p.is_floating_point() or not p.requires_grad:
-                    return TypeError(f"parameter {fqn} ({p.dtype}, requires_grad="
-                                     f"{p.requires_grad}): FSDP shards trainable floating-point "
+                if not p.is_floating_point():
+                    return TypeError(f"parameter {fqn} ({p.dtype}): FSDP shards floating-point "
                                      "parameters; make it a buffer instead")
         return None
 
@@ -190,7 +201,9 @@ class FullyShardedDataParallel(nn.Module):
     def _agree(comm, error, places) -> None:
         """Raise on every rank if any rank failed or holds a different model."""
         desc = [None if error is None else f"{type(error).__name__}: {error}",
-                [[sum(p.numel() for p in {id(p): p for *_, p in g}.values()),
+                [[sum(p.numel() for p in {id(p): p for *_, p in g}.values() if p.requires_grad),
+                  sum(p.numel() for p in {id(p): p for *_, p in g}.values()
+                      if not p.requires_grad),
                   str(g[0][3].dtype) if g else ""] for g in places]]
         table = comm.control.allgather_json(desc) if comm.size > 1 else [desc]
         if error is not None:
@@ -202,14 +215,16 @@ class FullyShardedDataParallel(nn.Module):
         for r, d in enumerate(table):
             if d[1] != table[0][1]:
                 raise ValueError(f"FullyShardedDataParallel: the units differ between ranks "
-                                 f"(r0: {table[0][1]}, r{r}: {d[1]} as [numel, dtype]): build "
+                                 f"(r0: {table[0][1]}, r{r}: {d[1]} as [trainable numel, "
+                                 "frozen numel, dtype]): build "
                                  "the same model with the same auto_wrap on every rank")
 
     # --- forward and backward ----------------------------------------------------------
     def forward(self, *args, **kwargs):
-        root = self.units[0]
+        roots = [u for u in self.units if u.module is self.module]  # trainable, frozen
         self._recording = not self._order
-        root.pre_forward()
+        for root in roots:
+            root.pre_forward()
         mp = self.mixed_precision
         if mp is not None and mp.cast_forward_inputs:
             args, kwargs = _cast(args, mp.param_dtype), _cast(kwargs, mp.param_dtype)
@@ -217,7 +232,9 @@ class FullyShardedDataParallel(nn.Module):
             out = self.module(*args, **kwargs)
         finally:
             self._recording = False
-        return root.post_forward(out)
+        for root in roots:
+            out = root.post_forward(out)
+        return out
 
     def _on_pre_forward(self, unit: Unit) -> None:
         if self._recording and unit.position is None:

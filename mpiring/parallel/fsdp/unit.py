@@ -67,7 +67,11 @@ class Unit:
         self.acc: torch.Tensor | None = None  # full gradient kept under no_sync
         self._gather = None
         self._shard_version = -1
-        self._hook = flat.full.register_post_accumulate_grad_hook(self._post_backward)
+        # The same module's frozen parameters, a unit of their own (no gradient): freed
+        # with this one after its backward, which is when the module's backward is done.
+        self.frozen: Unit | None = None
+        self._hook = (flat.full.register_post_accumulate_grad_hook(self._post_backward)
+                      if flat.requires_grad else None)
 
     # --- parameters: gather and free ----------------------------------------------
     def unshard(self) -> None:
@@ -123,7 +127,7 @@ class Unit:
         # (Known once the first forward has recorded the order.)
         owner = self.owner
         last = (not owner._recording and self.position is not None
-                and self.position + 1 == len(owner._order))
+                and owner._order[-1].module is self.module)
         if not grad or (self.reshard_after_forward and self.index != 0 and not last):
             self.reshard()
         if grad:
@@ -153,6 +157,11 @@ class Unit:
         self.owner._count(held)  # the gradient exists while the parameters still do
         if self.owner.reshard_after_backward:
             self.reshard()
+            if self.frozen is not None:
+                # Autograd runs a unit's nodes, the frozen weights' too, before the
+                # split that sums the trainable views' gradients (created first in the
+                # forward, it comes last in the backward): they are done with.
+                self.frozen.reshard()
         if grad is not None:
             self.reduce(grad.reshape(-1))
         self.owner._count(-held)  # reduce() counts what it keeps
@@ -217,4 +226,5 @@ class Unit:
         self.reduced = False
 
     def remove_hooks(self) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
