@@ -65,6 +65,13 @@ def goals(rows: list[dict]) -> list[str]:
          lambda m: f"{by['zb', m]['predicted_busiest'] / by['1f1b', m]['predicted_busiest']:.2f}")
     line("peak activations MiB, ZB-H1 / 1F1B (max over stages)",
          lambda m: f"{by['zb', m]['peak_act_mib']:.2f} / {by['1f1b', m]['peak_act_mib']:.2f}")
+    line("ZB-H1 within 1F1B's peak (zb-cap) / 1F1B bubble, measured (goal <= 0.5)",
+         lambda m: f"{by['zb-cap', m]['bubble'] / by['1f1b', m]['bubble']:.2f}")
+    line("the same, busiest stage (goal <= 0.5)",
+         lambda m: f"{by['zb-cap', m]['bubble_busiest'] / by['1f1b', m]['bubble_busiest']:.2f}")
+    line("peak activations MiB, zb-cap / 1F1B (max over stages)",
+         lambda m: f"{by['zb-cap', m]['peak_act_mib']:.2f} / "
+                   f"{by['1f1b', m]['peak_act_mib']:.2f}")
     line("1F1B step / torch Schedule1F1B step (goal <= 0.9)",
          lambda m: f"{by['1f1b', m]['step_ms'] / by['torch-1f1b', m]['step_ms']:.2f}")
     line("torch step / 1F1B's simulated compute bound",

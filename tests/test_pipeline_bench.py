@@ -10,9 +10,9 @@ from mpiring.tools.bench.pp import draw_run, format_pp_table, run_pp_bench
 def test_bench_pp_smoke(comm):
     if comm.size > 2:
         pytest.skip("the bench's layout is 2 stages; the runtime's tests cover more")
-    rows, drawn = run_pp_bench(comm, preset="tiny", ms=(2,), modes=("1f1b", "zb", "gpipe"),
-                               steps=2, warmup=0)
-    assert [r["mode"] for r in rows] == ["1f1b", "zb", "gpipe"]
+    rows, drawn = run_pp_bench(comm, preset="tiny", ms=(2,),
+                               modes=("1f1b", "zb", "zb-cap", "gpipe"), steps=2, warmup=0)
+    assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe"]
     for r in rows:
         assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
@@ -27,5 +27,10 @@ def test_bench_pp_smoke(comm):
     assert len(spans) == comm.size
     assert sorted(s.action.kind for s in spans[0]) == ["B", "B", "F", "F", "W", "W"]
     assert draw_run(spans).count("设备") == comm.size
+    # zb-cap: ZB-H1 held to 1F1B's measured peak, to the byte (of what is counted).
+    assert rows[2]["peak_act_mib"] <= rows[0]["peak_act_mib"] + 1e-9
     table = format_pp_table(rows)
     assert "zb" in table and "m=2: gpipe meas/pred" in table and "zb/1f1b bubble" in table
+    assert "zb-cap/1f1b bubble" in table
+    with pytest.raises(ValueError, match="list 1f1b before it"):
+        run_pp_bench(comm, preset="tiny", ms=(2,), modes=("zb-cap", "1f1b"))

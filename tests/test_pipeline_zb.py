@@ -35,33 +35,76 @@ def _reference(full, x, y, m):
     return [v.item() for v in losses]
 
 
-@pytest.mark.parametrize("m", (1, 3, 8))
-def test_zero_bubble_gpt_matches_unsplit_model(comm, m):
+def _gpt_stage(comm):
+    """The unsplit GPT, this rank's part of a copy, and its counting stage."""
     torch.manual_seed(5)
     full = GPT(CFG).double()
     module, tied = split_gpt(full, comm.size, comm.rank)
-    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied,
-                          count_activations=True)
+    return full, module, PipelineStage(module, comm.rank, comm.size, comm,
+                                       tied_parameters=tied, count_activations=True)
+
+
+def _step_and_compare(full, module, stage, sched, x, y, m: int) -> None:
+    """One step of ``sched``: the unsplit model's losses and gradients."""
+    ref = _reference(full, x, y, m)
+    module.zero_grad(set_to_none=True)
+    losses: list = []
+    sched.step(x if stage.is_first else None, target=y if stage.is_last else None,
+               losses=losses if stage.is_last else None)
+    if stage.is_last:
+        assert [float(v) for v in losses] == pytest.approx(ref, rel=1e-12)
+    _same_grads(full, module, stage.comm)
+
+
+def _same_grads(full, module, comm) -> None:
+    parts = units(full)  # the unsplit model's own modules for this stage, in order
+    lo, hi = chunk_bounds(len(parts), comm.size)[comm.rank]
+    for (name, mine), theirs in zip(module.named_parameters(),
+                                    nn.Sequential(*parts[lo:hi]).parameters(), strict=True):
+        assert mine.grad is not None, name
+        # W's GEMM on an X that requires grad must not leave a graph (holding every
+        # micro-batch's dY) on .grad.
+        assert mine.grad.grad_fn is None, f"{name}.grad has a graph: {mine.grad.grad_fn}"
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))
+def test_zero_bubble_gpt_matches_unsplit_model(comm, m):
+    full, module, stage = _gpt_stage(comm)
     sched = ScheduleZeroBubble(stage, m, lm_loss)
     for salt in (0, 1):  # the second step: agreed shapes, kept buffers, posted receives
         x, y = _batch(9, 20 + salt + comm.size)
-        ref = _reference(full, x, y, m)
-        module.zero_grad(set_to_none=True)
-        losses: list = []
-        sched.step(x if stage.is_first else None, target=y if stage.is_last else None,
-                   losses=losses if stage.is_last else None)
-        if stage.is_last:
-            assert [float(v) for v in losses] == pytest.approx(ref, rel=1e-12)
-        parts = units(full)  # the unsplit model's own modules for this stage, in order
-        lo, hi = chunk_bounds(len(parts), comm.size)[comm.rank]
-        theirs_all = list(nn.Sequential(*parts[lo:hi]).parameters())
-        for (name, mine), theirs in zip(module.named_parameters(), theirs_all, strict=True):
-            assert mine.grad is not None, name
-            # W's GEMM on an X that requires grad must not leave a graph (holding every
-            # micro-batch's dY) on .grad.
-            assert mine.grad.grad_fn is None, f"{name}.grad has a graph: {mine.grad.grad_fn}"
-            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-12, msg=name)
+        _step_and_compare(full, module, stage, sched, x, y, m)
     assert stage.live_bytes == 0
+
+
+@pytest.mark.parametrize("cap", ["none", "half", "zero"])
+def test_a_limit_on_the_held_weight_gradients(comm, cap):
+    # max_held_bytes: before each forward the queued W's beyond the limit run (the
+    # largest first); the gradients stay exact, the held bytes stay under the limit,
+    # and a limit of 0 runs every W before the next forward.
+    full, module, stage = _gpt_stage(comm)
+    x, y = _batch(9, 7)
+    held: list[int] = []  # what the queues keep at the end of each forward
+    original = stage.forward
+
+    def forward(mb, *args, **kwargs):
+        out = original(mb, *args, **kwargs)
+        held.append(sum(split_backward.held_bytes(q) for q in stage._wq.values()))
+        return out
+    stage.forward = forward
+    ScheduleZeroBubble(stage, 4, lm_loss).step(x if stage.is_first else None,
+                                               target=y if stage.is_last else None)
+    unlimited = max(held)
+    held.clear()
+    limit = {"none": None, "half": unlimited // 2, "zero": 0}[cap]
+    sched = ScheduleZeroBubble(stage, 4, lm_loss, max_held_bytes=limit)
+    _step_and_compare(full, module, stage, sched, x, y, 4)
+    if limit is not None:
+        assert max(held) <= limit and (limit or not any(held))
+    assert stage.live_bytes == 0
+    with pytest.raises(ValueError, match="max_held_bytes=-1: give a number of bytes"):
+        ScheduleZeroBubble(stage, 4, lm_loss, max_held_bytes=-1)
 
 
 def test_the_linear_weight_gradients_wait_for_w(comm):

@@ -1,7 +1,8 @@
 """Time the pipeline schedules on the project's GPT: bubble measured vs predicted.
 
 Run under mpiexec, one stage per rank. For each m: GPipe (with and without
-recomputation), 1F1B, ZB-H1 and torch.distributed.pipelining's Schedule1F1B
+recomputation), 1F1B, ZB-H1 (also held to 1F1B's measured peak memory,
+``zb-cap``) and torch.distributed.pipelining's Schedule1F1B
 over gloo on the same stages and micro-batches; the measured bubble beside
 the schedule's prediction from the measured F, B and W times, peak activation
 memory, and one run drawn as the lecture's diagram.
@@ -20,8 +21,9 @@ from mpiring.cli import add_backend_arguments
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", help="GPT preset: small (default), tiny, comm")
     p.add_argument("--m", default="4,8,16", help="micro-batch counts, comma list (default 4,8,16)")
-    p.add_argument("--modes", default="gpipe,gpipe-recompute,1f1b,zb,torch-1f1b",
-                   help="comma list of gpipe, gpipe-recompute, 1f1b, zb, torch-1f1b")
+    p.add_argument("--modes", default="gpipe,gpipe-recompute,1f1b,zb,zb-cap,torch-1f1b",
+                   help="comma list of gpipe, gpipe-recompute, 1f1b, zb, zb-cap (ZB-H1 held "
+                        "to 1F1B's measured peak; after 1f1b), torch-1f1b")
     p.add_argument("--mb-rows", type=int, default=2, help="windows per micro-batch (default 2)")
     p.add_argument("-n", "--steps", type=int, default=5,
                    help="timed steps, the fastest kept (default 5)")

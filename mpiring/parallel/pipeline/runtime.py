@@ -542,10 +542,26 @@ class Schedule1F1B(PipelineSchedule):
 
 class ScheduleZeroBubble(PipelineSchedule):
     """ZB-H1: 1F1B with the backward split into B (input) and W (weights), W
-    deferred into the cool-down's bubbles; the same peak activations as 1F1B."""
+    deferred into the cool-down's bubbles; as many micro-batches in flight as
+    1F1B's first stage.
+
+    ``max_held_bytes``: the most this rank's deferred weight gradients may keep
+    alive (their layers' inputs and output gradients), a memory limit in the
+    spirit of the zero-bubble paper's: a B that would go over it runs the
+    largest of its W's at once (on the critical path, so the bubble grows), the
+    rest wait for W. For a stage whose micro-batches are larger than the first
+    stage's, ``1F1B's peak on the first stage - its own 1F1B peak`` keeps its
+    peak at 1F1B's (``bench-pp`` measures it). None: no limit.
+    """
 
     name = "zb"
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None, *,
-                 scale_grads: bool = True):
+                 scale_grads: bool = True, max_held_bytes: int | None = None):
+        if max_held_bytes is not None and (isinstance(max_held_bytes, bool) or
+                                           not isinstance(max_held_bytes, int) or
+                                           max_held_bytes < 0):
+            raise ValueError(f"max_held_bytes={max_held_bytes!r}: give a number of bytes >= 0, "
+                             "or None for no limit")
         super().__init__(stage, n_microbatches, loss_fn, scale_grads=scale_grads)
+        stage.max_held_bytes = max_held_bytes

@@ -77,6 +77,9 @@ class PipelineStage:
             self.tied_comm = self.comm.split(0 if stage_index in ends else None, key=stage_index)
         self._sink: split_backward.WeightGradSink | None = None
         self.count_activations = count_activations
+        #: The most bytes the deferred weight gradients may keep alive (None: no limit;
+        #: ``ScheduleZeroBubble(max_held_bytes=)``).
+        self.max_held_bytes: int | None = None
         self.reset()
 
     # --- per-step state -------------------------------------------------------
@@ -114,6 +117,8 @@ class PipelineStage:
         ``x``: a tensor, or the parts of a packed boundary (a tuple: the module's
         positional arguments).
         """
+        if self.max_held_bytes is not None and self._wq:
+            self._hold_at_most(self.max_held_bytes)
         if isinstance(x, tuple):
             args = x if self.is_first else tuple(_leaf(a) for a in x)
             self._inp[mb] = args
@@ -234,6 +239,26 @@ class PipelineStage:
             return tuple(a.grad if a.grad is not None else torch.zeros_like(a)
                          for a in inp if a.is_floating_point())
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
+
+    def _hold_at_most(self, limit: int) -> None:
+        """Run deferred weight gradients now, the oldest micro-batch's and the largest
+        first, until the queued ones keep at most ``limit`` bytes (the rest wait for W).
+
+        Called before a forward: the stage's activations peak at the end of a forward
+        (and the start of the B after it), over what the queues keep then.
+        """
+        def held() -> int:
+            return sum(split_backward.held_bytes(q) for q in self._wq.values())
+        for mb in sorted(self._wq):
+            queue = self._wq[mb]
+            while queue and held() > limit:
+                item = max(queue, key=lambda d: split_backward.held_bytes([d]))
+                queue.remove(item)
+                item.run()
+                if self.count_activations:
+                    left = split_backward.held_bytes(queue)
+                    self._grow(left - self._held[mb])
+                    self._held[mb] = left
 
     def weight(self, mb: int, *, sync: bool = False) -> None:
         """Micro-batch ``mb``'s deferred weight gradients (the W action).

@@ -54,7 +54,7 @@ from mpiring.parallel.pipeline.validate import (
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
-MODES = ("gpipe", "gpipe-recompute", "1f1b", "zb", "torch-1f1b")
+MODES = ("gpipe", "gpipe-recompute", "1f1b", "zb", "zb-cap", "torch-1f1b")
 
 
 def _batch(cfg, rows: int, seed: int):
@@ -124,7 +124,7 @@ def transfer_time(comm, shape, dtype=torch.float32, rounds: int = 40) -> float:
 
 class _Mpiring:
     def __init__(self, comm, cfg, mode: str, m: int):
-        name = "gpipe" if mode.startswith("gpipe") else mode
+        name = "gpipe" if mode.startswith("gpipe") else "zb" if mode == "zb-cap" else mode
         self.stage, self.sched, _ = build_pipeline(comm, cfg, name, m,
                                                    recompute=mode == "gpipe-recompute")
         self.mode, self.times, self.timelines, self.peak = mode, [], [], 0
@@ -166,6 +166,7 @@ class _Mpiring:
 
 
 class _Torch:
+    mode = "torch-1f1b"
     def __init__(self, comm, cfg, m: int, group):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -201,6 +202,8 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
     bad = [x for x in modes if x not in MODES]
     if bad:
         raise ValueError(f"unknown modes {bad}: use some of {', '.join(MODES)}")
+    if "zb-cap" in modes and ("1f1b" not in modes or modes.index("1f1b") > modes.index("zb-cap")):
+        raise ValueError("zb-cap holds ZB-H1 to 1F1B's measured peak: list 1f1b before it")
     cfg = PRESETS[preset]
     transfer = transfer_time(comm, (mb_rows, cfg.seq_len, cfg.d_model))
     group = None
@@ -214,6 +217,13 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
                     else _Mpiring(comm, cfg, mode, m) for mode in modes]
             x, y = _batch(cfg, m * mb_rows, seed=m)
             for run in runs:  # the memory step: counting hooks on, not timed
+                if run.mode == "zb-cap":
+                    # ZB-H1 within 1F1B's peak: each stage's W may hold what its own 1F1B
+                    # peak leaves below the pipeline's (1F1B's peaks, counted just before).
+                    base = next(r for r in runs if r.mode == "1f1b")
+                    peaks = comm.control.allgather_json(int(base.peak)) if comm.size > 1 \
+                        else [base.peak]
+                    run.stage.max_held_bytes = int(max(peaks) - base.peak)
                 run.step(x, y, timed=False, count=True)
             for i in range(warmup + steps):  # round-robin: one step of each mode in turn
                 for run in runs:
@@ -248,11 +258,12 @@ def _ratios(rows: list[dict]) -> None:
     for r in rows:
         if base is not None:
             r["x_1f1b"] = r["step_ms"] / base["step_ms"]
-    if base is not None and "zb" in by and base["bubble"]:
-        by["zb"]["zb_over_1f1b_bubble"] = by["zb"]["bubble"] / base["bubble"]
-        if base["bubble_busiest"]:
-            by["zb"]["zb_over_1f1b_busiest"] = (by["zb"]["bubble_busiest"] /
-                                                base["bubble_busiest"])
+    for zb in ("zb", "zb-cap"):
+        if base is not None and zb in by and base["bubble"]:
+            by[zb]["zb_over_1f1b_bubble"] = by[zb]["bubble"] / base["bubble"]
+            if base["bubble_busiest"]:
+                by[zb]["zb_over_1f1b_busiest"] = (by[zb]["bubble_busiest"] /
+                                                  base["bubble_busiest"])
     if base is not None and "torch-1f1b" in by:
         base["over_torch"] = base["step_ms"] / by["torch-1f1b"]["step_ms"]
         # How far torch's step is from the schedule's simulated bound on these stages (from
@@ -290,13 +301,15 @@ def format_pp_table(rows: list[dict]) -> str:
         for mode in ("gpipe", "1f1b"):
             if mode in by:
                 parts.append(f"{mode} meas/pred {ratio(by[mode]['bubble'], by[mode]['predicted'])}")
-        if "zb_over_1f1b_bubble" in by.get("zb", {}):
-            peaks = "/".join(f"{v:.2f}" for v in by["zb"]["peak_act_mib_per_stage"])
+        for zb in ("zb", "zb-cap"):
+            if "zb_over_1f1b_bubble" not in by.get(zb, {}):
+                continue
+            peaks = "/".join(f"{v:.2f}" for v in by[zb]["peak_act_mib_per_stage"])
             base = "/".join(f"{v:.2f}" for v in by["1f1b"]["peak_act_mib_per_stage"])
-            busy = by["zb"].get("zb_over_1f1b_busiest")
-            parts.append(f"zb/1f1b bubble {by['zb']['zb_over_1f1b_bubble']:.2f}"
+            busy = by[zb].get("zb_over_1f1b_busiest")
+            parts.append(f"{zb}/1f1b bubble {by[zb]['zb_over_1f1b_bubble']:.2f}"
                          + (f", busiest stage {busy:.2f}" if busy is not None else "")
-                         + f" (peak act per stage zb {peaks}, 1f1b {base} MiB)")
+                         + f" (peak act per stage {zb} {peaks}, 1f1b {base} MiB)")
         if "over_torch" in by.get("1f1b", {}):
             parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f} (torch step / 1f1b's "
                          f"simulated compute bound {by['1f1b']['torch_over_ideal']:.2f})")
