@@ -45,3 +45,33 @@ def test_a_freed_schedule_and_stage(comm):
     stage.free()
     with pytest.raises(RuntimeError, match="was freed"):
         stage.comm.barrier()
+
+
+def test_free_waits_for_no_thread_it_would_cut_off(comm):
+    # Another thread inside a collective on it: refused, naming the thread; the
+    # communicator still works once that thread is out.
+    import threading
+
+    d = comm.dup()
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with d._busy:
+            d._owner, d._owner_call = threading.get_ident(), "all_reduce"
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=hold, name="holder")
+    t.start()
+    inside.wait(10)
+    try:
+        with pytest.raises(RuntimeError, match=r"free: thread .* while thread 'holder' is "
+                                               r"inside all_reduce"):
+            d.free()
+    finally:
+        leave.set()
+        t.join(10)
+    x = np.ones(2)
+    d.all_reduce(x)
+    assert x.tolist() == [comm.size] * 2
+    d.free()

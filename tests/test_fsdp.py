@@ -488,7 +488,8 @@ class Tuned(nn.Module):
         return self.out(x)
 
 
-def test_frozen_parameters_stay_and_the_rest_trains(comm):
+@pytest.mark.parametrize("prefetch", (False, True))
+def test_frozen_parameters_stay_and_the_rest_trains(comm, prefetch):
     # As torch on one process: the frozen ones never move (AdamW with weight decay
     # would move a zero gradient's), the trainable ones match. A unit's frozen
     # parameters are a unit of their own, gathered for forward and backward and freed
@@ -500,7 +501,7 @@ def test_frozen_parameters_stay_and_the_rest_trains(comm):
     ref = make()
     before = {k: v.clone() for k, v in ref.state_dict().items()}
     train(ref, None, STEPS)
-    model = FullyShardedDataParallel(make(), comm, prefetch=False)
+    model = FullyShardedDataParallel(make(), comm, prefetch=prefetch)
     assert sum(not u.flat.requires_grad for u in model.units) == 4  # root, 3 blocks
     train(model, comm, STEPS)
     full = model.full_state_dict()
@@ -511,7 +512,7 @@ def test_frozen_parameters_stay_and_the_rest_trains(comm):
                for u in model.units)
     assert all(u.flat.shard.grad is None for u in model.units if not u.flat.requires_grad)
     # When the gradient reaches blocks.0, blocks.2 (a LoRA unit) is freed, frozen part
-    # too; the wholly frozen blocks.1 stays gathered to the end of backward.
+    # too, and so is the wholly frozen blocks.1 (its inputs' gradients are in).
     gathered = []
 
     def probe(m, args, out):
@@ -522,10 +523,90 @@ def test_frozen_parameters_stay_and_the_rest_trains(comm):
     loss_fn(model, mine(x, comm), mine(y, comm)).backward()
     handle.remove()
     # (blocks.0 itself may be gathered already: FSDP's hook on that output ran first.)
-    assert len(gathered) == 1 and 3 not in gathered[0] and 2 in gathered[0], gathered
+    assert len(gathered) == 1 and not {2, 3} & set(gathered[0]), gathered
     state = full_optim_state_dict(model, torch.optim.AdamW(model.parameters()))
     assert "blocks.0.base.weight" not in state["state"]
     model.close()
+
+
+class LowBase(LoRA):
+    """A frozen base in float32 beside float64 adapters (a quantised base, in spirit)."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.base.float()
+
+    def forward(self, x):
+        return x + self.base(torch.tanh(x).float()).double() + self.b(self.a(x))
+
+
+def test_a_frozen_part_may_have_its_own_dtype(comm):
+    # The frozen and the trainable parameters of a unit are two flats, each of one dtype.
+    def make():
+        torch.manual_seed(4)
+        net = Tuned().double()
+        net.blocks[0] = LowBase(13).double()
+        net.blocks[0].base.float()
+        return net
+
+    ref = make()
+    train(ref, None, 2)
+    model = FullyShardedDataParallel(make(), comm)
+    train(model, comm, 2)
+    assert_state_close(model.full_state_dict(), ref, rtol=1e-6, atol=1e-7)
+    model.close()
+
+
+class Prompted(nn.Module):
+    """A trainable input layer under frozen blocks (prompt or prefix tuning)."""
+
+    def __init__(self, depth=6):
+        super().__init__()
+        self.inp = nn.Linear(7, 13)
+        self.blocks = nn.ModuleList([Block(13, 11) for _ in range(depth)])
+        self.blocks.requires_grad_(False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return x.sum(1, keepdim=True).expand(-1, 3)
+
+
+@pytest.mark.parametrize("prefetch", (False, True))
+def test_frozen_units_are_freed_after_their_backward(comm, prefetch):
+    # Every block frozen, the gradient flowing through them to the input layer: each is
+    # freed once its inputs' gradients are in, so the unsharded peak does not grow with
+    # depth (it did: every frozen block stayed gathered to the end of backward).
+    torch.manual_seed(3)
+    model = FullyShardedDataParallel(Prompted().double(), comm, prefetch=prefetch)
+    train(model, comm, 2)  # the second step: prefetch follows the recorded order
+    model.reset_peak()
+    x, y = batch(5)
+    loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+    root, block = (model.units[i].flat.numel * 8 for i in (0, 1))
+    # The root and its gradient, the block computing, one more in flight with prefetch.
+    assert model.peak_unsharded_bytes <= 3 * root + (3 if prefetch else 2) * block
+    torch.manual_seed(3)
+    ref = Prompted().double()
+    train(ref, None, 2)
+    assert_state_close(model.full_state_dict(), ref)
+    model.close()
+
+
+def test_the_state_dicts_still_work_after_close(comm):
+    # close() frees the communication thread's communicator; saving afterwards gathers
+    # on the model's own.
+    model = FullyShardedDataParallel(make_model(), comm)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    train(model, comm, 1, opt=opt)
+    before, optim = model.full_state_dict(), full_optim_state_dict(model, opt)
+    model.close()
+    after = model.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    again = full_optim_state_dict(model, opt)
+    assert all(torch.equal(optim["state"][k]["exp_avg"], again["state"][k]["exp_avg"])
+               for k in optim["state"])
 
 
 def test_bad_model_raises_on_every_rank(comm):
@@ -538,6 +619,12 @@ def test_bad_model_raises_on_every_rank(comm):
         if comm.rank == 1:
             net.blocks[2] = Block(13, 6)  # rank 1's model differs
         with pytest.raises(ValueError, match="differ|rejected"):
+            FullyShardedDataParallel(net, comm)
+        # The same sizes frozen, but not the same parameters (fc1's and fc2's weights
+        # have 143 elements each): the flats' layouts differ, and are refused.
+        net = make_model()
+        (net.blocks[0].fc1 if comm.rank == 0 else net.blocks[0].fc2).weight.requires_grad_(False)
+        with pytest.raises(ValueError, match="the units differ between ranks .* layout checksum"):
             FullyShardedDataParallel(net, comm)
     with pytest.raises(TypeError, match="auto_wrap"):
         FullyShardedDataParallel(make_model(), comm, auto_wrap=3)

@@ -269,7 +269,7 @@ def test_bad_arguments_raise_on_every_rank(comm):
         sched.step(deep if stage.is_first else None, target=y if stage.is_last else None)
 
 
-@pytest.mark.parametrize("bad", ["shape", "dtype", "foreign"])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "frozen", "foreign"])
 def test_tied_parameters_that_do_not_match_are_refused_on_every_rank(comm, bad):
     if comm.size < 2:
         pytest.skip("the tie joins the first and the last stage")
@@ -280,15 +280,36 @@ def test_tied_parameters_that_do_not_match_are_refused_on_every_rank(comm, bad):
         if bad in ("shape", "dtype"):
             part = nn.Linear(4, 3).double() if bad == "shape" else nn.Linear(4, 4).float()
             tied = [part.weight]
+        elif bad == "frozen":
+            part.weight.requires_grad_(False)  # one end would sum, the other not
         else:
             tied = [nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))]  # not part's
-    want = {"shape": r"tied_parameters differ: first stage \[\[4, 4, 'torch.float64'\]\], "
-                     r"last stage \[\[3, 4, 'torch.float64'\]\]",
-            "dtype": r"last stage \[\[4, 4, 'torch.float32'\]\]",
+    want = {"shape": r"tied_parameters differ: first stage \[\[4, 4, 'torch.float64', "
+                     r"True\]\], last stage \[\[3, 4, 'torch.float64', True\]\]",
+            "dtype": r"last stage \[\[4, 4, 'torch.float32', True\]\]",
+            "frozen": r"last stage \[\[4, 4, 'torch.float64', False\]\] \(shapes, then "
+                      r"dtype and requires_grad\)",
             "foreign": f"r{comm.size - 1} gave 1 tied parameter\\(s\\) that are not "
                        "parameters of its submodule"}[bad]
     with pytest.raises(ValueError, match=want):
         PipelineStage(part, comm.rank, comm.size, comm, tied_parameters=tied)
+
+
+def test_a_frozen_tied_pair_gets_no_gradient(comm):
+    # Frozen on both ends: nothing to sum, no zero gradient (AdamW's weight decay would
+    # move a zero gradient's parameter on both stages).
+    if comm.size < 2:
+        pytest.skip("the tie joins the first and the last stage")
+    torch.manual_seed(0)
+    part = nn.Linear(3, 3).double()
+    part.weight.requires_grad_(False)
+    ends = comm.rank in (0, comm.size - 1)
+    stage = PipelineStage(part, comm.rank, comm.size, comm,
+                          tied_parameters=[part.weight] if ends else None)
+    sched = Schedule1F1B(stage, 2, mse)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    sched.step(x if stage.is_first else None, target=x if stage.is_last else None)
+    assert part.weight.grad is None and part.bias.grad is not None
 
 
 def test_a_stage_that_computes_its_own_loss_returns_the_losses(comm):

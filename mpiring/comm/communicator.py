@@ -334,8 +334,13 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         """
         if isinstance(self._be, _Freed):
             return
-        be, self._be = self._be, _Freed(self.name)
-        be.free()
+        if not self._busy.acquire(False):
+            self._other_thread("free")  # another thread is inside a collective on it
+        try:
+            be, self._be = self._be, _Freed(self.name)
+            be.free()
+        finally:
+            self._busy.release()
 
     def _child(self, be, suffix: str) -> Communicator:
         # Named after the parent and the call that made it (a collective, so its

@@ -62,10 +62,12 @@ class CommThread:
         if self._error is not None:
             raise RuntimeError(f"communication thread failed: {self._error}") from self._error
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop the thread; whether it ended (within 10 s)."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=10)
+        return not self._thread.is_alive()
 
 
 # For the desync detector: a thread in ``wait`` is blocked until the

@@ -397,8 +397,8 @@ class Reducer(BucketLayout, EndOfBackward):
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._thread.close()
-        self._bucket_comm.free()  # the thread's duplicate: MPI has a few thousand
+        if self._thread.close():  # a thread still inside a collective keeps its communicator
+            self._bucket_comm.free()  # the thread's duplicate: MPI has a few thousand
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import zlib
 
 import torch
 from torch import nn
@@ -138,6 +139,7 @@ class FullyShardedDataParallel(nn.Module):
         self.peak_unsharded_bytes = 0
         self._keys = list(module.state_dict().keys())
         self.module = module
+        self.closed = False
         # Its own communicator, made on every rank in the same order: the
         # thread's collectives never match a message of the main thread's.
         self.thread_comm = comm.dup()
@@ -166,7 +168,7 @@ class FullyShardedDataParallel(nn.Module):
                     flat.unregister()
                     made.append(Unit(i, owner_module, flat, self, bool(reshard_after_forward)))
             if len(made) == 2:
-                made[0].frozen = made[1]
+                made[0].frozen, made[1].paired = made[1], True
             self.units.extend(made)
         if sync_module_states and comm.size > 1:
             for b in module.buffers():
@@ -177,7 +179,7 @@ class FullyShardedDataParallel(nn.Module):
             if u.module is module:  # the root's: forward() calls them
                 continue
             self._handles.append(u.module.register_forward_pre_hook(
-                lambda m, args, u=u: u.pre_forward()))
+                lambda m, args, u=u: u.pre_forward(args)))
             self._handles.append(u.module.register_forward_hook(
                 lambda m, args, out, u=u: u.post_forward(out)))
         self._order: list[Unit] = []
@@ -187,10 +189,12 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def _check_places(places) -> Exception | None:
         for i, grp in enumerate(places):
-            kinds = {(p.dtype, p.device) for (*_, p) in grp}
-            if len(kinds) > 1:
-                return TypeError(f"unit {i} mixes parameter dtypes/devices {sorted(map(str, kinds))}:"
-                                 " cast the model to one dtype, or wrap the parts apart")
+            for grad in (True, False):  # the trainable and the frozen part: a flat each
+                kinds = {(p.dtype, p.device) for (*_, p) in grp if p.requires_grad == grad}
+                if len(kinds) > 1:
+                    return TypeError(f"unit {i} mixes parameter dtypes/devices "
+                                     f"{sorted(map(str, kinds))}: cast the model to one dtype, "
+                                     "or wrap the parts apart")
             for _, _, fqn, p in grp:
                 if not p.is_floating_point():
                     return TypeError(f"parameter {fqn} ({p.dtype}): FSDP shards floating-point "
@@ -200,11 +204,17 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def _agree(comm, error, places) -> None:
         """Raise on every rank if any rank failed or holds a different model."""
+        def unit(g) -> list:
+            distinct = {id(p): p for *_, p in g}.values()
+            # Which parameter goes where in the flats, frozen or not: the same sizes laid
+            # out in another order would take each other's values from rank 0.
+            layout = repr([(fqn, tuple(p.shape), bool(p.requires_grad), str(p.dtype))
+                           for _, _, fqn, p in g])
+            return [sum(p.numel() for p in distinct if p.requires_grad),
+                    sum(p.numel() for p in distinct if not p.requires_grad),
+                    str(g[0][3].dtype) if g else "", zlib.crc32(layout.encode())]
         desc = [None if error is None else f"{type(error).__name__}: {error}",
-                [[sum(p.numel() for p in {id(p): p for *_, p in g}.values() if p.requires_grad),
-                  sum(p.numel() for p in {id(p): p for *_, p in g}.values()
-                      if not p.requires_grad),
-                  str(g[0][3].dtype) if g else ""] for g in places]]
+                [unit(g) for g in places]]
         table = comm.control.allgather_json(desc) if comm.size > 1 else [desc]
         if error is not None:
             raise error
@@ -216,7 +226,7 @@ class FullyShardedDataParallel(nn.Module):
             if d[1] != table[0][1]:
                 raise ValueError(f"FullyShardedDataParallel: the units differ between ranks "
                                  f"(r0: {table[0][1]}, r{r}: {d[1]} as [trainable numel, "
-                                 "frozen numel, dtype]): build "
+                                 "frozen numel, dtype, layout checksum]): build "
                                  "the same model with the same auto_wrap on every rank")
 
     # --- forward and backward ----------------------------------------------------------
@@ -240,14 +250,27 @@ class FullyShardedDataParallel(nn.Module):
         if self._recording and unit.position is None:
             unit.position = len(self._order)
             self._order.append(unit)
-        elif (self.prefetch and unit.position is not None
-              and unit.position + 1 < len(self._order)):
-            # Prefetch: the next unit's AllGather runs while this one computes.
-            self._order[unit.position + 1].unshard()
+        elif self.prefetch and unit.position is not None:
+            # Prefetch: the next module's AllGathers run while this one computes.
+            for u in self._next_module(unit, +1):
+                u.unshard()
 
     def _prefetch_backward(self, unit: Unit) -> None:
-        if self.prefetch and unit.position is not None and unit.position >= 1:
-            self._order[unit.position - 1].unshard()
+        if self.prefetch and unit.position is not None:
+            for u in self._next_module(unit, -1):
+                if u.had_backward:  # a unit below every gradient has no backward
+                    u.unshard()
+
+    def _next_module(self, unit: Unit, step: int) -> list[Unit]:
+        """The units (a trainable and a frozen part) of the module after (+1) or before
+        (-1) ``unit``'s in the recorded forward order."""
+        i = unit.position + step
+        while 0 <= i < len(self._order) and self._order[i].module is unit.module:
+            i += step  # its own other part
+        if not 0 <= i < len(self._order):
+            return []
+        module = self._order[i].module
+        return [u for u in self._order if u.module is module]
 
     def _on_backward_start(self) -> None:
         if not self._in_backward:
@@ -360,3 +383,4 @@ class FullyShardedDataParallel(nn.Module):
             u.remove_hooks()
         self.runner.close()
         self.thread_comm.free()  # the thread's duplicate: MPI has a few thousand
+        self.closed = True  # the state dicts still gather, on self.comm

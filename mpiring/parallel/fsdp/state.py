@@ -24,9 +24,12 @@ def _gather_flat(fsdp, unit, shard_values: torch.Tensor) -> torch.Tensor:
     f = unit.flat
     buf = torch.zeros(f.numel, dtype=shard_values.dtype, device=f.device)
     buf[f.lo:f.hi].copy_(shard_values.detach())
-    comm = fsdp.thread_comm
-    if comm.size > 1 and f.numel:
-        # On the communication thread, behind anything still queued there.
+    if fsdp.comm.size == 1 or not f.numel:
+        return buf
+    if fsdp.closed:  # close() freed the thread's communicator: the model's own, here
+        fsdp.comm.all_gather(buf, algo=fsdp.algo, check=False)
+    else:  # on the communication thread, behind anything still queued there
+        comm = fsdp.thread_comm
         fsdp.runner.result(fsdp.runner.submit(
             lambda: comm.all_gather(buf, algo=fsdp.algo, check=False)))
     return buf

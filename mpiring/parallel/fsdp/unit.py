@@ -70,6 +70,9 @@ class Unit:
         # The same module's frozen parameters, a unit of their own (no gradient): freed
         # with this one after its backward, which is when the module's backward is done.
         self.frozen: Unit | None = None
+        self.paired = False          # the frozen part of such a pair
+        self.had_backward = False    # its last forward's output required grad
+        self._uses = 0               # forwards whose inputs' gradients are still to come
         self._hook = (flat.full.register_post_accumulate_grad_hook(self._post_backward)
                       if flat.requires_grad else None)
 
@@ -109,16 +112,32 @@ class Unit:
             self.status = SHARDED
 
     # --- hooks ------------------------------------------------------------------------
-    def pre_forward(self) -> None:
+    def pre_forward(self, args: tuple = ()):
+        """Gather for the forward; returns ``args`` to run it on (None: unchanged)."""
         if (self.status != SHARDED and not self.owner._in_backward
                 and self.flat.shard._version != self._shard_version):
             # Kept gathered (a forward with no backward after it) while the shard moved
             # on (an optimizer step, a loaded state dict): gather the new values.
             self.reshard()
         self.unshard()
+        if self.frozen is not None:
+            self.frozen.unshard()  # the same module's other flat: both gathers in flight
         self.wait()
         self.flat.set_views()
         self.owner._on_pre_forward(self)
+        if self.flat.requires_grad or self.paired or not torch.is_grad_enabled():
+            return None
+        # Frozen parameters alone: no gradient of theirs says when the unit's backward
+        # is over, so the inputs' gradients do (FSDP2's post-backward on the inputs).
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return None
+        self._uses += 1
+        return _AfterBackward.apply(self, *args)
+
+    def _inputs_done(self) -> None:
+        self._uses -= 1
+        if self._uses == 0 and self.owner.reshard_after_backward:
+            self.reshard()
 
     def post_forward(self, output):
         grad = torch.is_grad_enabled()
@@ -130,9 +149,10 @@ class Unit:
                 and owner._order[-1].module is self.module)
         if not grad or (self.reshard_after_forward and self.index != 0 and not last):
             self.reshard()
-        if grad:
-            for t in output_tensors(output):
-                t.register_hook(self._pre_backward)
+        outputs = output_tensors(output) if grad else []
+        self.had_backward = bool(outputs)  # prefetched for the backward only if so
+        for t in outputs:
+            t.register_hook(self._pre_backward)
         return output
 
     def _pre_backward(self, grad):
@@ -144,6 +164,8 @@ class Unit:
                 # units after this one end before its backward makes another.
                 self.owner.runner.wait_all()
             self.unshard()
+            if self.frozen is not None:
+                self.frozen.unshard()
             self.wait()
             self.owner._prefetch_backward(self)
         return None
@@ -224,7 +246,23 @@ class Unit:
             self.reshard()
         self.pre_backward_done = False
         self.reduced = False
+        self._uses = 0
 
     def remove_hooks(self) -> None:
         if self._hook is not None:
             self._hook.remove()
+
+
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward (the inputs' gradients are in, so
+    the unit's backward is over) lets a unit of frozen parameters free them."""
+
+    @staticmethod
+    def forward(ctx, unit, *xs):
+        ctx.unit = unit
+        return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit._inputs_done()
+        return (None, *grads)

@@ -401,6 +401,8 @@ class PipelineSchedule:
         if st.tied_comm is None:
             return
         for p in st.tied_parameters:
+            if not p.requires_grad:  # frozen on both ends (agreed): no gradient to sum
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             st.tied_comm.all_reduce(p.grad.detach())  # in place, on the same storage

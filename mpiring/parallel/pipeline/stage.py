@@ -58,7 +58,7 @@ class PipelineStage:
         tied = list(tied_parameters or [])
         own = {id(p) for p in submodule.parameters()}
         mine = {"stage": stage_index, "stages": num_stages,
-                "tied": [[*p.shape, str(p.dtype)] for p in tied],
+                "tied": [[*p.shape, str(p.dtype), bool(p.requires_grad)] for p in tied],
                 "foreign": sum(id(p) not in own for p in tied)}
         table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
         _check_layout(table, comm.size)
@@ -297,7 +297,7 @@ def _check_layout(table: list[dict], size: int) -> None:
             errors.append(f"r{r} gave stage_index={row['stage']}")
     if size > 1 and table[0]["tied"] != table[-1]["tied"]:
         errors.append(f"tied_parameters differ: first stage {table[0]['tied']}, last stage "
-                      f"{table[-1]['tied']} (shapes, then dtype)")
+                      f"{table[-1]['tied']} (shapes, then dtype and requires_grad)")
     for r, row in enumerate(table):
         if row["foreign"]:
             errors.append(f"r{r} gave {row['foreign']} tied parameter(s) that are not "

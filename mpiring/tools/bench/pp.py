@@ -119,6 +119,7 @@ def transfer_time(comm, shape, dtype=torch.float32, rounds: int = 40) -> float:
         if comm.rank == left:
             worst = max(worst, min(times) / 2)
         comm.barrier()
+    fast.free()
     return comm.control.allreduce_scalar(worst, "max") if comm.size > 1 else worst
 
 
