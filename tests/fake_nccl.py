@@ -53,6 +53,13 @@ class FakeNccl:
         self.queue: list[tuple] = []
         self.groups: list[list[tuple]] = []  # every issued group: [(kind, peer), ...]
         self.streams: set[int] = set()
+        self.destroyed = False
+
+    def destroy(self):
+        """``NcclCommunicator.destroy``: nothing queued may be left behind."""
+        assert not self.queue, "destroyed with calls still queued in a group"
+        self.destroyed = True
+        self.comm.Free()
 
     # module functions
     def groupStart(self):  # noqa: N802 - NCCL's names

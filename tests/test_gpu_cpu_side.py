@@ -418,3 +418,12 @@ def test_other_algorithms_over_fake_nccl(fake_nccl_comm):
             c.all_reduce(x, op="sum", algo=algo)
             np.testing.assert_array_equal(x, _reference(c.size, n, np.float32, "sum"),
                                           err_msg=f"{algo} n={n}")
+
+
+def test_a_freed_nccl_communicator_destroys_its_nccl_and_mpi_parts(fake_nccl_comm):
+    d = fake_nccl_comm.dup()
+    nccl = d._be.nccl
+    d.free()
+    assert nccl.destroyed
+    with pytest.raises(RuntimeError, match="was freed"):
+        d.barrier()

@@ -537,6 +537,8 @@ class NCCLBackend:
 
     def free(self) -> None:
         """Collective: the NCCL communicator, then its MPI control plane."""
+        self.synchronize()  # a receive no send picked up is issued first
+        self.device.synchronize()  # and what is queued on the stream has run
         destroy = getattr(self.nccl, "destroy", None)
         if destroy is not None:
             destroy()
