@@ -515,10 +515,10 @@ def test_frozen_parameters_stay_and_the_rest_trains(comm, prefetch):
     # too, and so is the wholly frozen blocks.1 (its inputs' gradients are in).
     gathered = []
 
-    def probe(m, args, out):
-        out.register_hook(lambda g: gathered.append(
+    def probe(m, args):  # on blocks.1's input, after FSDP's own hooks there
+        args[0].register_hook(lambda g: gathered.append(
             sorted({u.index for u in model.units if u.flat.allocated and u.index != 0})))
-    handle = model.units[3].module.register_forward_hook(probe)
+    handle = model.units[4].module.register_forward_pre_hook(probe)
     x, y = batch(9)
     loss_fn(model, mine(x, comm), mine(y, comm)).backward()
     handle.remove()
@@ -557,13 +557,21 @@ def test_a_frozen_part_may_have_its_own_dtype(comm):
     model.close()
 
 
+class InPlace(Block):
+    """A block that changes its input in place first (an in-place activation)."""
+
+    def forward(self, x):
+        return super().forward(torch.nn.functional.leaky_relu_(x, 0.5))
+
+
 class Prompted(nn.Module):
     """A trainable input layer under frozen blocks (prompt or prefix tuning)."""
 
     def __init__(self, depth=6):
         super().__init__()
         self.inp = nn.Linear(7, 13)
-        self.blocks = nn.ModuleList([Block(13, 11) for _ in range(depth)])
+        self.blocks = nn.ModuleList([(InPlace if i % 2 else Block)(13, 11)
+                                     for i in range(depth)])
         self.blocks.requires_grad_(False)
 
     def forward(self, x):
@@ -581,8 +589,9 @@ def test_frozen_units_are_freed_after_their_backward(comm, prefetch):
     torch.manual_seed(3)
     model = FullyShardedDataParallel(Prompted().double(), comm, prefetch=prefetch)
     train(model, comm, 2)  # the second step: prefetch follows the recorded order
-    model.reset_peak()
     x, y = batch(5)
+    loss_fn(model, mine(x, comm), mine(y, comm))  # a forward whose backward never runs
+    model.reset_peak()
     loss_fn(model, mine(x, comm), mine(y, comm)).backward()
     root, block = (model.units[i].flat.numel * 8 for i in (0, 1))
     # The root and its gradient, the block computing, one more in flight with prefetch.

@@ -99,6 +99,7 @@ def test_a_limit_on_the_held_weight_gradients(comm, cap):
     held.clear()
     limit = {"none": None, "half": unlimited // 2, "zero": 0}[cap]
     sched = ScheduleZeroBubble(stage, 4, lm_loss, max_held_bytes=limit)
+    ScheduleZeroBubble(stage, 4, lm_loss)  # another schedule on the stage: its own limit
     _step_and_compare(full, module, stage, sched, x, y, 4)
     if limit is not None:
         assert max(held) <= limit and (limit or not any(held))

@@ -340,6 +340,7 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
             be, self._be = self._be, _Freed(self.name)
             be.free()
         finally:
+            self._owner = 0
             self._busy.release()
 
     def _child(self, be, suffix: str) -> Communicator:

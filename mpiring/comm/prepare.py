@@ -50,6 +50,7 @@ class Preparation:
         if plan is not None:
             plan.leave()  # copy a staged result back, or hand the stream back
         self._be.synchronize()
+        self._owner = 0  # before the release: no thread may read a stale owner as its own
         self._busy.release()
 
     def _other_thread(self, name: str) -> None:
@@ -102,6 +103,7 @@ class Preparation:
             # A call refused before any data moved does not count: every rank
             # refused it, so the call numbers stay in step across ranks.
             self._calls[collective] = call - 1
+            self._owner = 0
             self._busy.release()
             raise
 

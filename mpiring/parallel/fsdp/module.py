@@ -179,7 +179,7 @@ class FullyShardedDataParallel(nn.Module):
             if u.module is module:  # the root's: forward() calls them
                 continue
             self._handles.append(u.module.register_forward_pre_hook(
-                lambda m, args, u=u: u.pre_forward(args)))
+                lambda m, args, u=u: u.pre_forward(args)))  # returns None: args unchanged
             self._handles.append(u.module.register_forward_hook(
                 lambda m, args, out, u=u: u.post_forward(out)))
         self._order: list[Unit] = []
@@ -233,6 +233,11 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         roots = [u for u in self.units if u.module is self.module]  # trainable, frozen
         self._recording = not self._order
+        if not self._in_backward:
+            # A forward whose backward never ran (an evaluation with grad on) left its
+            # frozen units' input counts up: a new forward starts them again.
+            for u in self.units:
+                u._uses = 0
         for root in roots:
             root.pre_forward()
         mp = self.mixed_precision

@@ -112,8 +112,8 @@ class Unit:
             self.status = SHARDED
 
     # --- hooks ------------------------------------------------------------------------
-    def pre_forward(self, args: tuple = ()):
-        """Gather for the forward; returns ``args`` to run it on (None: unchanged)."""
+    def pre_forward(self, args: tuple = ()) -> None:
+        """Gather for the forward (``args``: the module's positional inputs)."""
         if (self.status != SHARDED and not self.owner._in_backward
                 and self.flat.shard._version != self._shard_version):
             # Kept gathered (a forward with no backward after it) while the shard moved
@@ -126,13 +126,15 @@ class Unit:
         self.flat.set_views()
         self.owner._on_pre_forward(self)
         if self.flat.requires_grad or self.paired or not torch.is_grad_enabled():
-            return None
+            return
         # Frozen parameters alone: no gradient of theirs says when the unit's backward
-        # is over, so the inputs' gradients do (FSDP2's post-backward on the inputs).
-        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return None
-        self._uses += 1
-        return _AfterBackward.apply(self, *args)
+        # is over, so the inputs' gradients do (FSDP2's post-backward on the inputs). A
+        # hook, not an identity on them: the forward may change an input in place.
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if inputs:
+            self._uses += 1
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: self._inputs_done())
 
     def _inputs_done(self) -> None:
         self._uses -= 1
@@ -252,17 +254,3 @@ class Unit:
         if self._hook is not None:
             self._hook.remove()
 
-
-class _AfterBackward(torch.autograd.Function):
-    """The identity on a unit's inputs; its backward (the inputs' gradients are in, so
-    the unit's backward is over) lets a unit of frozen parameters free them."""
-
-    @staticmethod
-    def forward(ctx, unit, *xs):
-        ctx.unit = unit
-        return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.unit._inputs_done()
-        return (None, *grads)

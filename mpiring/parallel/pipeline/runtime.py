@@ -308,7 +308,8 @@ class PipelineSchedule:
             x = self._xs[a.mb] if st.is_first else self._received(a.mb)
             out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
                                    target=self._ts[a.mb] if st.is_last else None,
-                                   loss_fn=self.loss_fn, scale=self.scale)
+                                   loss_fn=self.loss_fn, scale=self.scale,
+                                   max_held=self.max_held_bytes)
             if st.is_last:
                 self._outs[a.mb], self._losses[a.mb] = _detached(out), loss.detach()
             else:
@@ -411,6 +412,7 @@ class PipelineSchedule:
     recompute = False
     stash = False
     allows_ddp = True
+    max_held_bytes: int | None = None  # ScheduleZeroBubble's memory limit
 
     def after_backward(self, mb: int) -> None:
         """Called after each micro-batch's B (PipeDream updates the weights here)."""
@@ -548,10 +550,12 @@ class ScheduleZeroBubble(PipelineSchedule):
     1F1B's first stage.
 
     ``max_held_bytes``: the most this rank's deferred weight gradients may keep
-    alive (their layers' inputs and output gradients), a memory limit in the
-    spirit of the zero-bubble paper's: a B that would go over it runs the
-    largest of its W's at once (on the critical path, so the bubble grows), the
-    rest wait for W. For a stage whose micro-batches are larger than the first
+    alive (their layers' inputs and output gradients) through each forward,
+    where a stage's activations peak: a memory limit in the spirit of the
+    zero-bubble paper's. Before a forward, the queued W's beyond it run at once
+    (the oldest micro-batch's, the largest first; on the critical path, so the
+    bubble grows), the rest wait for their W. Between forwards (the cool-down's
+    B's) the queues may hold more, below the peak. For a stage whose micro-batches are larger than the first
     stage's, ``1F1B's peak on the first stage - its own 1F1B peak`` keeps its
     peak at 1F1B's (``bench-pp`` measures it). None: no limit.
     """
@@ -566,4 +570,4 @@ class ScheduleZeroBubble(PipelineSchedule):
             raise ValueError(f"max_held_bytes={max_held_bytes!r}: give a number of bytes >= 0, "
                              "or None for no limit")
         super().__init__(stage, n_microbatches, loss_fn, scale_grads=scale_grads)
-        stage.max_held_bytes = max_held_bytes
+        self.max_held_bytes = max_held_bytes

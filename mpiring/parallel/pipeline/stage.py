@@ -77,9 +77,6 @@ class PipelineStage:
             self.tied_comm = self.comm.split(0 if stage_index in ends else None, key=stage_index)
         self._sink: split_backward.WeightGradSink | None = None
         self.count_activations = count_activations
-        #: The most bytes the deferred weight gradients may keep alive (None: no limit;
-        #: ``ScheduleZeroBubble(max_held_bytes=)``).
-        self.max_held_bytes: int | None = None
         self.reset()
 
     # --- per-step state -------------------------------------------------------
@@ -111,14 +108,16 @@ class PipelineStage:
 
     # --- F --------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, *, recompute: bool = False,
-                stash: bool = False, target=None, loss_fn=None, scale: float = 1.0):
+                stash: bool = False, target=None, loss_fn=None, scale: float = 1.0,
+                max_held: int | None = None):
         """Run micro-batch ``mb``'s forward; returns the output (the loss on the last stage).
 
         ``x``: a tensor, or the parts of a packed boundary (a tuple: the module's
-        positional arguments).
+        positional arguments). ``max_held``: the most bytes the queued weight
+        gradients may keep through this forward (``ScheduleZeroBubble``'s limit).
         """
-        if self.max_held_bytes is not None and self._wq:
-            self._hold_at_most(self.max_held_bytes)
+        if max_held is not None and self._wq:
+            self._hold_at_most(max_held)
         if isinstance(x, tuple):
             args = x if self.is_first else tuple(_leaf(a) for a in x)
             self._inp[mb] = args
@@ -247,18 +246,20 @@ class PipelineStage:
         Called before a forward: the stage's activations peak at the end of a forward
         (and the start of the B after it), over what the queues keep then.
         """
-        def held() -> int:
-            return sum(split_backward.held_bytes(q) for q in self._wq.values())
+        held = {mb: split_backward.held_bytes(q) for mb, q in self._wq.items()}
         for mb in sorted(self._wq):
+            if sum(held.values()) <= limit:
+                break
             queue = self._wq[mb]
-            while queue and held() > limit:
-                item = max(queue, key=lambda d: split_backward.held_bytes([d]))
-                queue.remove(item)
-                item.run()
+            # Largest first, sorted once: the loop then costs a pass over this queue
+            # per item run (a few dozen Linear layers), not one over every queue.
+            queue.sort(key=lambda d: split_backward.held_bytes([d]), reverse=True)
+            while queue and sum(held.values()) > limit:
+                queue.pop(0).run()
+                held[mb] = split_backward.held_bytes(queue)
                 if self.count_activations:
-                    left = split_backward.held_bytes(queue)
-                    self._grow(left - self._held[mb])
-                    self._held[mb] = left
+                    self._grow(held[mb] - self._held[mb])
+                    self._held[mb] = held[mb]
 
     def weight(self, mb: int, *, sync: bool = False) -> None:
         """Micro-batch ``mb``'s deferred weight gradients (the W action).

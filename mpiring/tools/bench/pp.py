@@ -224,7 +224,7 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
                     base = next(r for r in runs if r.mode == "1f1b")
                     peaks = comm.control.allgather_json(int(base.peak)) if comm.size > 1 \
                         else [base.peak]
-                    run.stage.max_held_bytes = int(max(peaks) - base.peak)
+                    run.sched.max_held_bytes = int(max(peaks) - base.peak)
                 run.step(x, y, timed=False, count=True)
             for i in range(warmup + steps):  # round-robin: one step of each mode in turn
                 for run in runs:
