@@ -62,6 +62,11 @@ class StageGrid:
     pp_size: int
     dp_size: int
 
+    def free(self) -> None:
+        """Collective: give back the two groups' communicators (the grid is done)."""
+        self.pp.free()
+        self.dp.free()
+
 
 def stage_grid(comm, pp: int) -> StageGrid:
     """The pipeline (``.pp``) and data-parallel (``.dp``) groups of ``ProcessGrid(comm, pp=pp)``.

@@ -233,8 +233,7 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
                 if isinstance(run, _Mpiring):
                     run.sched.free()
                     run.stage.free()
-                    run.sched.grid.pp.free()
-                    run.sched.grid.dp.free()
+                    run.sched.grid.free()
             for mode, run in zip(modes, runs):
                 row, spans = run.row(comm, m, transfer)
                 # What a reader of the JSON alone needs to price the row again.

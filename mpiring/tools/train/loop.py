@@ -207,6 +207,7 @@ class TrainJob:
         # Data parallelism runs over data_comm: the whole world, or the ranks that
         # share a tensor-parallel rank (each TP group reads one batch together).
         self.tp_comm, self.data_comm = None, comm
+        self._own_groups: tuple = ()  # the groups this job split, freed by close()
         self._make_groups()
         cfg = self.cfg  # _make_groups may fix the per-replica batch from the global one
         if train_data is None or val_data is None:
@@ -249,7 +250,7 @@ class TrainJob:
             from mpiring.tools.train.tensor import split_groups
 
             self.tp_comm, self.data_comm = split_groups(self.comm, self.cfg.tp)
-            self._own_groups = (self.tp_comm, self.data_comm)  # freed by close()
+            self._own_groups = (self.tp_comm, self.data_comm)
 
     def _make_optimizer(self, params, ddp=None) -> torch.optim.Optimizer:
         hyper = dict(lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -439,7 +440,7 @@ class TrainJob:
             self.wrapped = self.model  # torch's DDP must not outlive its group
             destroy_torch_process_group(self.comm)
             self._pg = None
-        for comm in getattr(self, "_own_groups", ()):
+        for comm in self._own_groups:
             comm.free()
 
 
