@@ -31,6 +31,7 @@ _LAZY = {
     "ScheduleGPipe": "mpiring.parallel.pipeline",
     "Schedule1F1B": "mpiring.parallel.pipeline",
     "ScheduleZeroBubble": "mpiring.parallel.pipeline",
+    "ScheduleInterleaved1F1B": "mpiring.parallel.pipeline",
     "SchedulePipeDream": "mpiring.parallel.pipeline",
     "init_process_group": "mpiring.comm.default",
     "destroy_process_group": "mpiring.comm.default",

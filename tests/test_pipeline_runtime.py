@@ -26,6 +26,7 @@ from mpiring.parallel.pipeline import (
 from mpiring.parallel.pipeline.actions import parse_schedule
 from mpiring.parallel.pipeline.runtime import PipelineSchedule, _eager_sends
 from mpiring.parallel.pipeline.schedules import build, compute_only
+from mpiring.parallel.pipeline.transport import TAG_META, TAGS
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 from mpiring.tools.train.pipeline import split_gpt
 
@@ -395,7 +396,7 @@ def test_a_stage_that_hangs_ends_at_the_deadline_naming_the_shared_slot(rank0_su
     out = _failing_pipeline(rank0_subprocess, 2, 3, layer, steps=2)
     if out is not None:
         # Step 2: the user's second step() (the slots are laid out at the first one's end).
-        assert re.search(r"\[r0\] mpiring stall: .*Wait\(shared slot B0 from r1, step 2\), "
+        assert re.search(r"\[r0\] mpiring stall: .*Wait\(shared slot 0RECV_B0 from r1, step 2\), "
                          r"waiting for r1 to write this slot", out), out
         assert "has not written this shared-memory slot" in out, out
 
@@ -438,7 +439,9 @@ def test_shapes_agreed_once_then_again_for_a_new_shape(comm):
         part.zero_grad()
         n = len(rec.records)
         sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
-        headers.append(sum(1 for r in rec.records[n:] if r.get("type") == "p2p" and r["tag"] == 3))
+        # A header's tag: TAG_META on the tags of its pair of stages (TAGS apart).
+        headers.append(sum(1 for r in rec.records[n:] if r.get("type") == "p2p" and
+                           r["tag"] % TAGS == TAG_META % TAGS))
         assert not sched.transport.fresh
         for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
             torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
@@ -456,11 +459,13 @@ LATE_SENDS = ["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
 
 def test_sends_posted_by_the_action_that_makes_them(comm):
     plan = _eager_sends(build("1f1b", 3, 4)[1])
-    assert sorted(plan) == sorted([("F", k) for k in range(4)] + [("B", k) for k in range(4)])
-    assert all(plan[(k, mb)].kind == "SEND_" + k and plan[(k, mb)].mb == mb for k, mb in plan)
+    assert sorted(plan) == sorted([("F", 1, k) for k in range(4)] +
+                                  [("B", 1, k) for k in range(4)])
+    assert all(plan[(k, s, mb)].kind == "SEND_" + k and plan[(k, s, mb)].mb == mb
+               for k, s, mb in plan)
     late = parse_schedule(LATE_SENDS)
     assert _eager_sends(late[0]) == {}
-    assert sorted(_eager_sends(late[1])) == [("B", 0), ("B", 1)]
+    assert sorted(_eager_sends(late[1])) == [("B", 1, 0), ("B", 1, 1)]
     if comm.size != 2:
         return
     full = mlp()
@@ -483,7 +488,7 @@ def test_a_program_count_that_does_not_fit_the_stages_is_refused(comm):
         pytest.skip("needs 2 stages or more")
     stage = PipelineStage(mlp(), comm.rank, comm.size, comm)
     with pytest.raises(ValueError, match=f"actions holds {comm.size - 1} programs for "
-                                         f"{comm.size} stages: give one per stage"):
+                                         f"{comm.size} ranks: give one per rank"):
         PipelineSchedule(stage, 2, mse, actions=build("1f1b", comm.size - 1, 2))
 
 

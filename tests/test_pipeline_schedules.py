@@ -203,3 +203,88 @@ def test_diagram_draws_the_lecture():
         assert line.endswith("bubble 40%")  # (p-1)/(m+p-1) = 2/5
     zb = diagram.draw_schedule(build("zb", 2, 4)).splitlines()
     assert "[W1]" in zb[0] and "[B1]" in zb[1]
+
+
+# --- interleaved 1F1B: several stages per rank ---------------------------------------
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5, 6))
+@pytest.mark.parametrize("v", (2, 3, 4))
+def test_interleaved_is_valid_for_every_micro_batch_count(p, v):
+    # m need not be a multiple of p: rounds of near-equal size (a short last round
+    # deadlocks, e.g. p=4, v=3, m=5 with rounds of 4 + 1).
+    for m in range(1, 33):
+        sched = build("interleaved", p, m, v)
+        check(sched, m, p * v, rendezvous=False)
+        for r, prog in enumerate(sched):
+            assert {a.stage for a in prog} == set(range(r, p * v, p))
+            for s in range(r, p * v, p):
+                comp = [a for a in compute_only(prog) if a.stage == s]
+                assert sorted(a.mb for a in comp if a.kind == "F") == list(range(m))
+                assert sorted(a.mb for a in comp if a.kind == "B") == list(range(m))
+        # Never a longer bubble than 1F1B's on the same ranks, with each stage 1/v of one.
+        ours = max(bubble(simulate(sched, unit_costs(1, 2, 0))))
+        plain = max(bubble(simulate(build("1f1b", p, m), unit_costs(1, 2, 0))))
+        assert ours <= plain + 1e-12, (m, ours, plain)
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("v", (2, 3))
+@pytest.mark.parametrize("rounds", (1, 2, 4))
+def test_interleaved_bubble_is_the_formula(p, v, rounds):
+    # Narayanan et al.: v stages per rank divide the warm-up's wait by v, so with m a
+    # multiple of p the bubble is (p-1)/(vm+p-1) of the step (1F1B: (p-1)/(m+p-1)).
+    m = rounds * p
+    for costs in (unit_costs(1, 2, 0), unit_costs(2, 1, 0)):
+        for frac in bubble(simulate(build("interleaved", p, m, v), costs)):
+            assert frac == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("m", (4, 8, 16))
+def test_interleaved_activations_in_flight(p, m):
+    # Megatron's warm-up, (v-1)p + 2(p-1-r) forwards before the first backward, plus
+    # the steady state's one: rank 0 holds the most, each a stage of 1/v of the rank.
+    v = 2
+    sched = build("interleaved", p, m, v)
+    rounds = max(1, m // p)
+    size = -(-m // rounds)
+    for r, prog in enumerate(sched):
+        assert in_flight(prog) == min(m * v, (v - 1) * size + 2 * (p - 1 - r) + 1)
+
+
+def test_interleaved_with_one_stage_per_rank_is_1f1b():
+    assert build("interleaved", 3, 5, 1) == build("1f1b", 3, 5)
+    with pytest.raises(ValueError, match="use 'interleaved' for several stages per rank"):
+        build("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="stages_per_rank=0"):
+        build("interleaved", 2, 4, 0)
+
+
+def test_interleaved_sends_cross_so_only_mpi_runs_it():
+    # NCCL matches a pair of ranks' messages in order whatever the stage: the
+    # rendezvous model refuses the schedule, MPI's (isend) runs it.
+    sched = build("interleaved", 2, 4, 2)
+    check(sched, 4, 4, rendezvous=False)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(sched, 4, 4)
+
+
+def test_validator_places_several_stages_per_rank():
+    rows = format_schedule(build("interleaved", 2, 2, 2))
+    # Rank 0 runs stages 0 and 2; a stage 1 action there is refused, and so is a
+    # stage count that does not divide among the ranks.
+    bad = [rows[0].replace("0F0", "1F0", 1), rows[1]]
+    with pytest.raises(ScheduleError, match="stage 1 runs on rank 1, not 0"):
+        check(parse_schedule(bad), 2, 4, rendezvous=False)
+    with pytest.raises(ScheduleError, match="3 stages on 2 ranks"):
+        check(parse_schedule(rows), 2, 3, rendezvous=False)
+    # Dropping stage 2's forward of micro-batch 1 leaves it never run.
+    toks = [t for t in rows[0].split() if t not in ("2F1", "2RECV_F1", "2SEND_F1")]
+    with pytest.raises(ScheduleError, match="needs 2F1 earlier|never runs 2F1"):
+        check(parse_schedule([" ".join(toks), rows[1]]), 2, 4, rendezvous=False)
+
+
+def test_diagram_marks_each_stage_of_a_rank():
+    text = diagram.draw_schedule(build("interleaved", 2, 2, 2), w=0)
+    first = text.splitlines()[0]
+    assert first.startswith("设备 1: [F1 ][F2 ][F1'][F2']"), first

@@ -139,7 +139,7 @@ def test_a_larger_shape_takes_a_new_window_and_keeps_the_old_one_mapped(comm):
         x = torch.randint(0, 11, (rows, 5))
         sched.step(x if stage.is_first else None, target=x if stage.is_last else None)
         channel = "B" if stage.is_first else "F"
-        kept.append(t.shared.buffer(channel, 0))
+        kept.append(t.shared.buffer((channel, comm.rank, 0)))
         assert kept[-1].shape[0] == rows // 2
         if k in (0, 2, 4):  # a layout was just made (the window reused at k = 4): every
             # flag reads 0, whatever the memory held (old data where a flag now sits)

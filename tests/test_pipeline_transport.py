@@ -72,13 +72,14 @@ def test_a_changed_shape_names_renegotiate(comm):
     t.fresh = False  # a fast step: the shapes were agreed
     if comm.rank == 0:
         a = Action(0, SEND_F, 3)
-        t.prepared_sends[(a.channel, a.mb)] = t.fast.prepare_send(torch.zeros(2, 4), 1, 1)
+        t.prepared_sends[transport.key_of(a)] = t.fast.prepare_send(torch.zeros(2, 4), 1,
+                                                                    transport.tag_of(a))
         with pytest.raises(ValueError, match=r"0SEND_F3: this micro-batch's tensor is not the "
                                              r"shape agreed .* sched.renegotiate\(\)"):
             t.send(a, torch.zeros(3, 4), [])
         # The same number of elements in another shape: the bytes alone would fit the
         # receiver's buffer, so the agreed shape itself is compared.
-        t.sent[(a.channel, a.mb)] = (1, (2, 4), torch.float32)
+        t.sent[transport.key_of(a)] = (1, (2, 4), torch.float32, ("F", 1, 3))
         for other in (torch.zeros(4, 2), torch.zeros(2, 4, dtype=torch.int32)):
             with pytest.raises(ValueError, match=r"agreed torch.float32 of shape \(2, 4\)"):
                 t.send(a, other, [])

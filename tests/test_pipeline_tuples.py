@@ -182,8 +182,8 @@ def test_a_changed_layout_of_the_same_size_names_renegotiate(comm):
         a = Action(0, SEND_F, 2)
         first = packing.pack((torch.zeros(2, 4), torch.zeros(4, 2)))
         t.fresh = False  # a fast step: the first one agreed this layout
-        t.sent[(a.channel, a.mb)] = (1, tuple(first.data.shape), torch.uint8)
-        t.sent_layouts[(a.channel, a.mb)] = first.layout
+        t.sent[transport.key_of(a)] = (1, tuple(first.data.shape), torch.uint8, ("F", 1, 2))
+        t.sent_layouts[transport.key_of(a)] = first.layout
         # The same bytes in other parts: the message alone would fit the receiver's buffer.
         for other in (packing.pack((torch.zeros(4, 2), torch.zeros(2, 4))), torch.zeros(
                 first.data.numel(), dtype=torch.uint8)):
@@ -363,4 +363,5 @@ def test_keyword_inputs_are_refused_on_every_rank(comm):
     from mpiring.parallel.pipeline.runtime import _arg_error
     deep = torch.zeros((2,) + (1,) * 9)
     if stage.is_last:
-        assert _arg_error(stage, 2, x if stage.is_first else None, deep, None) == ""
+        assert _arg_error(f"stage {stage.stage_index}", stage.is_first, True, stage.num_stages,
+                          2, x if stage.is_first else None, deep, None) == ""

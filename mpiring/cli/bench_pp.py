@@ -21,9 +21,10 @@ from mpiring.cli import add_backend_arguments
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", help="GPT preset: small (default), tiny, comm")
     p.add_argument("--m", default="4,8,16", help="micro-batch counts, comma list (default 4,8,16)")
-    p.add_argument("--modes", default="gpipe,gpipe-recompute,1f1b,zb,zb-cap,torch-1f1b",
+    p.add_argument("--modes", default="gpipe,gpipe-recompute,1f1b,zb,zb-cap,interleaved,torch-1f1b",
                    help="comma list of gpipe, gpipe-recompute, 1f1b, zb, zb-cap (ZB-H1 held "
-                        "to 1F1B's measured peak; after 1f1b), torch-1f1b")
+                        "to 1F1B's measured peak; after 1f1b), interleaved (2 stages per "
+                        "rank), torch-1f1b")
     p.add_argument("--mb-rows", type=int, default=2, help="windows per micro-batch (default 2)")
     p.add_argument("-n", "--steps", type=int, default=5,
                    help="timed steps, the fastest kept (default 5)")

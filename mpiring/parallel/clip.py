@@ -48,10 +48,10 @@ def _tensor_parallel(module: torch.nn.Module):
 
 
 def _grads(stage, split: dict):
-    """``(gradient, split, counted)`` for every piece of gradient this rank holds: split
+    """``(gradient, split, counted)`` for every piece of gradient this stage holds: split
     over the tensor-parallel group or not, counted here or on the other tied stage."""
     once = set()
-    if stage.tied_comm is not None and stage.is_last and not stage.is_first:
+    if stage.tied_parameters and stage.is_last and not stage.is_first:
         once = {id(q) for q in stage.tied_parameters}  # the first stage counts them
     # A parameter registered in two places (a tie) is split if any of its places is
     # a tensor-parallel layer's split one, whichever module registered it first.
@@ -89,8 +89,9 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale ``model``'s gradients so that the whole model's norm is at most ``max_norm``.
 
-    ``model``: a ``PipelineStage`` (after its schedule's ``step()``), or a module
-    that is not pipelined: with tensor-parallel layers, FSDP
+    ``model``: a ``PipelineStage`` (after its schedule's ``step()``), a list of
+    them (the rank's stages of an interleaved schedule), or a module that is not
+    pipelined: with tensor-parallel layers, FSDP
     (``FullyShardedDataParallel``) or mpiring's DDP around it, or plain.
     Collective over every group that holds a different part (the pipeline,
     the tensor-parallel group, FSDP's). Returns the model's norm before
@@ -98,18 +99,33 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
     leaves the gradients as they are (torch would multiply them by NaN, or by
     0 for an infinite norm), or with ``error_if_nonfinite`` raises on every rank.
     """
-    stage = model if isinstance(model, PipelineStage) else _Whole(model)
+    if isinstance(model, (list, tuple)) and model and all(
+            isinstance(x, PipelineStage) for x in model):
+        stages = list(model)
+    else:
+        stages = [model if isinstance(model, PipelineStage) else _Whole(model)]
     p = float(norm_type)
     if not p > 0:
         raise ValueError(f"norm_type={norm_type!r}: use a positive number or math.inf")
-    fsdp = stage.ddp if data_parallel.is_fsdp(stage.ddp) else None
-    if fsdp is not None:
-        fsdp.runner.wait_all()  # its ReduceScatters write the shards' gradients
-    split, tp = _tensor_parallel(fsdp.module if fsdp is not None else stage.module)
+    kinds = {data_parallel.is_fsdp(st.ddp) for st in stages}
+    if len(kinds) > 1:
+        raise ValueError("clip_grad_norm_: some of this rank's stages are FSDP-sharded and "
+                         "some are not; shard every stage or none")
+    pieces, fsdp, tp = [], None, None
+    for stage in stages:
+        fsdp = stage.ddp if data_parallel.is_fsdp(stage.ddp) else None
+        if fsdp is not None:
+            fsdp.runner.wait_all()  # its ReduceScatters write the shards' gradients
+        split, group = _tensor_parallel(fsdp.module if fsdp is not None else stage.module)
+        if tp is not None and group is not None and group.size != tp.size:
+            raise ValueError("clip_grad_norm_: this rank's stages use tensor-parallel groups "
+                             "of different sizes; build them on one tensor-parallel group")
+        tp = tp or group
+        pieces += list(_grads(stage, split))
+    stage = stages[0]
     # Each rank adds its split pieces; rank 0 of the tensor-parallel group adds the
     # rest, which every rank of the group holds alike.
     first = tp is None or tp.rank == 0
-    pieces = list(_grads(stage, split))
     op = "max" if math.isinf(p) else "sum"
     mine, nans = 0.0, 0.0
     for g, is_split, counted in pieces:
@@ -135,6 +151,9 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
                            "lower the learning rate or the loss scale")
     coef = float(max_norm) / (total + 1e-6)
     if math.isfinite(total) and coef < 1.0:  # inf would zero them, NaN poison them
+        scaled = set()  # one Parameter in two of a rank's stages (one rank, tied): once
         for g, _, _ in pieces:  # the tied copies too: they must stay equal
-            g.detach().mul_(coef)
+            if id(g) not in scaled:
+                scaled.add(id(g))
+                g.detach().mul_(coef)
     return torch.tensor(total, dtype=torch.float64)

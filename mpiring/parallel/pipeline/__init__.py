@@ -1,11 +1,13 @@
-"""Pipeline parallelism: stages, schedules as data (GPipe, 1F1B, ZB-H1, PipeDream), runtime.
+"""Pipeline parallelism: stages, schedules as data (GPipe, 1F1B, ZB-H1, PipeDream, interleaved
+1F1B), runtime.
 
     actions      the instruction set (F, B, W, SEND_F, RECV_F, SEND_B, RECV_B)
     schedules    one pure generator per schedule, and the pass that adds communication
     validate     order and matching checks, and the simulation that finds deadlocks
     diagram      the lecture's per-device timeline
     stage        PipelineStage: one rank's layers, F / B / W
-    runtime      executes a program; ScheduleGPipe, Schedule1F1B, ScheduleZeroBubble
+    runtime      executes a program; ScheduleGPipe, Schedule1F1B, ScheduleZeroBubble,
+                 ScheduleInterleaved1F1B
     transport    the sends and receives: shapes agreed once, then bare tensors
     data_parallel  pp x dp: stage_grid, each stage's replicas reduced by DDP
     pipedream    SchedulePipeDream (asynchronous 1F1B, weight stashing)
@@ -19,6 +21,7 @@ from mpiring.parallel.pipeline.runtime import (
     PipelineSchedule,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleZeroBubble,
 )
 from mpiring.parallel.pipeline.schedules import build, dump_csv, load_csv
@@ -26,6 +29,6 @@ from mpiring.parallel.pipeline.stage import PipelineStage
 from mpiring.parallel.pipeline.validate import ScheduleError, check, simulate
 
 __all__ = ["Action", "PipelineError", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
-           "ScheduleError", "ScheduleGPipe", "SchedulePipeDream", "ScheduleZeroBubble", "build",
+           "ScheduleError", "ScheduleGPipe", "ScheduleInterleaved1F1B", "SchedulePipeDream", "ScheduleZeroBubble", "build",
            "check", "draw", "draw_schedule", "dump_csv", "load_csv", "parse", "parse_schedule",
            "simulate"]

@@ -6,6 +6,8 @@
 Each compute action is a box as wide as its time (simulated unit costs, or a
 real run's measured spans); blanks are the bubble. Micro-batches are numbered
 from 1 as in the lecture (the actions' own strings, ``1F0``, count from 0).
+When a device holds several stages (interleaved 1F1B), a prime marks its
+second stage, two its third: ``[F1][F2][F1'][F2']``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from mpiring.parallel.pipeline.actions import Action
 from mpiring.parallel.pipeline.validate import Span, bubble, simulate, unit_costs
 
 
-def _box(a: Action, width: int, one_based: bool) -> str:
-    text = f"{a.kind}{a.mb + (1 if one_based else 0)}"
+def _box(a: Action, width: int, one_based: bool, ranks: int) -> str:
+    text = f"{a.kind}{a.mb + (1 if one_based else 0)}" + "'" * (a.stage // ranks)
     if width >= len(text) + 2:
         return "[" + text.ljust(width - 2) + "]"
     return (text + a.kind * width)[:width]  # too narrow for brackets: the name, cut
@@ -36,7 +38,8 @@ def draw(spans: list[list[Span]], *, chars_per_unit: float | None = None, width:
     if chars_per_unit is None:
         shortest = min((x.end - x.start for s in spans for x in s if x.end > x.start),
                        default=1.0)
-        chars_per_unit = 4.0 / shortest  # "[F1]" fits the shortest box
+        primes = max((x.action.stage // len(spans) for s in spans for x in s), default=0)
+        chars_per_unit = (4.0 + primes) / shortest  # "[F1]" (or "[F1']") fits the shortest
         if (t1 - t0) * chars_per_unit > width:  # a long step: fit the width, boxes shrink
             chars_per_unit = width / max(t1 - t0, 1e-12)
     fractions = bubble(spans)
@@ -46,7 +49,7 @@ def draw(spans: list[list[Span]], *, chars_per_unit: float | None = None, width:
         for x in row:
             a, b = round((x.start - t0) * chars_per_unit), round((x.end - t0) * chars_per_unit)
             a = max(a, col)  # rounding must not overlap the box before
-            line.append(" " * (a - col) + _box(x.action, max(b - a, 1), one_based))
+            line.append(" " * (a - col) + _box(x.action, max(b - a, 1), one_based, len(spans)))
             col = a + max(b - a, 1)
         text = f"{label} {r + 1}: " + "".join(line)
         if show_bubble:

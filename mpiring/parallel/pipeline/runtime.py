@@ -55,10 +55,11 @@ class PipelineError(RuntimeError):
 
 
 class PipelineSchedule:
-    """Runs any valid per-rank action list (``actions``) on ``stage``; the base of the four.
+    """Runs any valid per-rank action list (``actions``) on ``stage``; the base of the five.
 
     Args:
-        stage: this rank's ``PipelineStage``.
+        stage: this rank's ``PipelineStage``, or a list of them when the rank holds
+            several (stages r, r + p, ... of p ranks: ``ScheduleInterleaved1F1B``).
         n_microbatches: micro-batches per step (the input is split along dim 0 with
             numpy.array_split's bounds, so the batch need not divide).
         loss_fn: ``loss_fn(output, target)`` on the last stage.
@@ -69,22 +70,30 @@ class PipelineSchedule:
 
     name = "custom"
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn=None, *,
-                 actions: list[list[Action]] | None = None, scale_grads: bool = True):
+    def __init__(self, stage: PipelineStage | list[PipelineStage], n_microbatches: int,
+                 loss_fn=None, *, actions: list[list[Action]] | None = None,
+                 scale_grads: bool = True):
+        stages = _local_stages(stage)
+        stage = stages[0]
         check_sizes(stage.num_stages, n_microbatches)
+        # ``stage``: this rank's (first) stage, as torch's single-stage schedules have it.
         self.stage, self.n_microbatches, self.loss_fn = stage, n_microbatches, loss_fn
+        self.stages = stages
+        self._at = {st.stage_index: st for st in stages}
+        ranks, self.num_stages = stage.comm.size, stage.num_stages
         if actions is None:
-            actions = build(self.name, stage.num_stages, n_microbatches)
+            actions = build(self.name, ranks, n_microbatches, len(stages))
         mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None,
-                stage.ddp is not None, data_parallel.is_fsdp(stage.ddp)]
+                any(st.ddp is not None for st in stages),
+                any(data_parallel.is_fsdp(st.ddp) for st in stages)]
         table = stage.comm.control.allgather_json(mine) if stage.comm.size > 1 else [mine]
         if any(row[:3] != table[0][:3] for row in table):
             raise ValueError(f"{type(self).__name__}: the ranks built different schedules "
                              f"(name, n_microbatches: {[row[:2] for row in table]}); build the "
                              "same one on every rank")
-        if len(actions) != stage.num_stages:  # the same list on every rank (checked above)
+        if len(actions) != ranks:  # the same list on every rank (checked above)
             raise ValueError(f"{type(self).__name__}: actions holds {len(actions)} programs for "
-                             f"{stage.num_stages} stages: give one per stage")
+                             f"{ranks} ranks: give one per rank")
         if not table[-1][3]:
             raise ValueError(f"{type(self).__name__}: give loss_fn on the last stage")
         if any(row[4] for row in table) and not self.allows_ddp:
@@ -92,25 +101,44 @@ class PipelineSchedule:
                              "micro-batch, so its replicas would need a reduction per micro-batch: "
                              "give it unwrapped stages (no DistributedDataParallel), or use "
                              "Schedule1F1B or ScheduleZeroBubble with data parallelism")
-        self.simulated = check(actions, n_microbatches)  # ScheduleError on every rank alike
+        multi = self.num_stages > ranks
+        if multi and stage.comm.backend != "mpi":
+            # NCCL matches a pair of ranks' messages in order, whatever the stages: the
+            # interleaved sends cross (rank 0 sends stage 0's F and stage 2's B to rank 1).
+            raise ValueError(f"{type(self).__name__}: several stages per rank run on the MPI "
+                             "backend only (NCCL would meet the crossing sends out of order): "
+                             "use --backend mpi, or one stage per rank")
+        # ScheduleError on every rank alike. One stage per rank: portable to NCCL too
+        # (the rendezvous model); several: MPI's, the only backend that runs them.
+        self.simulated = check(actions, n_microbatches, self.num_stages, rendezvous=not multi)
         if any(row[5] and any(a.kind == W for a in actions[r]) for r, row in enumerate(table)):
             raise ValueError(f"{type(self).__name__}: {data_parallel.FSDP_SPLIT}")
         self.actions = actions
-        program = actions[stage.stage_index]
-        self._split = {a.mb for a in program if a.kind == W}
-        if self._split:
-            stage.split_backward()
-        backwards = [i for i, a in enumerate(program) if a.kind == B]
-        weights = [i for i, a in enumerate(program) if a.kind == W]
-        self._last_b = program[backwards[-1]].mb if backwards else -1
-        self._last_w = program[weights[-1]].mb if weights else -1
-        # The replicas reduce in the step's last backward (its buckets overlap it): the
-        # last B, or, with a split backward, the last W if it comes after every B (W
-        # writes .grad outside autograd; that W runs through it: data_parallel). A
-        # hand-written program with a B after its last W reduces after its last action.
-        ddp = stage.ddp is not None
-        self._sync_in_b = ddp and not self._split
-        self._sync_in_w = ddp and bool(weights) and (not backwards or weights[-1] > backwards[-1])
+        program = actions[stage.comm.rank]
+        self._split = {(a.stage, a.mb) for a in program if a.kind == W}
+        self._last_b, self._last_w, self._sync_in_b, self._sync_in_w = {}, {}, {}, {}
+        for st in stages:
+            s = st.stage_index
+            if any(a.kind == W and a.stage == s for a in program):
+                st.split_backward()
+            backwards = [i for i, a in enumerate(program) if a.kind == B and a.stage == s]
+            weights = [i for i, a in enumerate(program) if a.kind == W and a.stage == s]
+            self._last_b[s] = program[backwards[-1]].mb if backwards else -1
+            self._last_w[s] = program[weights[-1]].mb if weights else -1
+            # The replicas reduce in the step's last backward (its buckets overlap it):
+            # the last B, or, with a split backward, the last W if it comes after every
+            # B (W writes .grad outside autograd; that W runs through it: data_parallel).
+            # A hand-written program with a B after its last W reduces after its last
+            # action. Each stage of a rank reduces its own replicas.
+            ddp = st.ddp is not None
+            self._sync_in_b[s] = ddp and not weights
+            self._sync_in_w[s] = ddp and bool(weights) and (not backwards or
+                                                            weights[-1] > backwards[-1])
+        self._first = self._at.get(0)                     # None unless this rank has it
+        self._last = self._at.get(self.num_stages - 1)
+        self._where = ("stage" if len(stages) == 1 else "stages") + " " + ", ".join(
+            str(st.stage_index) for st in stages)
+        self._tied = _TiedPair(stages, multi)
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
         self.transport = Transport(stage.comm)  # collective (a dup), as the gather above
         # NCCL: a send goes in its group, with the receive (no send posted early).
@@ -119,6 +147,9 @@ class PipelineSchedule:
         self._eval: _Plan | None = None  # made at the first eval(), on every rank alike
         self._plan = self._train
         self.timeline: list[Span] = []       # the last step()'s compute spans
+        # With several stages per rank and counting on: what the rank's stages held
+        # together at most in the last step (one stage: ``stage.peak_activation_bytes``).
+        self.peak_activation_bytes = 0
         self.eval_timeline: list[Span] = []  # the last eval()'s
         self._closed = False
 
@@ -162,9 +193,12 @@ class PipelineSchedule:
             The merged output on the last stage, else None.
         """
         if self._eval is None:
-            st, m = self.stage, self.n_microbatches
-            program = lower([Action(st.stage_index, F, k) for k in range(m)], st.num_stages)
-            transport = Transport(st.comm)  # collective: every rank makes its first eval()
+            m = self.n_microbatches
+            # Each of the rank's stages forwards every micro-batch, the stages in order
+            # (on several stages per rank, the loop back to rank 0 waits for the round).
+            program = lower([Action(st.stage_index, F, k) for st in self.stages
+                             for k in range(m)], self.num_stages)
+            transport = Transport(self.stage.comm)  # collective: every rank's first eval()
             if self._closed:  # closed before: no new window either (collective, as close())
                 transport.close()
             eager = _eager_sends(program) if transport.mpi else {}
@@ -179,6 +213,7 @@ class PipelineSchedule:
         for plan in (self._train, self._eval):
             if plan is not None:
                 plan.transport.free()
+        self._tied.free()
 
     def renegotiate(self) -> None:
         """Agree the activations' shapes again at the next step() and eval(); call it on
@@ -190,26 +225,30 @@ class PipelineSchedule:
                 plan.transport.renegotiate()
 
     def _run(self, plan: _Plan, args: tuple, target, losses, kwargs: dict):
-        st, m = self.stage, self.n_microbatches
+        m = self.n_microbatches
         x = _input(args)
         self._agree(plan, x, target, losses, kwargs)
-        if not st.is_first:
+        if self._first is None:
             self._xs = None
         elif isinstance(x, tuple):  # several inputs: micro-batch k takes row block k of each
             self._xs = list(zip(*(torch.tensor_split(t, m) for t in x)))
         else:
             self._xs = list(torch.tensor_split(x, m))
-        self._ts = (list(torch.tensor_split(target, m)) if st.is_last and target is not None
+        last = self._last is not None
+        self._ts = (list(torch.tensor_split(target, m)) if last and target is not None
                     else None)
         if plan.train:  # eval() holds nothing on the stage: its counts stay the step's
-            st.reset()
+            for st in self.stages:
+                st.reset()
+                if st.ddp is not None:
+                    data_parallel.start_step(st.ddp)
             self.timeline = []
-            if st.ddp is not None:
-                data_parallel.start_step(st.ddp)
+            self.peak_activation_bytes = 0
         else:
             self.eval_timeline = []
-        self._recv: dict[tuple[str, int], torch.Tensor] = {}
-        self._send: dict[tuple[str, int], torch.Tensor] = {}
+        # ("F" | "B", stage, mb): received by, or to be sent from, this rank's ``stage``.
+        self._recv: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._send: dict[tuple[str, int, int], torch.Tensor] = {}
         self._outs: dict[int, torch.Tensor] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._sends = sends = []
@@ -226,21 +265,24 @@ class PipelineSchedule:
             except PipelineError:
                 raise
             except Exception as exc:
+                comm = self.stage.comm
                 raise PipelineError(
-                    f"[r{st.comm.rank}] pipeline stage {st.stage_index} failed in "
+                    f"[r{comm.rank}] pipeline stage {run[0].stage} failed in "
                     f"{' '.join(map(str, run))} ({type(exc).__name__}: {exc}); the other "
                     f"stages stop at their next wait for this one, within the communicator's "
-                    f"deadline ({st.comm.timeout:g} s)") from exc
+                    f"deadline ({comm.timeout:g} s)") from exc
         for req in sends:
             req.wait()
         plan.transport.end_step()
         if plan.train:
-            if st.ddp is not None and not (self._sync_in_b or self._sync_in_w):
-                data_parallel.reduce_now(st.ddp)
-            self._reduce_tied()
-        if losses is not None and st.is_last and self._losses:
+            for st in self.stages:
+                s = st.stage_index
+                if st.ddp is not None and not (self._sync_in_b[s] or self._sync_in_w[s]):
+                    data_parallel.reduce_now(st.ddp)
+            self._tied.reduce()
+        if losses is not None and last and self._losses:
             losses.extend(self._losses[k] for k in range(m))
-        outs = [self._outs[k] for k in range(m)] if st.is_last else []
+        outs = [self._outs[k] for k in range(m)] if last else []
         # Nothing of this step kept past it but what is returned (the last stage's
         # outputs would be held twice, beside the merged copy, until the next step).
         self._outs, self._losses, self._xs, self._ts = {}, {}, None, None
@@ -255,7 +297,7 @@ class PipelineSchedule:
         """After ``step()``: clip every stage's gradients by the whole model's norm, as
         ``torch.nn.utils.clip_grad_norm_`` on the unsplit model; returns that norm.
         Collective over the pipeline (see ``mpiring/parallel/clip.py``)."""
-        return clip.clip_grad_norm_(self.stage, max_norm, norm_type,
+        return clip.clip_grad_norm_(self.stages, max_norm, norm_type,
                                     error_if_nonfinite=error_if_nonfinite)
 
     def close(self) -> None:
@@ -268,18 +310,20 @@ class PipelineSchedule:
 
     def _agree(self, plan: _Plan, x, target, losses, kwargs: dict) -> None:
         """Every rank's argument errors and the input's shape, in one small exchange."""
-        st, m = self.stage, self.n_microbatches
+        m = self.n_microbatches
+        has_first, has_last = self._first is not None, self._last is not None
         what = "step()" if plan.train else "eval()"
-        err = (f"stage {st.stage_index}: keyword inputs {sorted(kwargs)}: pass the first "
+        err = (f"{self._where}: keyword inputs {sorted(kwargs)}: pass the first "
                "stage's inputs positionally, in its forward's order" if kwargs else
-               _arg_error(st, m, x, target, losses, need_target=plan.train))
+               _arg_error(self._where, has_first, has_last, self.num_stages, m, x, target,
+                          losses, need_target=plan.train))
         first = x[0] if isinstance(x, tuple) else x
-        rows_x = int(first.shape[0]) if st.is_first and not err else -1
+        rows_x = int(first.shape[0]) if has_first and not err else -1
         # eval() without a target: nothing to compare the input's rows with.
-        rows_t = (int(target.shape[0]) if target is not None else -2) if st.is_last and not err \
+        rows_t = (int(target.shape[0]) if target is not None else -2) if has_last and not err \
             else -1
         shape = [-1] * (MAX_DIMS + 3)
-        if st.is_first and not err:
+        if has_first and not err:
             inputs = x if isinstance(x, tuple) else (x,)
             # Several inputs: their count and a checksum of every shape and dtype stand
             # for them (the row has a fixed size); the first one's shape in full.
@@ -288,7 +332,7 @@ class PipelineSchedule:
                                        DTYPES.index(first.dtype) if first.dtype in DTYPES else -2,
                                        *first.shape]
         row = [int(bool(err)), rows_x, rows_t, *shape]
-        comm = st.comm
+        comm = self.stage.comm
         table = comm.control.allgather_array(row) if comm.size > 1 else np.array([row])
         if table[:, 0].any():
             texts = comm.control.allgather_json(err) if comm.size > 1 else [err]
@@ -303,9 +347,10 @@ class PipelineSchedule:
             plan.transport.renegotiate()
 
     def _compute(self, a: Action) -> None:
-        st, t0, t1 = self.stage, time.perf_counter(), None
+        st, t0, t1 = self._at[a.stage], time.perf_counter(), None
+        s = a.stage
         if a.kind == F:
-            x = self._xs[a.mb] if st.is_first else self._received(a.mb)
+            x = self._xs[a.mb] if st.is_first else self._received(s, a.mb)
             out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
                                    target=self._ts[a.mb] if st.is_last else None,
                                    loss_fn=self.loss_fn, scale=self.scale,
@@ -315,20 +360,24 @@ class PipelineSchedule:
             else:
                 t1 = self._hand_on(a, out)
         elif a.kind == B:
-            grad = None if st.is_last else self._grad(a.mb)
-            gin = st.backward(a.mb, grad, split=a.mb in self._split,
-                              sync=self._sync_in_b and a.mb == self._last_b)
+            grad = None if st.is_last else self._grad(s, a.mb)
+            gin = st.backward(a.mb, grad, split=(s, a.mb) in self._split,
+                              sync=self._sync_in_b[s] and a.mb == self._last_b[s])
             self.after_backward(a.mb)  # PipeDream's update: compute, before the send
             if not st.is_first:
                 t1 = self._output(a, gin.contiguous() if isinstance(gin, torch.Tensor)
                                   else packing.pack(gin))
         else:
-            st.weight(a.mb, sync=self._sync_in_w and a.mb == self._last_w)
+            st.weight(a.mb, sync=self._sync_in_w[s] and a.mb == self._last_w[s])
         self._record(a, t0, time.perf_counter() if t1 is None else t1)
+        if st.count_activations and len(self.stages) > 1:
+            # The rank's stages together, between actions (each peaks at its F's end).
+            live = sum(x.live_bytes for x in self.stages)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, live)
 
     def _record(self, a: Action, t0: float, t1: float) -> None:
         """The compute span of ``a``: in this step's timeline, and the trace's."""
-        st = self.stage
+        st = self._at[a.stage]
         (self.timeline if self._plan.train else self.eval_timeline).append(Span(a, t0, t1))
         tracer = st.comm.tracer
         if tracer.enabled:
@@ -345,8 +394,8 @@ class PipelineSchedule:
 
     def _evaluate(self, a: Action) -> None:
         """Micro-batch ``a.mb``'s forward alone (eval()): nothing kept for a backward."""
-        st, t0 = self.stage, time.perf_counter()
-        x = self._xs[a.mb] if st.is_first else self._received(a.mb)
+        st, t0 = self._at[a.stage], time.perf_counter()
+        x = self._xs[a.mb] if st.is_first else self._received(a.stage, a.mb)
         with torch.no_grad():
             out = st.module(*(x if isinstance(x, tuple) else (x,)))
             if st.is_last and self._ts is not None:
@@ -358,24 +407,26 @@ class PipelineSchedule:
             t1 = self._hand_on(a, out)
         self._record(a, t0, t1)
 
-    def _received(self, mb: int):
-        """Micro-batch ``mb``'s input from the stage before: its tensor, or its parts."""
-        buf = self._recv.pop(("F", mb))
-        layout = self._plan.transport.layout(mb)
+    def _received(self, stage: int, mb: int):
+        """Micro-batch ``mb``'s input to ``stage`` from the stage before: its tensor, or
+        its parts."""
+        buf = self._recv.pop(("F", stage, mb))
+        layout = self._plan.transport.layout(stage, mb)
         return buf if layout is None else packing.unpack(buf, layout)
 
-    def _grad(self, mb: int):
-        """The gradient of micro-batch ``mb``'s output, from the stage after (per
-        floating-point part, for a tuple)."""
-        buf = self._recv.pop(("B", mb))
-        out = self.stage._out[mb]
+    def _grad(self, stage: int, mb: int):
+        """The gradient of micro-batch ``mb``'s output of ``stage``, from the stage after
+        (per floating-point part, for a tuple)."""
+        buf = self._recv.pop(("B", stage, mb))
+        out = self._at[stage]._out[mb]
         if isinstance(out, torch.Tensor):
             return buf
         return packing.unpack(buf, packing.grad_layout(_layout(out)))
 
-    def _grad_like(self, mb: int):
-        """What the gradient of micro-batch ``mb``'s output arrives as (shape and dtype)."""
-        out = self.stage._out[mb]
+    def _grad_like(self, stage: int, mb: int):
+        """What the gradient of micro-batch ``mb``'s output of ``stage`` arrives as (shape
+        and dtype)."""
+        out = self._at[stage]._out[mb]
         if isinstance(out, torch.Tensor):
             return out
         _, total = packing.spans(packing.grad_layout(_layout(out)))
@@ -387,26 +438,16 @@ class PipelineSchedule:
         Returns the compute action's end (before the send: posting it is not compute).
         """
         t1 = time.perf_counter()
-        send = self._plan.eager.get((a.kind, a.mb))
+        key = (a.kind, a.stage, a.mb)
+        send = self._plan.eager.get(key)
         if send is not None:
             self._plan.transport.send(send, t, self._sends)
         else:
-            self._send[(a.kind, a.mb)] = t
+            self._send[key] = t
         return t1
 
     def _communicate(self, run: list[Action], sends: list) -> None:
         self._plan.transport.exchange(run, self._send, self._recv, self._grad_like, sends)
-
-    def _reduce_tied(self) -> None:
-        st = self.stage
-        if st.tied_comm is None:
-            return
-        for p in st.tied_parameters:
-            if not p.requires_grad:  # frozen on both ends (agreed): no gradient to sum
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            st.tied_comm.all_reduce(p.grad.detach())  # in place, on the same storage
 
     # --- what the schedules change -------------------------------------------------
     recompute = False
@@ -416,6 +457,84 @@ class PipelineSchedule:
 
     def after_backward(self, mb: int) -> None:
         """Called after each micro-batch's B (PipeDream updates the weights here)."""
+
+
+def _local_stages(stage) -> list[PipelineStage]:
+    """This rank's stages, in order, from one ``PipelineStage`` or a list of them; a
+    ValueError naming the fix for a list that is not r, r + p, ... of one pipeline."""
+    stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+    if not stages or not all(isinstance(st, PipelineStage) for st in stages):
+        raise TypeError("give the schedule this rank's PipelineStage, or a list of them "
+                        "(one per stage the rank holds)")
+    first = stages[0]
+    p, n = first.comm.size, first.num_stages
+    want = list(range(first.comm.rank, n, p))
+    got = [st.stage_index for st in stages]
+    if got != want or any(st.num_stages != n for st in stages):
+        raise ValueError(f"this rank's stages are {got} of {[st.num_stages for st in stages]}; "
+                         f"with {n} stages on {p} ranks, rank {first.comm.rank} holds stages "
+                         f"{want}: give all of them, in that order")
+    return stages
+
+
+class _TiedPair:
+    """The parameters tied between the first and the last stage, summed after each step.
+
+    With one stage per rank the two stages' ranks share ``stage.tied_comm``. A rank
+    holding several stages sums over a pair of ranks of its own, made here
+    (collective), or, when it holds both ends (one rank), adds the two copies itself.
+    """
+
+    def __init__(self, stages: list[PipelineStage], multi: bool):
+        self.comm, self.params, self.local, self.owned = None, [], None, multi
+        st = stages[0]
+        if not multi:
+            self.comm, self.params = st.tied_comm, st.tied_parameters
+            return
+        n = st.num_stages
+        ends = [x for x in stages if x.stage_index in (0, n - 1) and x.tied_parameters]
+        mine = [[x.stage_index, [[*q.shape, str(q.dtype), bool(q.requires_grad)]
+                                 for q in x.tied_parameters]] for x in ends]
+        table = st.comm.control.allgather_json(mine) if st.comm.size > 1 else [mine]
+        by_stage = {s: desc for rows in table for s, desc in rows}
+        if by_stage and by_stage.get(0) != by_stage.get(n - 1):
+            raise ValueError(f"tied_parameters differ: stage 0 {by_stage.get(0)}, stage {n - 1} "
+                             f"{by_stage.get(n - 1)} (shapes, then dtype and requires_grad): "
+                             "give the same tied parameters, in order, on both")
+        if not by_stage:
+            return
+        if len(ends) == 2:  # both ends on this rank
+            self.local = (ends[0].tied_parameters, ends[1].tied_parameters)
+            return
+        self.comm = st.comm.split(0 if ends else None, key=st.comm.rank)
+        self.params = ends[0].tied_parameters if ends else []
+
+    def reduce(self) -> None:
+        if self.local is not None:
+            for a, b in zip(*self.local):
+                if a is b or not a.requires_grad:  # one Parameter, or frozen on both ends
+                    continue
+                for q in (a, b):
+                    if q.grad is None:
+                        q.grad = torch.zeros_like(q)
+                a.grad.add_(b.grad)  # in place: a DDP bucket view stays the bucket's
+                b.grad.copy_(a.grad)
+            return
+        if self.comm is None:
+            return
+        for q in self.params:
+            if not q.requires_grad:  # frozen on both ends (agreed): no gradient to sum
+                continue
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+            self.comm.all_reduce(q.grad.detach())  # in place, on the same storage
+
+    def free(self) -> None:
+        """The pair's own communicator (several stages per rank; with one, the stage's
+        ``tied_comm`` is the stage's to free)."""
+        if self.owned and self.comm is not None:
+            self.comm.free()
+        self.comm = None
 
 
 def _merged(outs: list[torch.Tensor]) -> torch.Tensor:
@@ -453,11 +572,12 @@ def _detached(out):
                     "a tensor or a tuple of tensors: return those (loss_fn gets the same)")
 
 
-def _eager_sends(program: list[Action]) -> dict[tuple[str, int], Action]:
-    """(kind, mb) -> the send of that compute action's output, where the program lists
-    it in the run right after the action (what ``schedules.lower`` always does) and no
-    send on the same channel comes before it in that run (messages between a pair
-    arrive in the order they were posted, so posting it early must not overtake one)."""
+def _eager_sends(program: list[Action]) -> dict[tuple[str, int, int], Action]:
+    """(kind, stage, mb) -> the send of that compute action's output, where the program
+    lists it in the run right after the action (what ``schedules.lower`` always does)
+    and no send of the same stage on the same channel comes before it in that run
+    (messages between a pair of stages arrive in the order they were posted, so
+    posting it early must not overtake one)."""
     out = {}
     for i, a in enumerate(program):
         if a.is_comm:
@@ -465,14 +585,17 @@ def _eager_sends(program: list[Action]) -> dict[tuple[str, int], Action]:
         for b in program[i + 1:]:
             if not b.is_comm:
                 break
-            if b.kind in (SEND_F, SEND_B) and b.channel == a.kind:
+            if b.kind in (SEND_F, SEND_B) and b.channel == a.kind and b.stage == a.stage:
                 if b.mb == a.mb:
-                    out[(a.kind, a.mb)] = b
+                    out[(a.kind, a.stage, a.mb)] = b
                 break  # the first send on this channel in the run; a later one must wait
     return out
 
 
-def _arg_error(st: PipelineStage, m: int, x, target, losses, *, need_target: bool = True) -> str:
+def _arg_error(where: str, first: bool, last: bool, num_stages: int, m: int, x, target,
+               losses, *, need_target: bool = True) -> str:
+    """What is wrong with step()'s arguments on a rank holding ``where`` (its stages;
+    ``first``/``last``: whether they include the first and the last), or ""."""
     def rows(name, t):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return f"give {name} as a tensor with a batch dimension"
@@ -480,7 +603,7 @@ def _arg_error(st: PipelineStage, m: int, x, target, losses, *, need_target: boo
             return (f"{name} has {t.shape[0]} rows, fewer than n_microbatches={m}: use at most "
                     f"{t.shape[0]} micro-batches or a larger batch")
         return ""
-    if st.is_first:
+    if first:
         inputs = x if isinstance(x, tuple) else (x,)
         for i, t in enumerate(inputs):
             name = "x" if len(inputs) == 1 else f"input {i}"
@@ -493,14 +616,14 @@ def _arg_error(st: PipelineStage, m: int, x, target, losses, *, need_target: boo
             return (f"stage 0: the inputs have {[int(t.shape[0]) for t in inputs]} rows; each "
                     "is split into the micro-batches along dim 0: give them one batch size")
     elif x is not None:
-        return f"stage {st.stage_index}: x is given, but only the first stage takes the input"
-    if st.is_last:
+        return f"{where}: x is given, but only the first stage takes the input"
+    if last:
         if (need_target or target is not None) and (e := rows("target", target)):
-            return f"stage {st.stage_index}: {e}"
+            return f"stage {num_stages - 1}: {e}"
         if losses is not None and not isinstance(losses, list):
-            return f"stage {st.stage_index}: losses must be a list (or None)"
+            return f"stage {num_stages - 1}: losses must be a list (or None)"
     elif target is not None:
-        return f"stage {st.stage_index}: target is given, but only the last stage takes it"
+        return f"{where}: target is given, but only the last stage takes it"
     return ""
 
 
@@ -571,3 +694,20 @@ class ScheduleZeroBubble(PipelineSchedule):
                              "or None for no limit")
         super().__init__(stage, n_microbatches, loss_fn, scale_grads=scale_grads)
         self.max_held_bytes = max_held_bytes
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B (Megatron-LM's virtual pipeline, torch's class of the same name):
+    each rank holds v stages, r, r + p, ..., and runs them 1F1B-fashion in rounds of p
+    micro-batches; the bubble is (p-1)/(vm+p-1), v times smaller than 1F1B's, for v
+    times the messages. MPI only (the sends of a rank's stages cross; see
+    ``schedules.interleaved_1f1b``).
+
+    ``stages``: this rank's ``PipelineStage`` list, in stage order (one stage: 1F1B).
+    """
+
+    name = "interleaved"
+
+    def __init__(self, stages: list[PipelineStage] | PipelineStage, n_microbatches: int,
+                 loss_fn=None, *, scale_grads: bool = True):
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads)

@@ -15,8 +15,13 @@ executes. p = number of stages, m = number of micro-batches, i = this stage::
             (p-1)(F+B+W)                              at most p in flight, as 1F1B's stage 0
     PipeDream  1F1B's order; the runtime updates the weights after each
             backward and keeps (stashes) the weights each forward used
+    Interleaved 1F1B  v stages per rank (rank r holds stages r, r + p, ...):
+            Megatron's virtual pipeline, micro-batches in rounds of p through each
+            of the rank's stages in turn; bubble (p-1)/(vm+p-1)  (m a multiple of p)
 
 With equal stage times the GPipe and 1F1B bubble is (p-1)/(m+p-1) of the step.
+A schedule's programs are per rank; with one stage per rank (every schedule
+but the interleaved one) rank i runs stage i.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import csv
 import os
 
+from mpiring.core.chunking import chunk_bounds
 from mpiring.parallel.pipeline.actions import (
     RECV_B,
     RECV_F,
@@ -70,11 +76,45 @@ def zb_h1(p: int, m: int, i: int) -> list[Action]:
     return out + [Action(i, W, k) for k in range(w, m)]
 
 
+def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's virtual pipeline) on rank r.
+
+    Rank r holds the v stages r, r + p, ..., r + (v-1)p of a model cut into vp.
+    The forwards go in rounds of p micro-batches (m // p rounds of near-equal size
+    when p does not divide m): round 0 through the rank's first stage, then its
+    second, ..., then round 1; the backwards in the same order, the stages
+    reversed. Each stage is 1/v of a rank's work, so the warm-up's wait, (p-1) stage-times in 1F1B,
+    is (p-1)/v of them: the bubble shrinks v times, for v times the messages.
+    """
+    if v == 1:  # one stage per rank: plain 1F1B (Megatron's schedule without interleaving)
+        return one_f_one_b(p, m, r)
+    # Rounds of at least p micro-batches (each stage's first round fills the pipeline),
+    # as even as m allows: m // p rounds, sizes differing by one. With a short last
+    # round (p = 4, m = 5: 4 + 1) the warm-up no longer covers the loop back to rank 0
+    # and the schedule deadlocks; even rounds do not (every p <= 6, v <= 4, m <= 32
+    # simulated in the tests).
+    rounds = chunk_bounds(m, max(1, m // p))
+    order = [(mb, c) for lo, hi in rounds for c in range(v) for mb in range(lo, hi)]
+    size = rounds[0][1] - rounds[0][0]
+    fwd = [Action(c * p + r, F, mb) for mb, c in order]
+    bwd = [Action((v - 1 - c) * p + r, B, mb) for mb, c in order]
+    # Megatron's and torch's warm-up: the other v-1 stages' first round, and two
+    # forwards per rank downstream (one is in flight each way when the first
+    # backward comes round).
+    warm = min(len(fwd), (v - 1) * size + 2 * (p - 1 - r))
+    out = fwd[:warm]
+    for k in range(len(fwd) - warm):
+        out += [fwd[warm + k], bwd[k]]
+    return out + bwd[len(fwd) - warm:]
+
+
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zb_h1, "pipedream": one_f_one_b}
+#: Schedules that run several stages per rank (``build``'s ``stages_per_rank``).
+MULTI = {"interleaved": interleaved_1f1b}
 
 
 def lower(compute: list[Action], p: int) -> list[Action]:
-    """Add the communication to one stage's compute actions.
+    """Add the communication to one rank's compute actions (``p``: the number of stages).
 
     A forward receives its input from the stage before (unless it is the first)
     and sends its output on (unless it is the last); a backward receives the
@@ -105,17 +145,27 @@ def check_sizes(p: int, m: int) -> None:
             raise ValueError(f"{name}={v!r}: give a positive integer")
 
 
-def build(name: str, p: int, m: int) -> list[list[Action]]:
+def build(name: str, p: int, m: int, stages_per_rank: int = 1) -> list[list[Action]]:
     """Every rank's program (compute and communication) for schedule ``name``.
 
     Args:
-        name: "gpipe", "1f1b", "zb" (ZB-H1) or "pipedream".
-        p: number of stages (one per rank).
+        name: "gpipe", "1f1b", "zb" (ZB-H1), "pipedream" or "interleaved".
+        p: number of ranks (one stage each, or ``stages_per_rank`` for "interleaved").
         m: number of micro-batches per step.
+        stages_per_rank: v, the stages each rank holds ("interleaved" only).
     """
-    if name not in GENERATORS:
-        raise ValueError(f"unknown schedule {name!r}: use one of {', '.join(GENERATORS)}")
+    if name not in GENERATORS and name not in MULTI:
+        raise ValueError(f"unknown schedule {name!r}: use one of "
+                         f"{', '.join([*GENERATORS, *MULTI])}")
     check_sizes(p, m)
+    v = stages_per_rank
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"stages_per_rank={v!r}: give a positive integer")
+    if name in MULTI:
+        return [lower(MULTI[name](p, m, r, v), p * v) for r in range(p)]
+    if v != 1:
+        raise ValueError(f"{name} runs one stage per rank, not {v}: use 'interleaved' for "
+                         "several stages per rank")
     return [lower(GENERATORS[name](p, m, i), p) for i in range(p)]
 
 
@@ -157,5 +207,6 @@ def load_csv(path: str | os.PathLike) -> list[list[Action]]:
                                      f"{exc}") from None
             programs.append(program)
     if not any(a.is_comm for program in programs for a in program):
-        programs = [lower(program, len(programs)) for program in programs]
+        stages = 1 + max((a.stage for program in programs for a in program), default=0)
+        programs = [lower(program, stages) for program in programs]
     return programs

@@ -7,7 +7,7 @@ every stage of the pipeline runs on one host, the transport instead gives each
 of a rank's incoming messages a slot in one MPI-3 shared-memory window
 (``comm.shared_window``), laid out once the first step has agreed the shapes:
 
-    [flag: int64, padding to 64 bytes][data, padded to 64 bytes] per (channel, mb)
+    [flag: int64, padding to 64 bytes][data, padded to 64 bytes] per (channel, stage, mb)
 
 The producer copies its tensor straight into the consumer's slot, issues a
 memory barrier (``Win_sync``) and writes the step's number into the flag; the
@@ -54,8 +54,11 @@ def _round(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _key(channel: str, mb: int) -> str:
-    return f"{channel}{mb}"
+def _key(key: tuple[str, int, int]) -> str:
+    """A slot's name (a JSON key, and the stall report's): its receive, ``1RECV_F3`` for
+    (channel "F", the receiving stage 1, micro-batch 3)."""
+    channel, stage, mb = key
+    return f"{stage}RECV_{channel}{mb}"
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
@@ -83,7 +86,7 @@ class SharedSlots:
         mine = window.segments[comm.rank]
         self._recv = {k: _slot(mine, off, shape, dt)
                       for k, (off, shape, dt) in layouts[comm.rank].items()}
-        self._send: dict[tuple[str, int, int], tuple] = {}
+        self._send: dict[tuple[str, int, int], tuple] = {}  # the consumer's key -> its slot
 
     @classmethod
     def create(cls, comm, incoming: dict, outgoing: dict,
@@ -91,14 +94,16 @@ class SharedSlots:
         """Collective over the pipeline's communicator: the slots, or None on every rank.
 
         Args:
-            incoming: (channel, mb) -> (shape, dtype) of what this rank receives.
-            outgoing: (channel, mb) -> (peer, shape, dtype) of what it sends.
+            incoming: (channel, stage, mb) -> (shape, dtype) of what this rank's
+                stages receive.
+            outgoing: (channel, the receiving stage, mb) -> (peer rank, shape, dtype)
+                of what they send.
             old: the slots of the last layout: their window is used again if the new
                 layout fits in it on every rank.
         """
         layout, offset = {}, 0
-        for (channel, mb), (shape, dtype) in sorted(incoming.items()):
-            layout[_key(channel, mb)] = (offset, list(shape), _dtype_name(dtype))
+        for key, (shape, dtype) in sorted(incoming.items()):
+            layout[_key(key)] = (offset, list(shape), _dtype_name(dtype))
             offset += ALIGN + _round(_nbytes(shape, dtype))
         fits_old = old is not None and offset <= len(old.window.segments[comm.rank])
         if comm.control.allreduce_scalar(float(fits_old), "min") >= 1:
@@ -110,9 +115,9 @@ class SharedSlots:
         layouts = comm.control.allgather_json(layout)
         # What each producer sends must be what its consumer laid out (the first step's
         # agreed shapes, seen from both ends): else the MPI path, on every rank.
-        fits = all(layouts[peer].get(_key(ch, mb), [None, None, None])[1:] ==
+        fits = all(layouts[peer].get(_key(key), [None, None, None])[1:] ==
                    [list(shape), _dtype_name(dtype)]
-                   for (ch, mb), (peer, shape, dtype) in outgoing.items())
+                   for key, (peer, shape, dtype) in outgoing.items())
         if comm.control.allreduce_scalar(float(fits), "min") < 1:
             if window is not (old.window if old is not None else None):
                 window.free()
@@ -124,17 +129,18 @@ class SharedSlots:
         comm.barrier()  # every flag cleared before any producer writes one
         return slots
 
-    def buffer(self, channel: str, mb: int) -> torch.Tensor:
-        """This rank's slot for (channel, mb): where the message lands, used in place."""
-        return self._recv[_key(channel, mb)][0]
+    def buffer(self, key: tuple[str, int, int]) -> torch.Tensor:
+        """This rank's slot for (channel, stage, mb): where the message lands, used in place."""
+        return self._recv[_key(key)][0]
 
-    def send(self, channel: str, mb: int, peer: int, t: torch.Tensor, step: int, tag: int):
-        """Copy ``t`` into ``peer``'s slot and announce it as step ``step``'s."""
-        entry = self._send.get((channel, mb, peer))
+    def send(self, key: tuple[str, int, int], peer: int, t: torch.Tensor, step: int,
+             tag: int):
+        """Copy ``t`` into slot ``key`` (the consumer's name) of rank ``peer`` and announce
+        it as step ``step``'s."""
+        entry = self._send.get(key)
         if entry is None:
-            off, shape, dt = self.layouts[peer][_key(channel, mb)]
-            entry = self._send[(channel, mb, peer)] = _slot(self.window.segments[peer], off,
-                                                            shape, dt)
+            off, shape, dt = self.layouts[peer][_key(key)]
+            entry = self._send[key] = _slot(self.window.segments[peer], off, shape, dt)
         data, flag, nbytes, dt = entry
         if t.shape != data.shape or t.dtype != data.dtype:  # copy_ would cast or broadcast
             raise ValueError(f"got {t.dtype} of shape {tuple(t.shape)}, the slot holds "
@@ -145,8 +151,8 @@ class SharedSlots:
         flag[0] = step
         self.comm.record_message("send", peer, tag, nbytes, dt, t0, "shared")
 
-    def arrival(self, channel: str, mb: int, peer: int, step: int, tag: int) -> Arrival:
-        return Arrival(self, self._recv[_key(channel, mb)], peer, step, tag, _key(channel, mb))
+    def arrival(self, key: tuple[str, int, int], peer: int, step: int, tag: int) -> Arrival:
+        return Arrival(self, self._recv[_key(key)], peer, step, tag, _key(key))
 
 
 class Arrival:

@@ -37,9 +37,13 @@ class PipelineStage:
             ``DistributedDataParallel`` over the stage's data-parallel group, the
             replicas' gradients are averaged at the end of each step
             (``data_parallel``); the stage runs the wrapped layers itself.
-        stage_index: this stage's number, 0 .. num_stages - 1; must be ``comm.rank``.
-        num_stages: the number of stages; must be ``comm.size``.
-        comm: the pipeline's communicator (one rank per stage, in order).
+        stage_index: this stage's number, 0 .. num_stages - 1: ``comm.rank``, or
+            with several stages per rank (``ScheduleInterleaved1F1B``) one of
+            ``comm.rank + k * comm.size``.
+        num_stages: the number of stages: ``comm.size``, or a multiple of it
+            (every rank builds its k-th stage at the same point, k = 0, 1, ...).
+        comm: the pipeline's communicator (one rank per stage, in order; rank r
+            holds stages r, r + size, ... when there are more stages than ranks).
         tied_parameters: parameters shared between the first and the last stage
             (a tied embedding): the same number, shapes and order on both; after
             each step their gradients are summed between the two stages.
@@ -70,10 +74,13 @@ class PipelineStage:
         # A communicator of its own: the schedule's tags cannot meet the caller's messages.
         self.comm = comm.dup()
         self.tied_parameters = tied
-        self.has_tied = bool(table[0]["tied"])  # known on every rank, middle stages too
+        # Known on every rank, middle stages too (of this round, with several per rank).
+        self.has_tied = any(bool(row["tied"]) for row in table)
         ends = (0, num_stages - 1)
         self.tied_comm = None
-        if num_stages > 1 and table[0]["tied"]:
+        # Several stages per rank: the ends are built at different points, so the
+        # schedule, which sees them all, pairs them (runtime's _TiedPair).
+        if 1 < num_stages == comm.size and table[0]["tied"]:
             self.tied_comm = self.comm.split(0 if stage_index in ends else None, key=stage_index)
         self._sink: split_backward.WeightGradSink | None = None
         self.count_activations = count_activations
@@ -291,22 +298,28 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 
 def _check_layout(table: list[dict], size: int) -> None:
     errors = []
+    n = table[0]["stages"]
+    rnd = table[0]["stage"] // size if isinstance(table[0]["stage"], int) else 0
     for r, row in enumerate(table):
-        if row["stages"] != size:
+        if row["stages"] != n or n % size or n < size:
             errors.append(f"r{r} gave num_stages={row['stages']} on a {size}-rank communicator")
-        if row["stage"] != r:
+        elif row["stage"] != rnd * size + r or not 0 <= row["stage"] < n:
             errors.append(f"r{r} gave stage_index={row['stage']}")
-    if size > 1 and table[0]["tied"] != table[-1]["tied"]:
+    ends = [r for r, row in enumerate(table) if row["stage"] in (0, n - 1)]
+    if not errors and n == size > 1 and table[0]["tied"] != table[-1]["tied"]:
         errors.append(f"tied_parameters differ: first stage {table[0]['tied']}, last stage "
                       f"{table[-1]['tied']} (shapes, then dtype and requires_grad)")
     for r, row in enumerate(table):
         if row["foreign"]:
             errors.append(f"r{r} gave {row['foreign']} tied parameter(s) that are not "
                           "parameters of its submodule")
-    for r, row in enumerate(table[1:-1], start=1):
-        if row["tied"]:
-            errors.append(f"r{r} is neither the first nor the last stage but gave tied_parameters")
+    for r, row in enumerate(table):
+        if row["tied"] and r not in ends and not errors:
+            errors.append(f"r{r} (stage {row['stage']}) is neither the first nor the last stage "
+                          "but gave tied_parameters")
     if errors:
         raise ValueError("PipelineStage: " + "; ".join(errors) + ". Give each rank of the "
-                         "pipeline's communicator stage_index=comm.rank, num_stages=comm.size, "
-                         "and the tied parameters on the first and last stage only")
+                         "pipeline's communicator stage_index=comm.rank, num_stages=comm.size "
+                         "(or, with v stages per rank, its k-th stage_index=comm.rank + "
+                         "k * comm.size of num_stages=v * comm.size, built on every rank "
+                         "together), and the tied parameters on the first and last stage only")

@@ -61,6 +61,9 @@ from mpiring.parallel.pipeline import packing, shared
 from mpiring.parallel.pipeline.actions import RECV_B, RECV_F, SEND_F, Action
 
 TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
+#: Tags per pair of neighbouring stages: stages s and s + 1 use TAG_* + TAGS * s, so
+#: a rank holding several stages (interleaved) keeps each pair's messages apart.
+TAGS = 3
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 8
@@ -172,6 +175,18 @@ def wait_all(reqs: list, spin_s: float = SPIN_S, sleep_s: float | None = SLEEP_S
     return time.perf_counter() - start
 
 
+def tag_of(a: Action) -> int:
+    """The tag of send or receive ``a``: its kind's, on the tags of its pair of stages."""
+    base = TAG_ACT if a.channel == "F" else TAG_GRAD
+    return base + TAGS * min(a.stage, a.peer)
+
+
+def key_of(a: Action) -> tuple[str, int, int]:
+    """(channel, stage, mb) of send or receive ``a``, at its own stage: the runtime's
+    and the transport's name for the message at this end."""
+    return a.channel, a.stage, a.mb
+
+
 def _reused(buf: torch.Tensor) -> torch.Tensor:
     """A kept receive buffer, ready for this step's message: out of last step's graph."""
     if buf.grad is not None:  # last step's input gradient must not accumulate
@@ -188,6 +203,7 @@ class Transport:
 
     def __init__(self, comm):
         self.checked = comm
+        self.size = comm.size  # stage s runs on rank s % size (one stage per rank: s)
         self.fast = comm.dup()
         self.fast.check = False  # shapes agreed by the header: the descriptors only repeat them
         self.mpi = comm.backend == "mpi"
@@ -225,20 +241,21 @@ class Transport:
 
     def renegotiate(self) -> None:
         """Agree the shapes again (and check them) on the next step; call it on every rank."""
-        self.meta: dict[int, tuple] = {}
-        self.meta_sent: set[int] = set()
+        # Messages are named (channel, stage, mb) at each end (``key_of``).
+        self.meta: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> a received header
+        self.meta_sent: set[tuple[int, int]] = set()
         self.fresh = True
-        self.bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self.bufs: dict[tuple[str, int, int], torch.Tensor] = {}
         # The fast steps' sends and receives, checked once (``comm.prepare_send``).
-        self.prepared_sends: dict[tuple[str, int], object] = {}
-        self.prepared_recvs: dict[tuple[str, int], object] = {}
-        self.posted: dict[tuple[str, int], tuple] = {}
-        self.waited: dict[tuple[str, int], float] = {}  # a group's wait, last step
-        # The first step's sends, (channel, mb) -> (peer, shape, dtype): what the shared
-        # slots are laid out for, at that step's end (the old window is reused or
-        # retired there, both collectively; renegotiate() itself touches no window).
-        self.sent: dict[tuple[str, int], tuple] = {}
-        self.sent_layouts: dict[tuple[str, int], packing.Layout | None] = {}
+        self.prepared_sends: dict[tuple[str, int, int], object] = {}
+        self.prepared_recvs: dict[tuple[str, int, int], object] = {}
+        self.posted: dict[tuple[str, int, int], tuple] = {}
+        self.waited: dict[tuple[str, int, int], float] = {}  # a group's wait, last step
+        # The first step's sends, key -> (peer rank, shape, dtype, the consumer's key):
+        # what the shared slots are laid out for, at that step's end (the old window is
+        # reused or retired there, both collectively; renegotiate() touches no window).
+        self.sent: dict[tuple[str, int, int], tuple] = {}
+        self.sent_layouts: dict[tuple[str, int, int], packing.Layout | None] = {}
         self.shared_on = False
 
     def start_step(self, program: list[Action]) -> None:
@@ -251,34 +268,36 @@ class Transport:
                 if a.kind in (RECV_F, RECV_B):
                     # A new tensor over the slot each step: last step's one is a leaf of
                     # last step's graph, and a view cannot be detached in place.
-                    buf = self.shared.buffer(a.channel, a.mb).detach()
-                    tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
-                    self.posted[(a.channel, a.mb)] = (
-                        buf, self.shared.arrival(a.channel, a.mb, a.peer, self.steps, tag))
+                    key = key_of(a)
+                    buf = self.shared.buffer(key).detach()
+                    self.posted[key] = (buf, self.shared.arrival(
+                        key, a.peer % self.size, self.steps, tag_of(a)))
             return
         if self.fresh or not self.mpi:
             return
         recvs = [a for a in program if a.kind in (RECV_F, RECV_B)]
-        if any((a.channel, a.mb) not in self.bufs for a in recvs):
+        if any(key_of(a) not in self.bufs for a in recvs):
             # A step that stopped early left a buffer out. MPI matches receives of
             # one source and tag in the order they were posted, so posting the
             # others ahead of it would hand its message to a later micro-batch:
             # this step posts every receive in its group instead.
             return
         for a in recvs:
-            key = (a.channel, a.mb)
+            key = key_of(a)
             buf = _reused(self.bufs[key])
             prepared = self.prepared_recvs.get(key)
             if prepared is None or prepared.buffer is not buf:
-                tag = TAG_ACT if a.kind == RECV_F else TAG_GRAD
-                prepared = self.prepared_recvs[key] = self.fast.prepare_recv(buf, a.peer, tag)
+                prepared = self.prepared_recvs[key] = self.fast.prepare_recv(
+                    buf, a.peer % self.size, tag_of(a))
             self.posted[key] = (buf, prepared.post())
 
     def end_step(self) -> None:
         if self.fresh and self.use_shared:  # every rank, after the same first step
             incoming = {key: (tuple(b.shape), b.dtype) for key, b in self.bufs.items()}
+            outgoing = {theirs: (peer, shape, dtype)
+                        for peer, shape, dtype, theirs in self.sent.values()}
             old = self.shared
-            self.shared = shared.SharedSlots.create(self.fast, incoming, self.sent, old=old)
+            self.shared = shared.SharedSlots.create(self.fast, incoming, outgoing, old=old)
             if old is not None and (self.shared is None or self.shared.window is not old.window):
                 self.retired.append(old.window)  # not unmapped: see ``close``
             self.shared_on = self.shared is not None
@@ -286,11 +305,13 @@ class Transport:
                 self.bufs, self.prepared_recvs = {}, {}
         self.fresh = False
 
-    def layout(self, mb: int) -> packing.Layout | None:
-        """The parts of micro-batch ``mb``'s received activation, if its boundary is packed."""
-        return self.meta[mb][2] if mb in self.meta else None
+    def layout(self, stage: int, mb: int) -> packing.Layout | None:
+        """The parts of micro-batch ``mb``'s activation received by ``stage``, if its
+        boundary is packed."""
+        meta = self.meta.get((stage, mb))
+        return None if meta is None else meta[2]
 
-    def _buffer(self, key: tuple[str, int], shape, dtype) -> torch.Tensor:
+    def _buffer(self, key: tuple[str, int, int], shape, dtype) -> torch.Tensor:
         buf = self.bufs.get(key)
         if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
             buf = self.bufs[key] = torch.empty(shape, dtype=dtype)
@@ -298,12 +319,13 @@ class Transport:
 
     def send(self, a: Action, t: torch.Tensor | packing.Packed, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
-        tag = TAG_ACT if a.kind == SEND_F else TAG_GRAD
+        tag, peer = tag_of(a), a.peer % self.size
         layout = t.layout if isinstance(t, packing.Packed) else None
         message = t.data if layout is not None else t
-        key = (a.channel, a.mb)
+        key = key_of(a)
         if self.fresh:
-            self.sent[key] = (a.peer, tuple(message.shape), message.dtype)
+            self.sent[key] = (peer, tuple(message.shape), message.dtype,
+                              (a.channel, a.peer, a.mb))
             self.sent_layouts[key] = layout
         elif (agreed := self.sent.get(key)) is not None and (
                 message.shape != agreed[1] or message.dtype != agreed[2] or
@@ -318,7 +340,7 @@ class Transport:
         t = message
         if self.shared_on:
             try:
-                self.shared.send(a.channel, a.mb, a.peer, t, self.steps, tag)
+                self.shared.send((a.channel, a.peer, a.mb), peer, t, self.steps, tag)
             except ValueError as exc:
                 raise self._changed(a, exc) from None
             return
@@ -327,21 +349,18 @@ class Transport:
             # wrapping a tensor for MPI runs cold and costs more than the message.
             prepared = self.prepared_sends.get(key)
             if prepared is None:
-                prepared = self.prepared_sends[key] = self.fast.prepare_send(t, a.peer, tag)
+                prepared = self.prepared_sends[key] = self.fast.prepare_send(t, peer, tag)
             try:
                 sends.append(prepared.post(t))
             except ValueError as exc:
                 raise self._changed(a, exc) from None
             return
         comm = self.checked if self.fresh else self.fast
-        if a.kind == SEND_F:
-            if a.mb not in self.meta_sent:
-                h = header(packing.Packed(t, layout) if layout is not None else t)
-                sends.append(self.checked.isend(h, a.peer, TAG_META))
-                self.meta_sent.add(a.mb)
-            sends.append(comm.isend(t, a.peer, TAG_ACT))
-        else:
-            sends.append(comm.isend(t, a.peer, TAG_GRAD))
+        if a.kind == SEND_F and (a.stage, a.mb) not in self.meta_sent:
+            h = header(packing.Packed(t, layout) if layout is not None else t)
+            sends.append(self.checked.isend(h, peer, tag - TAG_ACT + TAG_META))
+            self.meta_sent.add((a.stage, a.mb))
+        sends.append(comm.isend(t, peer, tag))
 
     @staticmethod
     def _changed(a: Action, exc: Exception) -> ValueError:
@@ -355,37 +374,39 @@ class Transport:
         """Post one run of sends and receives; return once the receives have arrived.
 
         Args:
-            outgoing: ("F" | "B", mb) -> tensor to send (popped); a send whose
-                tensor is not there was posted already (``send``).
-            incoming: filled with ("F" | "B", mb) -> received tensor.
-            grad_like: mb -> this stage's output (the gradient's shape and dtype).
+            outgoing: ("F" | "B", stage, mb) -> tensor to send (popped); a send
+                whose tensor is not there was posted already (``send``).
+            incoming: filled with ("F" | "B", stage, mb) -> received tensor.
+            grad_like: (stage, mb) -> that stage's output (the gradient's shape and
+                dtype).
             sends: the send requests, waited for by the caller at the end of the step.
         """
         comm = self.checked if self.fresh else self.fast
         recvs = []
         for a in run:  # headers first (first step only), so a group holds only the data
-            if a.kind == RECV_F and a.mb not in self.meta:
-                h = self.checked.recv(np.empty(HEADER, dtype=np.int64), a.peer, TAG_META)
-                self.meta[a.mb] = from_header(h)
+            if a.kind == RECV_F and (a.stage, a.mb) not in self.meta:
+                h = self.checked.recv(np.empty(HEADER, dtype=np.int64), a.peer % self.size,
+                                      tag_of(a) - TAG_ACT + TAG_META)
+                self.meta[(a.stage, a.mb)] = from_header(h)
         grouped = comm.group() if comm.backend == "nccl" else contextlib.nullcontext()
         with grouped:
             for a in run:
-                key = (a.channel, a.mb)
+                key = key_of(a)
                 if a.kind in (RECV_F, RECV_B) and key in self.posted:
                     buf, req = self.posted.pop(key)
                     incoming[key] = buf
                     recvs.append(req)
                 elif a.kind == RECV_F:
-                    buf = incoming[key] = self._buffer(key, *self.meta[a.mb][:2])
-                    recvs.append(comm.irecv(buf, a.peer, TAG_ACT))
+                    buf = incoming[key] = self._buffer(key, *self.meta[(a.stage, a.mb)][:2])
+                    recvs.append(comm.irecv(buf, a.peer % self.size, tag_of(a)))
                 elif a.kind == RECV_B:
-                    out = grad_like(a.mb)
+                    out = grad_like(a.stage, a.mb)
                     buf = incoming[key] = self._buffer(key, out.shape, out.dtype)
-                    recvs.append(comm.irecv(buf, a.peer, TAG_GRAD))
+                    recvs.append(comm.irecv(buf, a.peer % self.size, tag_of(a)))
                 elif key in outgoing:
                     self.send(a, outgoing.pop(key), sends)
         if self.mpi:
-            key = (run[0].kind, run[0].mb)
+            key = (run[0].kind, run[0].stage, run[0].mb)
             self.waited[key] = wait_all(recvs, sleep_s=self.sleep_s,
                                         expect_s=self.waited.get(key, 0.0))
         else:

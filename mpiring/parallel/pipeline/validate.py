@@ -52,31 +52,47 @@ def _fail(rank: int, pos: int, a: Action, why: str) -> ScheduleError:
     return ScheduleError(f"rank {rank}, action #{pos} {a}: {why}")
 
 
-def check_order(schedule: list[list[Action]], m: int) -> None:
-    """Per rank: F, then B, then (optionally) W for every micro-batch, data before use."""
+def num_stages(schedule: list[list[Action]]) -> int:
+    """The stages a schedule's programs run: one past the highest, at least one per rank."""
+    return max(len(schedule), 1 + max((a.stage for prog in schedule for a in prog), default=0))
+
+
+def check_order(schedule: list[list[Action]], m: int, stages: int | None = None) -> None:
+    """Per rank: F, then B, then (optionally) W for every micro-batch, data before use.
+
+    ``stages``: the number of stages (default: ``num_stages``); rank r runs stages
+    r, r + p, ... of them (one each with as many stages as ranks).
+    """
     p = len(schedule)
+    n = num_stages(schedule) if stages is None else stages
+    if n % p:
+        raise ScheduleError(f"{n} stages on {p} ranks: each rank runs the same number of "
+                            f"stages (rank r: r, r + {p}, ...); give a multiple of {p}")
     for r, program in enumerate(schedule):
-        done: set[tuple[str, int]] = set()
+        done: set[tuple[int, str, int]] = set()
         for pos, a in enumerate(program):
-            if a.stage != r:
-                raise _fail(r, pos, a, f"stage {a.stage} runs on rank {a.stage}, not {r}")
+            if a.stage % p != r or a.stage >= n:
+                where = f"rank {a.stage % p}" if a.stage < n else f"no rank (stages 0..{n - 1})"
+                raise _fail(r, pos, a, f"stage {a.stage} runs on {where}, not {r}")
             if a.mb >= m:
                 raise _fail(r, pos, a, f"micro-batch {a.mb} out of range: the step has {m}")
-            if a.peer is not None and not 0 <= a.peer < p:
-                raise _fail(r, pos, a, f"no stage {a.peer} to talk to (stages 0..{p - 1})")
-            if (a.kind, a.mb) in done:
+            if a.peer is not None and not 0 <= a.peer < n:
+                raise _fail(r, pos, a, f"no stage {a.peer} to talk to (stages 0..{n - 1})")
+            s = a.stage
+            if (s, a.kind, a.mb) in done:
                 raise _fail(r, pos, a, "appears twice")
-            need = {F: [RECV_F] if r > 0 else [], B: [F] + ([RECV_B] if r < p - 1 else []),
+            need = {F: [RECV_F] if s > 0 else [], B: [F] + ([RECV_B] if s < n - 1 else []),
                     W: [B], SEND_F: [F], SEND_B: [B], RECV_F: [], RECV_B: []}[a.kind]
             for k in need:
-                if (k, a.mb) not in done:
-                    raise _fail(r, pos, a, f"needs {r}{k}{a.mb} earlier on this rank")
-            done.add((a.kind, a.mb))
-        for k in range(m):
-            want = [F, B] + ([SEND_F] if r < p - 1 else []) + ([SEND_B] if r > 0 else [])
-            missing = [f"{r}{x}{k}" for x in want if (x, k) not in done]
-            if missing:
-                raise ScheduleError(f"rank {r} never runs {', '.join(missing)}")
+                if (s, k, a.mb) not in done:
+                    raise _fail(r, pos, a, f"needs {s}{k}{a.mb} earlier on this rank")
+            done.add((s, a.kind, a.mb))
+        for s in range(r, n, p):
+            for k in range(m):
+                want = [F, B] + ([SEND_F] if s < n - 1 else []) + ([SEND_B] if s > 0 else [])
+                missing = [f"{s}{x}{k}" for x in want if (s, x, k) not in done]
+                if missing:
+                    raise ScheduleError(f"rank {r} never runs {', '.join(missing)}")
 
 
 def unit_costs(f: float = 1.0, b: float = 1.0, w: float = 1.0) -> Callable[[Action, bool], float]:
@@ -109,7 +125,9 @@ def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float]
     pc = [0] * len(schedule)
     clock = [0.0] * len(schedule)
     spans: list[list[Span]] = [[] for _ in schedule]
-    # (src, dst, channel) -> posted sends / receives, in order: [(action, time)]
+    # (src stage, dst stage, channel) -> posted sends / receives, in order: [(action,
+    # time)]. Each pair of stages talks on tags of its own (the runtime's transport),
+    # so only messages between the same two stages must meet in order.
     sends: dict[tuple, list] = defaultdict(list)
     recvs: dict[tuple, list] = defaultdict(list)
     posted: dict[int, list[tuple[dict, tuple, int, float]]] = {}  # rank -> its group's entries
@@ -118,7 +136,7 @@ def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float]
         entries = []
         for a in group:
             send = a.kind in (SEND_F, SEND_B)
-            key = (r, a.peer, a.channel) if send else (a.peer, r, a.channel)
+            key = (a.stage, a.peer, a.channel) if send else (a.peer, a.stage, a.channel)
             table = sends if send else recvs
             table[key].append((a, clock[r]))
             if rendezvous or not send:
@@ -181,14 +199,20 @@ def _check_pairs(sends: dict, recvs: dict) -> None:
                                 f"{'receive' if len(s) > len(rcv) else 'send'}")
 
 
-def check(schedule: list[list[Action]], m: int) -> list[list[Span]]:
+def check(schedule: list[list[Action]], m: int, stages: int | None = None, *,
+          rendezvous: bool = True) -> list[list[Span]]:
     """Every check, under both send models; returns the unit-cost simulation (MPI's).
+
+    ``stages``: the number of stages, when a rank runs several (``check_order``).
+    ``rendezvous=False``: the MPI model only (a schedule that runs on MPI alone,
+    such as the interleaved one: its sends cross, and only MPI's isend lets them).
 
     Raises:
         ScheduleError: naming the first action that cannot run, and why.
     """
-    check_order(schedule, m)
-    simulate(schedule, rendezvous=True)
+    check_order(schedule, m, stages)
+    if rendezvous:
+        simulate(schedule, rendezvous=True)
     return simulate(schedule)
 
 
@@ -210,14 +234,15 @@ def idle_time(spans: list[list[Span]]) -> list[float]:
 
 
 def in_flight(program: list[Action]) -> int:
-    """Peak number of micro-batches whose activations a rank holds (F done, last backward not)."""
-    split = {a.mb for a in program if a.kind == W}
+    """Peak number of micro-batches whose activations a rank holds (F done, last backward
+    not); with several stages per rank, each stage's micro-batch counts once."""
+    split = {(a.stage, a.mb) for a in program if a.kind == W}
     live = peak = 0
     for a in program:
         if a.kind == F:
             live += 1
             peak = max(peak, live)
-        elif a.kind == W or (a.kind == B and a.mb not in split):
+        elif a.kind == W or (a.kind == B and (a.stage, a.mb) not in split):
             live -= 1
     return peak
 

@@ -21,6 +21,9 @@ rank), the same step on every rank.
 * replay: the same simulation with each action's own measured time instead
   of the stage's mean (what a runtime with no overhead would have done with
   exactly these compute times).
+* interleaved: Megatron's interleaved 1F1B with 2 stages per rank (the same
+  units cut into twice as many stages, rank r holding r and r + p): its bubble
+  against 1F1B's on the same ranks (the stages differ, the work does not).
 * ideal ms (JSON): the simulated step of the same program with those times,
   from the first compute start to the last compute end: the compute bound
   that the torch row is compared with.
@@ -54,7 +57,9 @@ from mpiring.parallel.pipeline.validate import (
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
-MODES = ("gpipe", "gpipe-recompute", "1f1b", "zb", "zb-cap", "torch-1f1b")
+MODES = ("gpipe", "gpipe-recompute", "1f1b", "zb", "zb-cap", "interleaved", "torch-1f1b")
+#: Stages per rank of the "interleaved" mode (Megatron's virtual pipeline size).
+INTERLEAVED_V = 2
 
 
 def _batch(cfg, rows: int, seed: int):
@@ -81,14 +86,14 @@ def _fastest(comm, times: list[float]) -> tuple[int, float]:
 def message_delay(spans: list[list[Span]]) -> float | None:
     """Median seconds from a producer's compute end to the consumer's compute start, over
     the messages the consumer sat waiting for (the runtime's whole per-message path)."""
-    p = len(spans)
+    n = 1 + max((s.action.stage for row in spans for s in row), default=0)  # stages
     ends = {s.action: s.end for row in spans for s in row}
     delays = []
     for row in spans:
         for prev, s in zip(row, row[1:]):
             a = s.action
             dep = (Action(a.stage - 1, "F", a.mb) if a.kind == "F" and a.stage > 0 else
-                   Action(a.stage + 1, "B", a.mb) if a.kind == "B" and a.stage < p - 1 else None)
+                   Action(a.stage + 1, "B", a.mb) if a.kind == "B" and a.stage < n - 1 else None)
             if dep in ends and ends[dep] > prev.end:
                 delays.append(s.start - ends[dep])
     return statistics.median(delays) if delays else None
@@ -126,22 +131,26 @@ def transfer_time(comm, shape, dtype=torch.float32, rounds: int = 40) -> float:
 class _Mpiring:
     def __init__(self, comm, cfg, mode: str, m: int):
         name = "gpipe" if mode.startswith("gpipe") else "zb" if mode == "zb-cap" else mode
-        self.stage, self.sched, _ = build_pipeline(comm, cfg, name, m,
-                                                   recompute=mode == "gpipe-recompute")
+        v = INTERLEAVED_V if mode == "interleaved" else 1
+        _, self.sched, _ = build_pipeline(comm, cfg, name, m, stages_per_rank=v,
+                                          recompute=mode == "gpipe-recompute")
+        self.stages = self.sched.stages
         self.mode, self.times, self.timelines, self.peak = mode, [], [], 0
 
     def step(self, x, y, timed: bool, count: bool = False) -> None:
-        st = self.stage
-        st.module.zero_grad(set_to_none=True)
-        st.count_activations = count
-        st.comm.barrier()
+        for st in self.stages:
+            st.module.zero_grad(set_to_none=True)
+            st.count_activations = count
+        first, last = self.stages[0].is_first, self.stages[-1].is_last
+        self.stages[0].comm.barrier()
         t0 = time.perf_counter()
-        self.sched.step(x if st.is_first else None, target=y if st.is_last else None)
+        self.sched.step(x if first else None, target=y if last else None)
         if timed:
             self.times.append(time.perf_counter() - t0)
             self.timelines.append(self.sched.timeline)
-        if count:
-            self.peak = max(self.peak, st.peak_activation_bytes)
+        if count:  # several stages: what the rank's stages hold together, at its peak
+            self.peak = max(self.peak, self.stages[0].peak_activation_bytes
+                            if len(self.stages) == 1 else self.sched.peak_activation_bytes)
 
     def row(self, comm, m: int, transfer: float):
         best, seconds = _fastest(comm, self.times)
@@ -232,7 +241,8 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
             for run in runs:  # each mode's window (and communicators) freed before the next
                 if isinstance(run, _Mpiring):
                     run.sched.free()
-                    run.stage.free()
+                    for st in run.stages:
+                        st.free()
                     run.sched.grid.free()
             for mode, run in zip(modes, runs):
                 row, spans = run.row(comm, m, transfer)
@@ -264,6 +274,11 @@ def _ratios(rows: list[dict]) -> None:
             if base["bubble_busiest"]:
                 by[zb]["zb_over_1f1b_busiest"] = (by[zb]["bubble_busiest"] /
                                                   base["bubble_busiest"])
+    if base is not None and base["bubble"] and "interleaved" in by:
+        il = by["interleaved"]
+        il["il_over_1f1b_bubble"] = il["bubble"] / base["bubble"]
+        il["il_over_1f1b_predicted"] = (il["predicted"] / base["predicted"]
+                                        if base["predicted"] else None)
     if base is not None and "torch-1f1b" in by:
         base["over_torch"] = base["step_ms"] / by["torch-1f1b"]["step_ms"]
         # How far torch's step is from the schedule's simulated bound on these stages (from
@@ -298,7 +313,7 @@ def format_pp_table(rows: list[dict]) -> str:
     for m in sorted({r["m"] for r in rows}):
         by = {r["mode"]: r for r in rows if r["m"] == m}
         parts = []
-        for mode in ("gpipe", "1f1b"):
+        for mode in ("gpipe", "1f1b", "interleaved"):
             if mode in by:
                 parts.append(f"{mode} meas/pred {ratio(by[mode]['bubble'], by[mode]['predicted'])}")
         for zb in ("zb", "zb-cap"):
@@ -310,6 +325,10 @@ def format_pp_table(rows: list[dict]) -> str:
             parts.append(f"{zb}/1f1b bubble {by[zb]['zb_over_1f1b_bubble']:.2f}"
                          + (f", busiest stage {busy:.2f}" if busy is not None else "")
                          + f" (peak act per stage {zb} {peaks}, 1f1b {base} MiB)")
+        if "il_over_1f1b_bubble" in by.get("interleaved", {}):
+            il = by["interleaved"]
+            parts.append(f"interleaved/1f1b bubble {il['il_over_1f1b_bubble']:.2f} (predicted "
+                         f"{ratio(il['predicted'], by['1f1b']['predicted'])})")
         if "over_torch" in by.get("1f1b", {}):
             parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f} (torch step / 1f1b's "
                          f"simulated compute bound {by['1f1b']['torch_over_ideal']:.2f})")

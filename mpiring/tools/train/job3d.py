@@ -58,6 +58,10 @@ def validate_grid_config(cfg) -> None:
             raise ValueError(f"{name}={v}: must be at least 1")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {cfg.schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if cfg.schedule == "interleaved":  # the job's model is one GPTStage per rank
+        raise ValueError("the training job runs one stage per rank: use --schedule 1f1b, gpipe, "
+                         "zb or pipedream (interleaved 1F1B runs from the library: "
+                         "ScheduleInterleaved1F1B, or build_pipeline(stages_per_rank=2))")
     if cfg.microbatches is not None and cfg.microbatches > 1 and cfg.pp == 1:
         raise ValueError(f"microbatches={cfg.microbatches} split a pipeline's batch: use it "
                          "with pp > 1 (one stage trains on the whole batch)")

@@ -33,6 +33,7 @@ from mpiring.parallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     SchedulePipeDream,
     ScheduleZeroBubble,
 )
@@ -40,7 +41,7 @@ from mpiring.parallel.pipeline.data_parallel import stage_grid
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
-             "pipedream": SchedulePipeDream}
+             "pipedream": SchedulePipeDream, "interleaved": ScheduleInterleaved1F1B}
 
 
 class Embed(nn.Module):
@@ -94,31 +95,43 @@ def split_gpt(model: GPT, num_stages: int, stage_index: int) -> tuple[nn.Sequent
 
 def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
                    pp: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   lr: float = 3e-4, recompute: bool = False):
+                   lr: float = 3e-4, recompute: bool = False, stages_per_rank: int = 1):
     """This rank's stage of a GPT, its schedule and optimizer.
 
     Every rank builds the whole model from ``seed`` (so the stages start from one
-    model) and keeps its part. ``pp`` stages (default: one per rank of ``comm``);
-    the world / pp replicas of each stage reduce with DDP. Returns
-    ``(stage, sched, optimizer)``; ``sched.grid`` holds the groups (``stage_grid``).
+    model) and keeps its part. ``pp`` ranks along the pipeline (default: every rank
+    of ``comm``), each holding ``stages_per_rank`` stages (more than one:
+    "interleaved", rank r holding stages r, r + pp, ...); the world / pp replicas
+    of each stage reduce with DDP. Returns ``(stage, sched, optimizer)``, where
+    ``stage`` is the rank's list of stages with ``stages_per_rank > 1`` (all of them
+    are ``sched.stages``); ``sched.grid`` holds the groups (``stage_grid``).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    v = stages_per_rank
+    if v != 1 and schedule != "interleaved":
+        raise ValueError(f"stages_per_rank={v} with schedule {schedule!r}: several stages per "
+                         "rank run with 'interleaved'")
     grid = stage_grid(comm, comm.size if pp is None else pp)
     torch.manual_seed(seed)
     full = GPT(cfg).to(dtype)
-    module, tied = split_gpt(full, grid.pp_size, grid.pp_rank)
-    if schedule == "pipedream":  # stages update on their own: the two copies go untied
-        tied = []
-    layers = module if grid.dp_size == 1 else DistributedDataParallel(module, comm=grid.dp)
-    stage = PipelineStage(layers, grid.pp_rank, grid.pp_size, grid.pp, tied_parameters=tied)
-    opt = torch.optim.AdamW(module.parameters(), lr=lr)
+    n = grid.pp_size * v
+    stages, params = [], []
+    for s in range(grid.pp_rank, n, grid.pp_size):
+        module, tied = split_gpt(full, n, s)
+        if schedule == "pipedream":  # stages update on their own: the two copies go untied
+            tied = []
+        layers = module if grid.dp_size == 1 else DistributedDataParallel(module, comm=grid.dp)
+        stages.append(PipelineStage(layers, s, n, grid.pp, tied_parameters=tied))
+        params += list(module.parameters())
+    opt = torch.optim.AdamW(params, lr=lr)
     kwargs = {"optimizer": opt} if schedule == "pipedream" else {}
     if schedule == "gpipe":
         kwargs["recompute"] = recompute
-    sched = SCHEDULES[schedule](stage, n_microbatches, lm_loss, **kwargs)
+    sched = SCHEDULES[schedule](stages if v > 1 else stages[0], n_microbatches, lm_loss,
+                                **kwargs)
     sched.grid = grid
-    return stage, sched, opt
+    return (stages if v > 1 else stages[0]), sched, opt
 
 
 def train_step(sched, optimizer, x: torch.Tensor | None, y: torch.Tensor | None, *,
@@ -127,13 +140,13 @@ def train_step(sched, optimizer, x: torch.Tensor | None, y: torch.Tensor | None,
     model's norm ``grad_clip`` (0: not), then the optimizer (PipeDream steps inside).
     Returns the mean micro-batch loss on the last stage, None elsewhere."""
     losses: list = []
-    st = sched.stage
+    first, last = sched.stages[0].is_first, sched.stages[-1].is_last  # the rank's ends
     if not isinstance(sched, SchedulePipeDream):
         optimizer.zero_grad(set_to_none=True)
-    sched.step(x if st.is_first else None, target=y if st.is_last else None,
-               losses=losses if st.is_last else None)
+    sched.step(x if first else None, target=y if last else None,
+               losses=losses if last else None)
     if not isinstance(sched, SchedulePipeDream):
         if grad_clip:
             sched.clip_grad_norm_(grad_clip)
         optimizer.step()
-    return float(torch.stack(losses).mean()) if st.is_last else None
+    return float(torch.stack(losses).mean()) if last else None

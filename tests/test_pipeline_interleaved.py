@@ -1,0 +1,240 @@
+"""Interleaved 1F1B (several stages per rank) against the unsplit model, float64, K = 1..4.
+
+Rank r of K holds stages r, r + K, ... of a model cut into v * K stages; the
+reference is the unsplit model run by one process on the same micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import test_pipeline_runtime as runtime_tests
+import torch
+from torch import nn
+
+from mpiring.parallel import clip
+from mpiring.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
+from mpiring.tools.train.pipeline import split_gpt
+
+ROWS = 10  # not a multiple of the micro-batch counts: uneven micro-batches
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    # 16 modules: enough for 4 ranks x 3 stages.
+    return runtime_tests.mlp(widths=(3, 7, 5, 6, 4, 5, 3, 6, 2), seed=seed)
+
+
+bounds = runtime_tests.bounds
+
+
+def data(salt: int = 0, cols=(3, 2)):
+    g = torch.Generator().manual_seed(321 + salt)
+    return (torch.randn(ROWS, cols[0], generator=g, dtype=torch.float64),
+            torch.randn(ROWS, cols[1], generator=g, dtype=torch.float64))
+
+
+def mse(out, t):
+    return ((out - t) ** 2).mean()
+
+
+def reference(full: nn.Module, x, y, m: int, loss_fn):
+    full.zero_grad()
+    losses = [loss_fn(full(a), b) for a, b in zip(torch.tensor_split(x, m),
+                                                  torch.tensor_split(y, m))]
+    torch.stack(losses).mean().backward()
+    return [v.item() for v in losses]
+
+
+def local_stages(comm, full, v: int):
+    """This rank's v stages (copies) of ``full`` cut into v * K, and their slices."""
+    n = v * comm.size
+    cuts = bounds(len(full), n)
+    mine = list(range(comm.rank, n, comm.size))
+    parts = [copy.deepcopy(full[slice(*cuts[s])]) for s in mine]
+    stages = [PipelineStage(part, s, n, comm) for part, s in zip(parts, mine)]
+    return stages, [full[slice(*cuts[s])] for s in mine]
+
+
+def step(sched, stages, x, y, losses=None):
+    for st in stages:
+        st.module.zero_grad(set_to_none=True)
+    first, last = stages[0].is_first, stages[-1].is_last
+    return sched.step(x if first else None, target=y if last else None,
+                      losses=losses if last else None)
+
+
+@pytest.mark.parametrize("v", (2, 3))
+@pytest.mark.parametrize("m", (1, 2, 3, 4, 8))
+def test_interleaved_matches_unsplit_model(comm, v, m):
+    full = mlp()
+    stages, refs = local_stages(comm, full, v)
+    sched = ScheduleInterleaved1F1B(stages, m, mse)
+    for salt in (0, 1):  # the second step reuses the agreed shapes (and shared slots)
+        x, y = data(salt)
+        ref_losses = reference(full, x, y, m, mse)
+        losses: list = []
+        out = step(sched, stages, x, y, losses)
+        if stages[-1].is_last:
+            assert [float(t) for t in losses] == pytest.approx(ref_losses, rel=1e-12)
+            with torch.no_grad():
+                torch.testing.assert_close(out, full(x), rtol=1e-12, atol=1e-12)
+        else:
+            assert out is None
+        for st, ref in zip(stages, refs):
+            for a, b in zip(st.module.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    # eval(): the forwards alone, through every stage in turn.
+    x, _ = data(2)
+    out = sched.eval(x if stages[0].is_first else None)
+    if stages[-1].is_last:
+        with torch.no_grad():
+            torch.testing.assert_close(out, full(x), rtol=1e-12, atol=1e-12)
+    sched.free()
+    for st in stages:
+        st.free()
+
+
+def test_each_stage_runs_its_share_in_megatron_order(comm):
+    # The program each rank ran: per stage, every micro-batch's F then its B, and the
+    # timeline's spans name the rank's own stages only.
+    full, m, v = mlp(), 4, 2
+    stages, _ = local_stages(comm, full, v)
+    sched = ScheduleInterleaved1F1B(stages, m, mse)
+    step(sched, stages, *data())
+    mine = {st.stage_index for st in stages}
+    assert {s.action.stage for s in sched.timeline} == mine
+    for s in mine:
+        kinds = [(x.action.kind, x.action.mb) for x in sched.timeline if x.action.stage == s]
+        assert sorted(kinds) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+    sched.free()
+    for st in stages:
+        st.free()
+
+
+def test_interleaved_gpt_with_tied_embedding(comm):
+    # The embedding on stage 0 (rank 0) and the output layer on stage 2K - 1 (the last
+    # rank): their gradients summed between them, or added on one rank (K = 1).
+    v = 2
+    n = v * comm.size
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=n - 2 + 1, n_heads=2)
+    torch.manual_seed(3)
+    full = GPT(cfg).double()
+    stages = []
+    for s in range(comm.rank, n, comm.size):
+        module, tied = split_gpt(full, n, s)
+        stages.append(PipelineStage(module, s, n, comm, tied_parameters=tied))
+    sched = ScheduleInterleaved1F1B(stages, 3, lm_loss)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randint(0, 11, (7, 5), generator=g), torch.randint(0, 11, (7, 5), generator=g)
+    ref_losses = reference(full, x, y, 3, lm_loss)
+    losses: list = []
+    step(sched, stages, x, y, losses)
+    if stages[-1].is_last:
+        assert [float(t) for t in losses] == pytest.approx(ref_losses, rel=1e-12)
+    for st in stages:
+        if st.is_first or st.is_last:
+            w = st.module[0].tok.weight if st.is_first else st.module[-1].head.weight
+            torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12)
+        assert all(q.grad is not None for q in st.module.parameters())
+    # One norm for the whole model, the tied weight counted once: torch's on the unsplit.
+    want = torch.nn.utils.clip_grad_norm_(full.parameters(), 0.05)
+    got = sched.clip_grad_norm_(0.05)
+    assert float(got) == pytest.approx(float(want), rel=1e-10)
+    for st in stages:
+        if st.is_first:
+            torch.testing.assert_close(st.module[0].tok.weight.grad, full.tok.weight.grad,
+                                       rtol=1e-10, atol=1e-12)
+    assert float(clip.clip_grad_norm_(stages, 1e9)) == pytest.approx(0.05, rel=1e-5)
+    sched.free()
+    for st in stages:
+        st.free()
+
+
+def test_one_stage_per_rank_is_1f1b(comm):
+    # ScheduleInterleaved1F1B with a single stage runs 1F1B's program and its numbers.
+    full = mlp()
+    stages, refs = local_stages(comm, full, 1)
+    sched = ScheduleInterleaved1F1B(stages[0], 4, mse)
+    plain = Schedule1F1B(stages[0], 4, mse)
+    assert sched.actions == plain.actions
+    x, y = data()
+    reference(full, x, y, 4, mse)
+    step(sched, stages, x, y)
+    for a, b in zip(stages[0].module.parameters(), refs[0].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    for s in (sched, plain):
+        s.free()
+    stages[0].free()
+
+
+def test_stages_that_do_not_fit_are_refused_on_every_rank(comm):
+    full = mlp()
+    n = 2 * comm.size
+    cuts = bounds(len(full), n)
+    # A stage of the wrong round (rank r's second stage is r + K, not r + 1 + K).
+    with pytest.raises(ValueError, match="PipelineStage: .*stage_index"):
+        s = comm.rank + comm.size if comm.rank else comm.size - 1 + comm.size
+        if comm.size == 1:
+            s = 5  # past the last stage
+        PipelineStage(copy.deepcopy(full[slice(*cuts[0])]), s, n, comm)
+    # A stage count that is not a multiple of the ranks.
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="num_stages"):
+            PipelineStage(copy.deepcopy(full[slice(*cuts[0])]), comm.rank, n + 1, comm)
+    # Half of the rank's stages given to the schedule: named, with the ones it holds.
+    stages, _ = local_stages(comm, full, 2)
+    with pytest.raises(ValueError, match=r"rank \d+ holds stages \[\d+, \d+\]: give all of them"):
+        ScheduleInterleaved1F1B(stages[:1], 2, mse)
+    with pytest.raises(ValueError, match="give all of them, in that order"):
+        ScheduleInterleaved1F1B(stages[::-1], 2, mse)
+    with pytest.raises(ValueError, match="one stage per rank, not 2"):
+        Schedule1F1B(stages, 2, mse)
+    for st in stages:
+        st.free()
+
+
+def test_tied_parameters_must_match_across_the_ends(comm):
+    # Stage 0's tie and stage 2K-1's must be the same shapes, checked on every rank.
+    n = 2 * comm.size
+    mods = []
+    for s in range(comm.rank, n, comm.size):
+        lin = nn.Linear(4, 4 if s != n - 1 else 5).double()
+        tied = [lin.weight] if s in (0, n - 1) else []
+        mods.append(PipelineStage(lin, s, n, comm, tied_parameters=tied))
+    with pytest.raises(ValueError, match="tied_parameters differ"):
+        ScheduleInterleaved1F1B(mods, 2, mse)
+    for st in mods:
+        st.free()
+
+
+def test_messages_between_a_pair_of_ranks_are_kept_apart_per_stage(comm):
+    # A hand-written program for 2 ranks x 2 stages where rank 1 takes stage 3's input
+    # (sent by rank 0's stage 2) before stage 1's second one (sent by stage 0 earlier):
+    # both go rank 0 -> rank 1, so only per-stage-pair tags match them right.
+    from mpiring.parallel.pipeline.actions import parse_schedule
+    from mpiring.parallel.pipeline.runtime import PipelineSchedule
+    from mpiring.parallel.pipeline.schedules import lower
+
+    if comm.size != 2:
+        pytest.skip("a program for two ranks")
+    compute = parse_schedule(["0F0 0F1 2F0 2B0 2F1 2B1 0B0 0B1",
+                              "1F0 3F0 3B0 1F1 3F1 3B1 1B0 1B1"])
+    program = [lower(row, 4) for row in compute]
+    full = mlp()
+    stages, refs = local_stages(comm, full, 2)
+    sched = PipelineSchedule(stages, 2, mse, actions=program)
+    for salt in (0, 1):  # the second step on receives posted ahead, at the step's start
+        x, y = data(salt)
+        ref_losses = reference(full, x, y, 2, mse)
+        losses: list = []
+        step(sched, stages, x, y, losses)
+        if stages[-1].is_last:
+            assert [float(t) for t in losses] == pytest.approx(ref_losses, rel=1e-12)
+        for st, ref in zip(stages, refs):
+            for a, b in zip(st.module.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    sched.free()
+    for st in stages:
+        st.free()
