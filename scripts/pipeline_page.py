@@ -6,7 +6,8 @@ The goals of the pipeline work, each computed from the rows of that one run:
 bubble measured against the schedule's prediction (GPipe, 1F1B), ZB-H1's
 bubble and peak activations against 1F1B's, 1F1B's step against torch's
 Schedule1F1B (and torch's against the schedule's compute bound), GPipe with
-recomputation's memory against its model. Then the bench's own tables and a
+recomputation's memory against its model, interleaved 1F1B's bubble against
+1F1B's. Then the bench's own tables and a
 measured step drawn to scale, as printed.
 """
 
@@ -76,6 +77,14 @@ def goals(rows: list[dict]) -> list[str]:
          lambda m: f"{by['1f1b', m]['step_ms'] / by['torch-1f1b', m]['step_ms']:.2f}")
     line("torch step / 1F1B's simulated compute bound",
          lambda m: f"{by['torch-1f1b', m]['step_ms'] / by['1f1b', m]['ideal_ms']:.2f}")
+
+    line("interleaved 1F1B (2 stages per rank) bubble, measured / predicted",
+         lambda m: f"{by['interleaved', m]['bubble'] / by['interleaved', m]['predicted']:.2f}")
+    line("interleaved / 1F1B bubble, measured (predicted)",
+         lambda m: f"{by['interleaved', m]['bubble'] / by['1f1b', m]['bubble']:.2f} "
+                   f"({by['interleaved', m]['predicted'] / by['1f1b', m]['predicted']:.2f})")
+    line("interleaved / 1F1B step",
+         lambda m: f"{by['interleaved', m]['step_ms'] / by['1f1b', m]['step_ms']:.2f}")
 
     def recompute_mem(m):
         r, g = by["gpipe-recompute", m], by["gpipe", m]

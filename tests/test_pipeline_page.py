@@ -33,6 +33,9 @@ def _rows(m: int):
         {"mode": "zb", "step_ms": 8.0, "bubble": 0.05, "predicted": 0.04, "ideal_ms": 7.5,
          "bubble_busiest": 0.03, "predicted_busiest": 0.02,
          "peak_act_mib": 2.1, "peak_act_mib_per_stage": [2.0, 2.1], **common},
+        {"mode": "interleaved", "step_ms": 8.1, "bubble": 0.12, "predicted": 0.10,
+         "ideal_ms": 7.8, "bubble_busiest": 0.06, "predicted_busiest": 0.05,
+         "peak_act_mib": 2.5, "peak_act_mib_per_stage": [2.5, 1.0], **common},
         {"mode": "torch-1f1b", "step_ms": 12.0, "bubble": None, "predicted": None,
          "peak_act_mib": None, **common},
     ]
@@ -57,6 +60,9 @@ def test_goals_are_the_ratios_of_the_rows():
     assert f"| GPipe recompute peak MiB, measured / m inputs + one micro-batch | 1.50 / {pred:.2f} |" \
         in table
     assert "| GPipe recompute step / GPipe step | 1.30 |" in table
+    assert "| interleaved 1F1B (2 stages per rank) bubble, measured / predicted | 1.20 |" in table
+    assert "| interleaved / 1F1B bubble, measured (predicted) | 0.60 (0.62) |" in table
+    assert "| interleaved / 1F1B step | 0.90 |" in table
 
 
 def test_a_missing_mode_leaves_a_dash(tmp_path):
