@@ -147,6 +147,8 @@ def test_validation_loss_matches_the_one_process_model(world, opts):
 
 def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
     """(tp, pp) exercising ``opts`` at k ranks: dp > 1 for the data axis, pp > 1 for a schedule."""
+    if opts.get("schedule") == "interleaved":  # 2 stages per rank: the tiny GPT's 4 units
+        return (1, 2) if k % 2 == 0 else None
     if "schedule" in opts:
         return (1, 2) if k % 2 == 0 else (1, k) if 1 < k <= 4 else None
     if opts.get("sequence_parallel"):
@@ -163,9 +165,10 @@ def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
                                   dict(fsdp=True, schedule="1f1b"),
                                   dict(fsdp=True, schedule="gpipe", microbatches=3),
                                   dict(optimizer="zero2", schedule="1f1b"),
-                                  dict(optimizer="zero2", schedule="zb", microbatches=3)],
+                                  dict(optimizer="zero2", schedule="zb", microbatches=3),
+                                  dict(schedule="interleaved", vpp=2, microbatches=3)],
                          ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp", "fsdp-1f1b",
-                              "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3"])
+                              "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3", "interleaved-m3"])
 def test_data_axis_and_schedules_match_the_twin(world, opts):
     picked = _layout_for(world.size, opts)
     if picked is None:
@@ -207,6 +210,8 @@ def _moves(world: int) -> list[tuple[dict, dict]]:
         # The data axis sharded under a pipeline: FSDP -> ZeRO-2 -> plain DDP.
         moves.append((dict(pp=2, fsdp=True), dict(pp=2, optimizer="zero2", schedule="gpipe")))
         moves.append((dict(pp=2, optimizer="zero2"), plain if world > 2 else dict(tp=2)))
+        # Two stages per rank, saved by the full GPT's names: back to one per rank.
+        moves.append((dict(pp=2, schedule="interleaved", vpp=2), dict(pp=2)))
     return moves
 
 
@@ -322,6 +327,12 @@ def test_bad_layouts_are_refused_on_every_rank(world):
     _refused(world, "fsdp with --schedule zb.*use --schedule 1f1b or gpipe", pp=2, fsdp=True,
              schedule="zb")
     _refused(world, "use it with pp > 1", microbatches=2)
+    _refused(world, "several stages per rank run with --schedule interleaved", pp=2, vpp=2)
+    _refused(world, "interleaved runs on pp > 1 with DDP on the data axis", pp=2, vpp=2,
+             schedule="interleaved", fsdp=True)
+    if k % 2 == 0:
+        _refused(world, r"pp=6 stages for a GPT of 4 units.*\(pp=2 x vpp=3\)", pp=2,
+                 vpp=3, schedule="interleaved")
     if k % 4 == 0:
         _refused(world, "pp=4 stages for a GPT of 3 units", pp=4, n_layers=1)
     if k > 1:

@@ -95,15 +95,17 @@ def stage_bounds(n_layers: int, pp: int) -> list[tuple[int, int]]:
     return chunk_bounds(units, pp)
 
 
-def stage_of(name: str, n_layers: int, pp: int) -> int:
-    """The stage holding the full GPT's parameter ``name`` (the tied weight: stage 0)."""
+def stage_of(name: str, n_layers: int, pp: int, vpp: int = 1) -> int:
+    """The pipeline rank holding the full GPT's parameter ``name`` (the tied weight: rank 0),
+    with ``vpp`` stages per rank (rank r holds stages r, r + pp, ...)."""
     if name.startswith(("tok.", "pos.", "head.")):
         unit = 0
     elif name.startswith("blocks."):
         unit = 1 + int(name.split(".")[1])
     else:  # ln_f
         unit = n_layers + 1
-    return next(s for s, (lo, hi) in enumerate(stage_bounds(n_layers, pp)) if lo <= unit < hi)
+    bounds = stage_bounds(n_layers, pp * vpp)
+    return next(s for s, (lo, hi) in enumerate(bounds) if lo <= unit < hi) % pp
 
 
 class _Weight(nn.Module):
@@ -189,6 +191,34 @@ class GPTStage(nn.Module):
             h = all_reduce_in_backward(h, self.comm, self.algo)
         out = F.linear(h, self.tok.weight) if self.first else self.head(h)
         return out.transpose(0, 1)
+
+    def num_params(self) -> int:
+        """This rank's trainable parameters."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+class GPTStages(nn.Module):
+    """A rank's several stages (interleaved 1F1B) as one module: the chunks' own modules
+    under the full GPT's names, for the optimizer, checkpoints and evaluation's
+    bookkeeping; the schedule runs the chunks (``chunks``, in stage order).
+    """
+
+    def __init__(self, chunks: list[GPTStage]):
+        super().__init__()
+        self.chunks = list(chunks)  # a plain list, unregistered: registered, names get a prefix
+        self.cfg = chunks[0].cfg
+        self.first, self.last = chunks[0].first, chunks[-1].last
+        if self.first:
+            self.tok, self.pos = chunks[0].tok, chunks[0].pos
+        self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
+        if self.last:
+            self.ln_f = chunks[-1].ln_f
+            if not self.first:
+                self.head = chunks[-1].head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("GPTStages holds a rank's stages of an interleaved pipeline, run "
+                           "by its schedule (ScheduleInterleaved1F1B): call sched.step()")
 
     def num_params(self) -> int:
         """This rank's trainable parameters."""

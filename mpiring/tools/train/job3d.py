@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from mpiring.parallel.data.sampler import DistributedSampler
-from mpiring.tools.train.grid3d import make_grid, split_stage, stage_bounds
+from mpiring.tools.train.grid3d import GPTStage, GPTStages, make_grid, split_stage, stage_bounds
 from mpiring.tools.train.loop import TrainJob
 
 
@@ -58,10 +58,15 @@ def validate_grid_config(cfg) -> None:
             raise ValueError(f"{name}={v}: must be at least 1")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {cfg.schedule!r}: use one of {', '.join(SCHEDULES)}")
-    if cfg.schedule == "interleaved":  # the job's model is one GPTStage per rank
-        raise ValueError("the training job runs one stage per rank: use --schedule 1f1b, gpipe, "
-                         "zb or pipedream (interleaved 1F1B runs from the library: "
-                         "ScheduleInterleaved1F1B, or build_pipeline(stages_per_rank=2))")
+    if isinstance(cfg.vpp, bool) or not isinstance(cfg.vpp, int) or cfg.vpp < 1:
+        raise ValueError(f"vpp={cfg.vpp!r}: give the stages per rank, a positive integer")
+    if (cfg.vpp > 1) != (cfg.schedule == "interleaved"):
+        raise ValueError(f"vpp={cfg.vpp} with --schedule {cfg.schedule}: several stages per "
+                         "rank run with --schedule interleaved, and it needs --vpp 2 or more")
+    if cfg.schedule == "interleaved" and (cfg.pp == 1 or cfg.fsdp or cfg.optimizer != "adamw"):
+        raise ValueError("--schedule interleaved runs on pp > 1 with DDP on the data axis and "
+                         "the optimizer adamw (not fsdp, zero1 or zero2): each rank's stages "
+                         "are replicated and stepped as one model")
     if cfg.microbatches is not None and cfg.microbatches > 1 and cfg.pp == 1:
         raise ValueError(f"microbatches={cfg.microbatches} split a pipeline's batch: use it "
                          "with pp > 1 (one stage trains on the whole batch)")
@@ -89,9 +94,9 @@ def layout_error(cfg, world: int) -> str | None:
         return None  # ProcessGrid names it, on every rank
     dp = world // (tp * pp)
     try:
-        stage_bounds(cfg.model_config().n_layers, pp)
+        stage_bounds(cfg.model_config().n_layers, pp * cfg.vpp)
     except ValueError as exc:
-        return str(exc)
+        return str(exc) + (f" (pp={pp} x vpp={cfg.vpp})" if cfg.vpp > 1 else "")
     batch = cfg.batch_size
     if cfg.global_batch is not None:
         if cfg.global_batch % dp:
@@ -148,6 +153,8 @@ class GridJob(TrainJob):
         self.param_names = [n for n, _ in full.named_parameters()]
         self.tp_model = TensorParallelGPT.from_full(full, g.tp, seed=cfg.seed,
                                                     sequence_parallel=cfg.sequence_parallel)
+        if cfg.vpp > 1:
+            return self._wrap_interleaved()
         self.model = stage = split_stage(self.tp_model, cfg.pp, g.pp_rank)
         self.tp_comm = g.tp
         # FSDP takes the parameters over: their names are kept here for checkpoints.
@@ -174,6 +181,32 @@ class GridJob(TrainJob):
             extra = {"optimizer": self.optimizer} if cfg.schedule == "pipedream" else {}
             self.sched = SCHEDULES[cfg.schedule](pipe, self.microbatches, self.loss_fn, **extra)
         return wrapped
+
+    def _wrap_interleaved(self):
+        """vpp stages per rank (rank r: r, r + pp, ...), each its own DDP over the data
+        axis; ``model`` holds them all, named as the full GPT's."""
+        from mpiring.parallel.data.distributed import DistributedDataParallel
+        from mpiring.parallel.pipeline import PipelineStage, ScheduleInterleaved1F1B
+
+        cfg, g = self.cfg, self.grid
+        n = cfg.pp * cfg.vpp
+        chunks = [GPTStage(self.tp_model, *stage_bounds(self.tp_model.cfg.n_layers, n)[s])
+                  for s in range(g.pp_rank, n, g.pp_size)]
+        self.model = GPTStages(chunks)
+        self.tp_comm = g.tp
+        self.stage_names = [name for name, _ in self.model.named_parameters()]
+        self.loss_fn = self.tp_model.loss
+        self.fsdp = None
+        pipes = []
+        for s, chunk in zip(range(g.pp_rank, n, g.pp_size), chunks):
+            wrapped = chunk if g.dp_size == 1 else DistributedDataParallel(
+                chunk, g.dp, bucket_cap_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
+                overlap=(cfg.mode == "ddp"), algo=cfg.algo,
+                gradient_as_bucket_view=cfg.grad_as_bucket_view)
+            pipes.append(PipelineStage(wrapped, s, n, g.pp, tied_parameters=chunk.tied))
+        self.optimizer = self._make_optimizer(self.model.parameters())
+        self.sched = ScheduleInterleaved1F1B(pipes, self.microbatches, self.loss_fn)
+        return self.model
 
     def _wrap_fsdp(self, stage):
         from mpiring.parallel.fsdp import FullyShardedDataParallel
@@ -224,8 +257,8 @@ class GridJob(TrainJob):
                 x, y = self.val_set.batch(order[j * b:(j + 1) * b], self.device)
                 if self.sched is not None:  # the stages' forwards, pipelined (no_grad)
                     losses: list = []
-                    last = self.sched.stage.is_last
-                    self.sched.eval(x if self.sched.stage.is_first else None,
+                    last = self.sched.stages[-1].is_last
+                    self.sched.eval(x if self.sched.stages[0].is_first else None,
                                     target=y if last else None, losses=losses if last else None)
                     # Equal micro-batches (layout_error): their mean loss is the batch's.
                     loss = float(torch.stack(losses).mean()) if last else math.nan
@@ -255,7 +288,8 @@ class GridJob(TrainJob):
         """Collective: stop the threads and give back every window and communicator."""
         if self.sched is not None:
             self.sched.free()  # collective: the pipeline's windows and communicators
-            self.sched.stage.free()
+            for st in self.sched.stages:
+                st.free()
         if self.fsdp is not None:
             self.fsdp.close()
         super().close()

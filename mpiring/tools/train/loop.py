@@ -79,6 +79,7 @@ class TrainConfig:
     pp: int = 1
     fsdp: bool = False
     schedule: str = "1f1b"
+    vpp: int = 1                      # stages per rank ("interleaved": Megatron's virtual pp)
     microbatches: int | None = None   # default: pp (pp > 1), 1 otherwise
     global_batch: int | None = None   # windows per step over all replicas (overrides batch_size)
     # Clip the gradients' global 2-norm (over every rank's part of the model) to this

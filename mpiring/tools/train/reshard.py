@@ -142,8 +142,9 @@ def grid_full_state(job) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The GPT's full ``state_dict`` and the AdamW state by name, on every rank (collective)."""
     cfg = job.model_cfg
     params, ostate, groups = _local(job)
-    per_stage = {s: [n for n in job.param_names if stage_of(n, cfg.n_layers, job.grid.pp_size) == s]
-                 for s in range(job.grid.pp_size)}
+    pp, vpp = job.grid.pp_size, job.cfg.vpp
+    per_stage = {s: [n for n in job.param_names if stage_of(n, cfg.n_layers, pp, vpp) == s]
+                 for s in range(pp)}
     dtype = next(iter(params.values())).dtype
     full = _assemble(job, per_stage, params, dtype)
     model = {k: full[_TIED.get(k, k)] for k in job.full_keys}  # the tie: one tensor, two keys
