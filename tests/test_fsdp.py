@@ -581,13 +581,24 @@ class Prompted(nn.Module):
         return x.sum(1, keepdim=True).expand(-1, 3)
 
 
+class KeywordPrompted(Prompted):
+    """The same, each block called with its input as a keyword (``block(x=h)``)."""
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x=x)
+        return x.sum(1, keepdim=True).expand(-1, 3)
+
+
+@pytest.mark.parametrize("net", (Prompted, KeywordPrompted), ids=("positional", "keyword"))
 @pytest.mark.parametrize("prefetch", (False, True))
-def test_frozen_units_are_freed_after_their_backward(comm, prefetch):
+def test_frozen_units_are_freed_after_their_backward(comm, prefetch, net):
     # Every block frozen, the gradient flowing through them to the input layer: each is
     # freed once its inputs' gradients are in, so the unsharded peak does not grow with
     # depth (it did: every frozen block stayed gathered to the end of backward).
     torch.manual_seed(3)
-    model = FullyShardedDataParallel(Prompted().double(), comm, prefetch=prefetch)
+    model = FullyShardedDataParallel(net().double(), comm, prefetch=prefetch)
     train(model, comm, 2)  # the second step: prefetch follows the recorded order
     x, y = batch(5)
     loss_fn(model, mine(x, comm), mine(y, comm))  # a forward whose backward never runs
@@ -597,7 +608,7 @@ def test_frozen_units_are_freed_after_their_backward(comm, prefetch):
     # The root and its gradient, the block computing, one more in flight with prefetch.
     assert model.peak_unsharded_bytes <= 3 * root + (3 if prefetch else 2) * block
     torch.manual_seed(3)
-    ref = Prompted().double()
+    ref = net().double()
     train(ref, None, 2)
     assert_state_close(model.full_state_dict(), ref)
     model.close()

@@ -178,8 +178,10 @@ class FullyShardedDataParallel(nn.Module):
         for u in self.units:
             if u.module is module:  # the root's: forward() calls them
                 continue
+            # With the keyword inputs too: a wholly frozen unit is freed when its inputs'
+            # gradients are in, wherever they were passed (returns None: inputs unchanged).
             self._handles.append(u.module.register_forward_pre_hook(
-                lambda m, args, u=u: u.pre_forward(args)))  # returns None: args unchanged
+                lambda m, args, kwargs, u=u: u.pre_forward(args, kwargs), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(
                 lambda m, args, out, u=u: u.post_forward(out)))
         self._order: list[Unit] = []

@@ -112,8 +112,8 @@ class Unit:
             self.status = SHARDED
 
     # --- hooks ------------------------------------------------------------------------
-    def pre_forward(self, args: tuple = ()) -> None:
-        """Gather for the forward (``args``: the module's positional inputs)."""
+    def pre_forward(self, args: tuple = (), kwargs: dict | None = None) -> None:
+        """Gather for the forward (``args``, ``kwargs``: the module's inputs)."""
         if (self.status != SHARDED and not self.owner._in_backward
                 and self.flat.shard._version != self._shard_version):
             # Kept gathered (a forward with no backward after it) while the shard moved
@@ -130,7 +130,9 @@ class Unit:
         # Frozen parameters alone: no gradient of theirs says when the unit's backward
         # is over, so the inputs' gradients do (FSDP2's post-backward on the inputs). A
         # hook, not an identity on them: the forward may change an input in place.
-        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        # Positional or keyword, nested in tuples, lists and dicts: every input that
+        # takes a gradient.
+        inputs = output_tensors((args, kwargs or {}))
         if inputs:
             self._uses += 1
             torch.autograd.graph.register_multi_grad_hook(
