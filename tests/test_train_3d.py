@@ -147,7 +147,7 @@ def test_validation_loss_matches_the_one_process_model(world, opts):
 
 def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
     """(tp, pp) exercising ``opts`` at k ranks: dp > 1 for the data axis, pp > 1 for a schedule."""
-    if opts.get("schedule") == "interleaved":  # 2 stages per rank: the tiny GPT's 4 units
+    if opts.get("schedule") == "interleaved" or "pp_layers" in opts:  # counts for pp = 2
         return (1, 2) if k % 2 == 0 else None
     if "schedule" in opts:
         return (1, 2) if k % 2 == 0 else (1, k) if 1 < k <= 4 else None
@@ -166,9 +166,12 @@ def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
                                   dict(fsdp=True, schedule="gpipe", microbatches=3),
                                   dict(optimizer="zero2", schedule="1f1b"),
                                   dict(optimizer="zero2", schedule="zb", microbatches=3),
-                                  dict(schedule="interleaved", vpp=2, microbatches=3)],
+                                  dict(schedule="interleaved", vpp=2, microbatches=3),
+                                  dict(schedule="1f1b", pp_layers=(2, 0)),
+                                  dict(schedule="interleaved", vpp=2, pp_layers=(0, 1, 1, 0))],
                          ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp", "fsdp-1f1b",
-                              "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3", "interleaved-m3"])
+                              "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3", "interleaved-m3",
+                              "uneven-2-0", "interleaved-uneven"])
 def test_data_axis_and_schedules_match_the_twin(world, opts):
     picked = _layout_for(world.size, opts)
     if picked is None:
@@ -212,6 +215,7 @@ def _moves(world: int) -> list[tuple[dict, dict]]:
         moves.append((dict(pp=2, optimizer="zero2"), plain if world > 2 else dict(tp=2)))
         # Two stages per rank, saved by the full GPT's names: back to one per rank.
         moves.append((dict(pp=2, schedule="interleaved", vpp=2), dict(pp=2)))
+        moves.append((dict(pp=2, pp_layers=(2, 0)), dict(pp=2, pp_layers=(0, 2))))
     return moves
 
 
@@ -327,6 +331,10 @@ def test_bad_layouts_are_refused_on_every_rank(world):
     _refused(world, "fsdp with --schedule zb.*use --schedule 1f1b or gpipe", pp=2, fsdp=True,
              schedule="zb")
     _refused(world, "use it with pp > 1", microbatches=2)
+    if k % 2 == 0:
+        _refused(world, r"pp_layers=\[1, 2\]: give 2 block counts .* summing to the model's 2",
+                 pp=2, pp_layers=(1, 2))
+    _refused(world, "pp_layers=.* use it with pp > 1", pp_layers=(2,))
     _refused(world, "several stages per rank run with --schedule interleaved", pp=2, vpp=2)
     _refused(world, "interleaved runs on pp > 1 with DDP on the data axis", pp=2, vpp=2,
              schedule="interleaved", fsdp=True)
@@ -343,3 +351,30 @@ def test_bad_layouts_are_refused_on_every_rank(world):
         _refused(world, "pipedream steps each stage after every micro-batch", pp=2,
                  schedule="pipedream")
     world.barrier()  # every rank refused, none went on to train
+
+
+def test_pp_layers_places_the_blocks():
+    from mpiring.tools.train.grid3d import stage_bounds, stage_of
+
+    # Units: 0 embeddings, 1..4 blocks, 5 head. Three blocks first, one with the head.
+    assert stage_bounds(4, 2, (3, 1)) == [(0, 4), (4, 6)]
+    assert stage_bounds(4, 3, (0, 4, 0)) == [(0, 1), (1, 5), (5, 6)]
+    assert stage_bounds(4, 2) == [(0, 3), (3, 6)]  # array_split of the 6 units
+    assert [stage_of(f"blocks.{i}.ln1.weight", 4, 2, layers=(3, 1)) for i in range(4)] == \
+        [0, 0, 0, 1]
+    assert stage_of("ln_f.weight", 4, 2, layers=(3, 1)) == 1
+    # Interleaved: 4 stages on 2 ranks, stage s on rank s % 2.
+    assert [stage_of(f"blocks.{i}.ln1.weight", 4, 2, 2, (1, 1, 1, 1)) for i in range(4)] == \
+        [0, 1, 0, 1]
+
+
+@pytest.mark.deadline(60)
+def test_the_job_holds_the_blocks_pp_layers_gives_it(world):
+    if world.size % 2:
+        pytest.skip("pp = 2")
+    j = job(world, pp=2, pp_layers=(2, 0), steps=1)
+    try:
+        held = sorted(j.model.blocks.keys())
+        assert held == (["0", "1"] if j.grid.pp_rank == 0 else [])
+    finally:
+        j.close()

@@ -13,6 +13,7 @@ time, so that modes can be compared run against run.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -80,6 +81,11 @@ def add_arguments(p) -> None:
                    help="shard parameters, gradients and AdamW state over the data axis (ZeRO-3)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream", "interleaved"),
                    default="1f1b", help="pipeline schedule with --pp > 1 (default 1f1b)")
+    p.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
+                   help="blocks per stage, comma list summing to the model's (the embeddings "
+                        "go with the first stage, the head with the last), e.g. 3,1 for a "
+                        "last stage that also computes the head; with --vpp, one per stage "
+                        "of the pp x vpp (default: the units split evenly)")
     p.add_argument("--vpp", type=positive_int, default=None,
                    help="stages per rank with --schedule interleaved (Megatron's virtual "
                         "pipeline size; default 2)")
@@ -96,6 +102,18 @@ def add_arguments(p) -> None:
                    help="write one JSON line per step (step, loss, tokens, ms) to FILE")
     add_checkpoint_arguments(p)  # --checkpoint-dir/-every/-keep, --resume, --check-replicas
     add_backend_arguments(p)
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """``"3,1"`` -> ``(3, 1)``: argparse's type for --pp-layers."""
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give block counts separated by commas, "
+                                         "e.g. 3,1") from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: block counts are 0 or more")
+    return counts
 
 
 def config_from_args(args):
@@ -115,6 +133,7 @@ def config_from_args(args):
         tp=args.tp, sequence_parallel=args.sequence_parallel, pp=args.pp, fsdp=args.fsdp,
         schedule=args.schedule, microbatches=args.microbatches, global_batch=args.global_batch,
         vpp=args.vpp or (2 if args.schedule == "interleaved" else 1),
+        pp_layers=args.pp_layers,
         grad_clip=args.grad_clip)
 
 

@@ -82,29 +82,47 @@ def make_grid(comm, tp: int, pp: int) -> Grid:
     return Grid(g.tp, dp, g.pp, g.tp_rank, g.dp_rank, g.pp_rank, tp, g.dp_size, pp)
 
 
-def stage_bounds(n_layers: int, pp: int) -> list[tuple[int, int]]:
+def stage_bounds(n_layers: int, pp: int, layers=None) -> list[tuple[int, int]]:
     """Each stage's ``[lo, hi)`` over the units (0: embeddings, 1..L: blocks, L+1: head).
 
+    ``layers``: the blocks of each stage (Megatron's uneven split, e.g. fewer on the
+    last stage, which also computes the head and the loss); the embeddings go with
+    the first stage, the head with the last. None: array_split of the units.
+
     Raises:
-        ValueError: more stages than units.
+        ValueError: more stages than units, or ``layers`` that do not fit, naming the fix.
     """
     units = n_layers + 2
+    if layers is not None:
+        counts = list(layers)
+        if (len(counts) != pp or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
+                                     for c in counts) or sum(counts) != n_layers):
+            raise ValueError(f"pp_layers={counts}: give {pp} block counts (>= 0), one per "
+                             f"stage, summing to the model's {n_layers} blocks (the embeddings "
+                             "go with the first stage, the head with the last)")
+        bounds, at = [], 1
+        for k, c in enumerate(counts):
+            lo = 0 if k == 0 else at
+            at += c
+            bounds.append((lo, at + (1 if k == pp - 1 else 0)))
+        return bounds
     if not 1 <= pp <= units:
         raise ValueError(f"pp={pp} stages for a GPT of {units} units (embeddings, {n_layers} "
                          f"blocks, head): use --pp 1..{units}, or more --layers")
-    return chunk_bounds(units, pp)
+    return list(chunk_bounds(units, pp))
 
 
-def stage_of(name: str, n_layers: int, pp: int, vpp: int = 1) -> int:
+def stage_of(name: str, n_layers: int, pp: int, vpp: int = 1, layers=None) -> int:
     """The pipeline rank holding the full GPT's parameter ``name`` (the tied weight: rank 0),
-    with ``vpp`` stages per rank (rank r holds stages r, r + pp, ...)."""
+    with ``vpp`` stages per rank (rank r holds stages r, r + pp, ...) and the stages'
+    block counts ``layers`` (``stage_bounds``)."""
     if name.startswith(("tok.", "pos.", "head.")):
         unit = 0
     elif name.startswith("blocks."):
         unit = 1 + int(name.split(".")[1])
     else:  # ln_f
         unit = n_layers + 1
-    bounds = stage_bounds(n_layers, pp * vpp)
+    bounds = stage_bounds(n_layers, pp * vpp, layers)
     return next(s for s, (lo, hi) in enumerate(bounds) if lo <= unit < hi) % pp
 
 
@@ -225,7 +243,7 @@ class GPTStages(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
-def split_stage(model, pp: int, pp_rank: int) -> GPTStage:
-    """Stage ``pp_rank`` of ``pp`` of a ``TensorParallelGPT``."""
-    lo, hi = stage_bounds(model.cfg.n_layers, pp)[pp_rank]
+def split_stage(model, pp: int, pp_rank: int, layers=None) -> GPTStage:
+    """Stage ``pp_rank`` of ``pp`` of a ``TensorParallelGPT`` (``layers``: ``stage_bounds``'s)."""
+    lo, hi = stage_bounds(model.cfg.n_layers, pp, layers)[pp_rank]
     return GPTStage(model, lo, hi)

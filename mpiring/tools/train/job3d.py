@@ -67,6 +67,9 @@ def validate_grid_config(cfg) -> None:
         raise ValueError("--schedule interleaved runs on pp > 1 with DDP on the data axis and "
                          "the optimizer adamw (not fsdp, zero1 or zero2): each rank's stages "
                          "are replicated and stepped as one model")
+    if cfg.pp_layers is not None and cfg.pp == 1:
+        raise ValueError(f"pp_layers={list(cfg.pp_layers)} splits the blocks over pipeline "
+                         "stages: use it with pp > 1")
     if cfg.microbatches is not None and cfg.microbatches > 1 and cfg.pp == 1:
         raise ValueError(f"microbatches={cfg.microbatches} split a pipeline's batch: use it "
                          "with pp > 1 (one stage trains on the whole batch)")
@@ -94,7 +97,7 @@ def layout_error(cfg, world: int) -> str | None:
         return None  # ProcessGrid names it, on every rank
     dp = world // (tp * pp)
     try:
-        stage_bounds(cfg.model_config().n_layers, pp * cfg.vpp)
+        stage_bounds(cfg.model_config().n_layers, pp * cfg.vpp, cfg.pp_layers)
     except ValueError as exc:
         return str(exc) + (f" (pp={pp} x vpp={cfg.vpp})" if cfg.vpp > 1 else "")
     batch = cfg.batch_size
@@ -155,7 +158,7 @@ class GridJob(TrainJob):
                                                     sequence_parallel=cfg.sequence_parallel)
         if cfg.vpp > 1:
             return self._wrap_interleaved()
-        self.model = stage = split_stage(self.tp_model, cfg.pp, g.pp_rank)
+        self.model = stage = split_stage(self.tp_model, cfg.pp, g.pp_rank, cfg.pp_layers)
         self.tp_comm = g.tp
         # FSDP takes the parameters over: their names are kept here for checkpoints.
         self.stage_names = [n for n, _ in stage.named_parameters()]
@@ -190,7 +193,8 @@ class GridJob(TrainJob):
 
         cfg, g = self.cfg, self.grid
         n = cfg.pp * cfg.vpp
-        chunks = [GPTStage(self.tp_model, *stage_bounds(self.tp_model.cfg.n_layers, n)[s])
+        bounds = stage_bounds(self.tp_model.cfg.n_layers, n, cfg.pp_layers)
+        chunks = [GPTStage(self.tp_model, *bounds[s])
                   for s in range(g.pp_rank, n, g.pp_size)]
         self.model = GPTStages(chunks)
         self.tp_comm = g.tp

@@ -143,7 +143,8 @@ def grid_full_state(job) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     cfg = job.model_cfg
     params, ostate, groups = _local(job)
     pp, vpp = job.grid.pp_size, job.cfg.vpp
-    per_stage = {s: [n for n in job.param_names if stage_of(n, cfg.n_layers, pp, vpp) == s]
+    per_stage = {s: [n for n in job.param_names
+                     if stage_of(n, cfg.n_layers, pp, vpp, job.cfg.pp_layers) == s]
                  for s in range(pp)}
     dtype = next(iter(params.values())).dtype
     full = _assemble(job, per_stage, params, dtype)
