@@ -11,8 +11,9 @@ def test_bench_pp_smoke(comm):
     if comm.size > 2:
         pytest.skip("the bench's layout is 2 stages; the runtime's tests cover more")
     rows, drawn = run_pp_bench(comm, preset="tiny", ms=(2,),
-                               modes=("1f1b", "zb", "zb-cap", "gpipe"), steps=2, warmup=0)
-    assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe"]
+                               modes=("1f1b", "zb", "zb-cap", "gpipe", "interleaved"), steps=2,
+                               warmup=0)
+    assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe", "interleaved"]
     for r in rows:
         assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
@@ -32,5 +33,10 @@ def test_bench_pp_smoke(comm):
     table = format_pp_table(rows)
     assert "zb" in table and "m=2: gpipe meas/pred" in table and "zb/1f1b bubble" in table
     assert "zb-cap/1f1b bubble" in table
+    # Interleaved: 2 stages per rank, each rank's spans its own stages' (r and r + p).
+    il = drawn[("interleaved", 2)]
+    assert {s.action.stage for s in il[comm.rank]} == {comm.rank, comm.rank + comm.size}
+    assert rows[4]["il_over_1f1b_bubble"] == pytest.approx(rows[4]["bubble"] / rows[0]["bubble"])
+    assert "interleaved/1f1b bubble" in table and "interleaved meas/pred" in table
     with pytest.raises(ValueError, match="list 1f1b before it"):
         run_pp_bench(comm, preset="tiny", ms=(2,), modes=("zb-cap", "1f1b"))
