@@ -273,6 +273,27 @@ def test_an_input_that_only_one_rank_gets_wrong_is_refused_on_every_rank(tp):
     with pytest.raises(ValueError, match=r"target shape \(5,\) does not match the logits' "
                                          r"\(4,\)"):
         vocab_parallel_cross_entropy(logits, target, tp)
+    # A row layer's input cut another way than array_split (torch.chunk, say) fits on
+    # some ranks only; the embedding's ids may be bad in one rank's batch only.
+    bad_row = rf"r{tp.size - 1}: RowParallelLinear: the input has \d+ features"
+    for sequence in (False, True):
+        row = RowParallelLinear(10, 4, tp, sequence_parallel=sequence).double()
+        with pytest.raises(ValueError, match=bad_row + r", this rank's rows of the weight"):
+            row(full(4, BATCH, row.weight.shape[1] + int(last), seed=5))
+    row = RowParallelLinear(10, 4, tp, input_is_parallel=False).double()
+    with pytest.raises(ValueError, match=bad_row + r", the layer .* takes all 10"):
+        row(full(4, BATCH, 10 - int(last), seed=5))
+    for sequence in (False, True):
+        emb = VocabParallelEmbedding(11, 6, tp, sequence_parallel=sequence)
+        ids = torch.tensor([[0, 5], [10, 3]])
+        ids[1, 0] += int(last)
+        with pytest.raises(IndexError if last else ValueError,
+                           match=rf"r{tp.size - 1}: VocabParallelEmbedding: ids span \[0, 11\]"):
+            emb(ids)
+    # Nothing moved: the group still works, and in step.
+    x = torch.ones(3, dtype=torch.float64)
+    tp.all_reduce(x)
+    assert torch.equal(x, torch.full((3,), float(tp.size), dtype=torch.float64))
 
 
 def test_a_row_layer_given_the_full_input_names_input_is_parallel(tp):

@@ -70,15 +70,18 @@ class VocabParallelEmbedding(nn.Module):
         return cls(full.num_embeddings, full.embedding_dim, comm, _full=full, **options)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # An id no rank owns would come back as a zero vector; nn.Embedding raises. The
-        # group's ranks all hold the same ids (tensor parallelism's input), so each
-        # finds it alike, before the collective. Not on a GPU: reading the bounds back
-        # would stop the stream every step.
+        # An id no rank owns would come back as a zero vector; nn.Embedding raises. Not
+        # on a GPU: reading the bounds back would stop the stream every step.
         if (ids.device.type == "cpu" and ids.numel()
                 and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings)):
-            raise IndexError(f"VocabParallelEmbedding: ids span [{int(ids.min())}, "
-                             f"{int(ids.max())}], outside [0, {self.num_embeddings}): pass "
-                             "token ids of the full vocabulary")
+            # The group's ranks should hold the same ids, but a bad batch may reach one
+            # rank only: refused through the argument check of the collective below, so
+            # that every rank raises rather than the others waiting for this one.
+            self.comm.refuse("reduce_scatter" if self.sequence_parallel else "all_reduce",
+                             IndexError(f"r{self.comm.rank}: VocabParallelEmbedding: ids span "
+                                        f"[{int(ids.min())}, {int(ids.max())}], outside [0, "
+                                        f"{self.num_embeddings}): pass token ids of the full "
+                                        "vocabulary"))
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         # Ids of other ranks look up row 0 and are zeroed after: one gather, no branches.
         local = (ids - self.vocab_start).masked_fill(outside, 0)

@@ -190,15 +190,9 @@ class RowParallelLinear(_ShardedLinear):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_width(x)
         if not self.input_is_parallel:
             x = split_forward_all_gather_backward(x, self.comm, -1, self.sizes, self.algo)
-        elif x.shape[-1] != self.weight.shape[1]:
-            hint = ("for the full input, build the layer with input_is_parallel=False"
-                    if x.shape[-1] == self.in_features and self.comm.size > 1 else
-                    "pass this rank's features (a ColumnParallelLinear's output)")
-            raise ValueError(f"RowParallelLinear: the input has {x.shape[-1]} features, this "
-                             f"rank's rows of the weight take {self.weight.shape[1]} of "
-                             f"{self.in_features}: {hint}")
         y = F.linear(x, self.weight)
         bias = self.bias
         if self.sequence_parallel:
@@ -209,3 +203,24 @@ class RowParallelLinear(_ShardedLinear):
         else:
             y = all_reduce_in_forward(y, self.comm, self.algo)
         return y if bias is None else y + bias
+
+    def _check_width(self, x: torch.Tensor) -> None:
+        """Refuse an input of the wrong width on every rank, before the output's collective."""
+        want = self.weight.shape[1] if self.input_is_parallel else self.in_features
+        if x.shape[-1] == want:
+            return
+        if not self.input_is_parallel:
+            takes = f"the layer (input_is_parallel=False) takes all {want}"
+            hint = "pass the full input, the same on every rank"
+        else:
+            takes = f"this rank's rows of the weight take {want} of {self.in_features}"
+            hint = ("for the full input, build the layer with input_is_parallel=False"
+                    if x.shape[-1] == self.in_features and self.comm.size > 1 else
+                    "pass this rank's features (a ColumnParallelLinear's output, split as "
+                    "shard_ranges splits them)")
+        error = ValueError(f"r{self.comm.rank}: RowParallelLinear: the input has "
+                           f"{x.shape[-1]} features, {takes}: {hint}")
+        # Found on this rank, maybe on it alone (a shard cut another way than array_split,
+        # e.g. torch.chunk): refused through the argument check of the collective the
+        # other ranks are about to enter, so every rank raises instead of waiting.
+        self.comm.refuse("reduce_scatter" if self.sequence_parallel else "all_reduce", error)

@@ -213,7 +213,9 @@ class SplitForwardAllGatherBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, dim, sizes, algo):
-        sizes = _sizes(comm, x, dim, sizes, full=True)  # no collective to carry an error
+        # No collective here to carry an error to the other ranks: a caller that knows
+        # the next one refuses a bad width through it first (RowParallelLinear does).
+        sizes = _sizes(comm, x, dim, sizes, full=True)
         ctx.comm, ctx.dim, ctx.sizes, ctx.algo = comm, dim, sizes, algo
         return _split(x, comm, dim, sizes)
 
