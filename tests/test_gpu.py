@@ -299,3 +299,42 @@ def test_p2p_on_nccl_two_ranks(nccl2):
     check_p2p(nccl2, lambda a: torch.from_numpy(a).cuda())
     with pytest.raises(TypeError, match="moves GPU memory only"):
         nccl2.send(np.zeros(3, np.float32), 1 - nccl2.rank)
+
+
+# --- the tensor-parallel layer on CUDA tensors ------------------------------------------
+def check_vocab_parallel_cross_entropy(c: Communicator):
+    """The loss and its gradient on CUDA logits against F.cross_entropy on the full ones."""
+    import torch
+    from torch.nn import functional as F
+
+    from mpiring.parallel.tensor import vocab_parallel_cross_entropy, vocab_range
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    dev, vocab = torch.device(f"cuda:{DEVICE}"), 37
+    lo, hi = vocab_range(vocab, c)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g, dtype=torch.float64).to(dev)
+    target = (torch.arange(6) * 7 + 2).remainder(vocab).to(dev)
+    target[2] = -100  # an ignored row: its masked_fill runs on the GPU too
+    for kw in (dict(reduction="mean"), dict(reduction="none", label_smoothing=0.2)):
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full, target, **kw)
+        weight = torch.arange(1.0, 1.0 + want.numel(), dtype=torch.float64, device=dev)
+        (want.reshape(-1) * weight).sum().backward()
+        for vocab_size in (vocab, None):  # None: the size is summed over the group
+            local = logits[:, lo:hi].clone().requires_grad_()
+            got = vocab_parallel_cross_entropy(local, target, c, vocab_size=vocab_size, **kw)
+            assert got.device == dev, f"the loss came back on {got.device}"
+            torch.testing.assert_close(got, want.detach(), rtol=1e-11, atol=1e-12)
+            (got.reshape(-1) * weight).sum().backward()
+            assert local.grad.device == dev
+            torch.testing.assert_close(local.grad, full.grad[:, lo:hi], rtol=1e-11, atol=1e-12)
+
+
+def test_vocab_parallel_cross_entropy_on_cuda_mpi_backend(comm):
+    check_vocab_parallel_cross_entropy(comm)
+
+
+def test_vocab_parallel_cross_entropy_on_nccl_one_rank(nccl1):
+    check_vocab_parallel_cross_entropy(nccl1)

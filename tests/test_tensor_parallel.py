@@ -363,6 +363,24 @@ def test_cross_entropy_of_bfloat16_logits_is_summed_in_float32(tp):
     assert local.grad.dtype == torch.bfloat16
 
 
+def test_cross_entropy_buffers_live_on_the_logits_device(tp):
+    # Its buffers follow the logits, not torch's default device: a default of "meta"
+    # stands in, on a CPU-only machine, for CUDA logits meeting a CPU buffer (the
+    # GPU case itself is in test_gpu.py).
+    vocab = 11
+    logits = full(5, vocab, seed=16).requires_grad_()
+    target = torch.tensor([0, 3, -100, 10, 7])
+    want = F.cross_entropy(logits, target, label_smoothing=0.2)
+    want.backward()
+    local = logits.detach()[:, rows(tp, vocab)].clone().requires_grad_()
+    with torch.device("meta"):
+        got = vocab_parallel_cross_entropy(local, target, tp, label_smoothing=0.2)
+    assert got.device.type == "cpu"
+    close(got.detach(), want.detach(), "loss")
+    got.backward()
+    close(local.grad, logits.grad[:, rows(tp, vocab)], "this rank's logits' gradient")
+
+
 def test_cross_entropy_all_ignored_is_nan_like_torch(tp):
     local = torch.zeros(3, len(range(*rows(tp, 5).indices(5))), dtype=torch.float64)
     got = vocab_parallel_cross_entropy(local, torch.full((3,), -100), tp, vocab_size=5)

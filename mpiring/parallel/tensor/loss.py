@@ -66,7 +66,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < lo) | (target >= hi)
         local = (target - lo).masked_fill(outside, 0)
         exp = shifted.exp()
-        packed = torch.zeros((3 if smoothing else 2,) + tuple(peak.shape), dtype=z.dtype)
+        # On the logits' device (and dtype): a buffer on torch's default device would
+        # meet CUDA logits on the CPU, and the loss would come back there too.
+        packed = z.new_zeros((3 if smoothing else 2, *peak.shape))
         packed[0] = exp.sum(dim=-1)
         if hi > lo:
             packed[1] = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
@@ -146,7 +148,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, target: torch.Tenso
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r}: use a value in [0, 1]")
     if vocab_size is None:
-        n = torch.tensor([local_logits.shape[-1]], dtype=torch.int64)
+        # Beside the logits: NCCL moves device memory only.
+        n = torch.tensor([local_logits.shape[-1]], dtype=torch.int64, device=local_logits.device)
         vocab_size = int(comm.all_reduce(n, op="sum", algo=algo)[0])
     return _VocabParallelCrossEntropy.apply(local_logits, target, comm, vocab_size, algo,
                                             int(ignore_index), float(label_smoothing), reduction)
