@@ -414,6 +414,26 @@ def test_default_init_is_the_full_layers_at_every_size(tp):
             assert torch.equal(p.detach(), layer.shard(name, getattr(ref, name))), name
 
 
+def test_from_full_honours_dtype_and_refuses_what_it_cannot_do(tp):
+    # An option that changes the layer is applied or refused, never dropped: dtype=
+    # converts the slice, as nn.Linear(..., dtype=) would; options the embedding does
+    # not reproduce name the fix.
+    lin = nn.Linear(13, 17)
+    for make in (ColumnParallelLinear, RowParallelLinear):
+        layer = make.from_full(lin, tp, dtype=torch.float64, device="cpu")
+        for name, p in layer.named_parameters():
+            assert p.dtype == torch.float64, (make.__name__, name, p.dtype)
+            assert torch.equal(p.detach(), layer.shard(name, getattr(lin, name).double())), name
+    emb = VocabParallelEmbedding.from_full(nn.Embedding(11, 3), tp, dtype=torch.float64)
+    assert emb.weight.dtype == torch.float64
+    for option in (dict(padding_idx=2), dict(max_norm=1.0), dict(scale_grad_by_freq=True),
+                   dict(sparse=True)):
+        (name,) = option
+        with pytest.raises(ValueError, match=f"{name} is not supported by VocabParallelEmbedding: "
+                                             "build the full nn.Embedding without it"):
+            VocabParallelEmbedding.from_full(nn.Embedding(11, 3, **option), tp)
+
+
 def test_weight_memory_is_a_share_of_the_full_layer(tp):
     k = tp.size
     for layer, n in [(ColumnParallelLinear(64, 2049, tp), 2049 * 64),

@@ -53,7 +53,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, comm)
         if _full is None:
             _full = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype, device=device)
-        self.weight = nn.Parameter(self.shard("weight", _full.weight))
+        # dtype= and device= apply to a given full table too (from_full).
+        self.weight = nn.Parameter(self.shard("weight", _full.weight).to(dtype=dtype,
+                                                                        device=device))
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the full table (or of its gradient)."""
@@ -61,12 +63,21 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_full(cls, full: nn.Embedding, comm, **options) -> VocabParallelEmbedding:
-        """This rank's rows of ``full`` (an ``nn.Embedding``)."""
+        """This rank's rows of ``full`` (an ``nn.Embedding``); ``dtype=`` and ``device=``
+        in ``options`` convert them."""
         if not isinstance(full, nn.Embedding):
             raise TypeError(f"from_full takes an nn.Embedding, got {type(full).__name__}")
-        if full.padding_idx is not None or full.max_norm is not None:
-            raise ValueError("padding_idx and max_norm are not supported: build the full "
-                             "nn.Embedding without them")
+        # Options that change the lookup or its gradient, and that this layer does not
+        # reproduce: refused, not dropped, so that it still equals the full module.
+        # (scale_grad_by_freq would count the other ranks' ids, looked up as row 0.)
+        unsupported = [name for name, on in (
+            ("padding_idx", full.padding_idx is not None), ("max_norm", full.max_norm is not None),
+            ("scale_grad_by_freq", full.scale_grad_by_freq), ("sparse", full.sparse)) if on]
+        if unsupported:
+            one = len(unsupported) == 1
+            raise ValueError(f"{' and '.join(unsupported)} {'is' if one else 'are'} not supported "
+                             "by VocabParallelEmbedding: build the full nn.Embedding without "
+                             f"{'it' if one else 'them'}")
         return cls(full.num_embeddings, full.embedding_dim, comm, _full=full, **options)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

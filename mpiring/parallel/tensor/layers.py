@@ -92,9 +92,11 @@ class _ShardedLinear(nn.Module):
         if full is None:
             # Drawn whole so that the slice equals nn.Linear's at any number of ranks.
             full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
-        self.weight = nn.Parameter(self.shard("weight", full.weight.detach()))
+        # dtype= and device= apply to a given full layer too (from_full): its slice is
+        # converted, as nn.Linear(..., dtype=, device=) would have built it.
+        self.weight = nn.Parameter(self.shard("weight", full.weight).to(dtype=dtype, device=device))
         if bias:
-            self.bias = nn.Parameter(self.shard("bias", full.bias.detach()))
+            self.bias = nn.Parameter(self.shard("bias", full.bias).to(dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
 
@@ -107,7 +109,8 @@ class _ShardedLinear(nn.Module):
 
     @classmethod
     def from_full(cls, full: nn.Linear, comm, **options):
-        """This rank's slice of ``full`` (an ``nn.Linear``) as a parallel layer."""
+        """This rank's slice of ``full`` (an ``nn.Linear``) as a parallel layer; ``dtype=``
+        and ``device=`` in ``options`` convert the slice."""
         if not isinstance(full, nn.Linear):
             raise TypeError(f"from_full takes an nn.Linear, got {type(full).__name__}")
         return cls(full.in_features, full.out_features, comm, bias=full.bias is not None,
