@@ -487,6 +487,36 @@ def test_bad_input_is_refused_on_every_rank(tp):
     assert torch.equal(x, torch.full((3,), float(tp.size), dtype=torch.float64))
 
 
+def test_an_algo_the_configuration_cannot_run_is_refused_at_construction(tp):
+    # recursive-doubling and halving-doubling are AllReduce-only: a layer that gathers
+    # or scatters would otherwise fail at its first forward (or backward).
+    for algo in ("recursive-doubling", "halving-doubling"):
+        for make, size, kw, calls in [
+            (ColumnParallelLinear, (4, 6), dict(gather_output=True),
+             "all_reduce, all_gather, and .* is not an algorithm of all_gather"),
+            (ColumnParallelLinear, (4, 6), dict(sequence_parallel=True),
+             "all_gather, reduce_scatter, and .* of all_gather or reduce_scatter"),
+            (RowParallelLinear, (6, 4), dict(input_is_parallel=False),
+             "all_gather, all_reduce, and"),
+            (RowParallelLinear, (6, 4), dict(sequence_parallel=True),
+             "reduce_scatter, all_gather, all_reduce, and"),
+            (VocabParallelEmbedding, (10, 4), dict(sequence_parallel=True),
+             r"VocabParallelEmbedding\(sequence_parallel=True\) calls reduce_scatter, "
+             "all_gather"),
+        ]:
+            with pytest.raises(ValueError, match=rf"algo='{algo}': .*{calls}.* use one of auto, "
+                                                 "ring, ring-seg, native"):
+                make(*size, tp, algo=algo, **kw)
+        # An AllReduce is all the plain layers call: these algorithms suit them.
+        col = ColumnParallelLinear(4, 6, tp, algo=algo).double()
+        row = RowParallelLinear(6, 4, tp, algo=algo).double()
+        emb = VocabParallelEmbedding(10, 4, tp, algo=algo)
+        x = full(3, 4, seed=7).requires_grad_()
+        (row(col(x)).sum() + emb(torch.tensor([1, 9])).sum()).backward()
+    with pytest.raises(ValueError, match="use one of auto, ring, ring-seg, recursive-doubling"):
+        ColumnParallelLinear(4, 6, tp, algo="rign")
+
+
 @pytest.mark.deadline(240)
 def test_odd_five_rank_group(rank0_subprocess, world):
     """The ``world`` cases above on a 5-rank job (a nested mpiexec)."""

@@ -47,7 +47,8 @@ class VocabParallelEmbedding(nn.Module):
                  sequence_parallel: bool = False, algo: str = "ring", dtype=None, device=None,
                  _full: nn.Embedding | None = None):
         super().__init__()
-        _check_comm(comm, algo)
+        _check_comm(comm, algo, f"VocabParallelEmbedding(sequence_parallel={sequence_parallel})",
+                    ["reduce_scatter", "all_gather"] if sequence_parallel else ["all_reduce"])
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.comm, self.algo, self.sequence_parallel = comm, algo, sequence_parallel
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, comm)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mpiring.comm.algos import ALGOS
 from mpiring.core.chunking import chunk_bounds
 from mpiring.parallel.tensor.operators import (
     all_gather_forward_reduce_scatter_backward,
@@ -60,12 +61,24 @@ def _take(t: torch.Tensor, dim: int, ranges: Sequence[tuple[int, int]]) -> torch
     return torch.cat([t.narrow(dim, lo, hi - lo) for lo, hi in ranges], dim=dim)
 
 
-def _check_comm(comm, algo: str) -> None:
+def _check_comm(comm, algo: str, layer: str, calls: Sequence[str] = ("all_reduce",)) -> None:
+    """Refuse a non-Communicator, or an ``algo`` that one of ``calls`` does not offer.
+
+    ``calls``: the collectives ``layer`` (its configuration, as text) runs in
+    forward and backward. Checked here, at construction: the Communicator would
+    refuse the algorithm only at the first step, mid-forward or mid-backward.
+    """
     if not (hasattr(comm, "all_reduce") and hasattr(comm, "size")):
         raise TypeError(f"comm={comm!r}: pass an mpiring Communicator (mpiring.init(), or "
                         "comm.split(...) for the tensor-parallel group)")
     if not isinstance(algo, str):
         raise TypeError(f"algo={algo!r}: pass the name of an algorithm, e.g. 'ring'")
+    calls = list(dict.fromkeys(calls))  # in order, once each
+    missing = [c for c in calls if algo not in ALGOS[c]]
+    if missing:
+        fits = [a for a in ALGOS[calls[0]] if all(a in ALGOS[c] for c in calls)]
+        raise ValueError(f"algo={algo!r}: {layer} calls {', '.join(calls)}, and {algo!r} is not "
+                         f"an algorithm of {' or '.join(missing)}: use one of {', '.join(fits)}")
 
 
 def sequence_sizes(seq_len: int | None, comm) -> list[int] | None:
@@ -80,9 +93,10 @@ class _ShardedLinear(nn.Module):
     split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, comm, bias: bool, algo: str,
-                 blocks: int, unit: int, dtype, device, full: nn.Linear | None):
+                 blocks: int, unit: int, dtype, device, full: nn.Linear | None,
+                 layer: str, calls: Sequence[str]):
         super().__init__()
-        _check_comm(comm, algo)
+        _check_comm(comm, algo, layer, calls)
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.algo = comm, algo
         split = out_features if self.split_dim == 0 else in_features
@@ -134,7 +148,8 @@ class ColumnParallelLinear(_ShardedLinear):
             ``[s, b, h]`` tensor: all-gather it (reduce-scatter in backward)
             instead of ``f``. Pass ``seq_len`` to ``forward`` when ``s`` does not
             divide by the number of ranks.
-        algo: the collectives' algorithm (any of the Communicator's).
+        algo: the collectives' algorithm: one that every collective this
+            configuration calls offers (checked here).
         blocks, unit: how the output features split (see ``shard_ranges``).
     """
 
@@ -147,8 +162,13 @@ class ColumnParallelLinear(_ShardedLinear):
         if gather_output and blocks != 1:
             raise ValueError("gather_output=True with blocks > 1 would interleave the blocks: "
                              "gather each block's output yourself, or use blocks=1")
+        # What forward and backward (and a second derivative) will call.
+        calls = ["all_gather", "reduce_scatter"] if sequence_parallel else ["all_reduce"]
+        calls += ["all_gather"] if gather_output else []
+        layer = (f"ColumnParallelLinear(sequence_parallel={sequence_parallel}, "
+                 f"gather_output={gather_output})")
         super().__init__(in_features, out_features, comm, bias, algo, blocks, unit, dtype,
-                         device, _full)
+                         device, _full, layer, calls)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
@@ -188,8 +208,15 @@ class RowParallelLinear(_ShardedLinear):
         if not input_is_parallel and blocks != 1:
             raise ValueError("input_is_parallel=False with blocks > 1: split the input "
                              "yourself, or use blocks=1")
+        # What forward and backward (and a second derivative) will call; under SP the
+        # bias's gradient is summed by an AllReduce.
+        calls = [] if input_is_parallel else ["all_gather"]
+        calls += (["reduce_scatter", "all_gather"] + (["all_reduce"] if bias else [])
+                  if sequence_parallel else ["all_reduce"])
+        layer = (f"RowParallelLinear(input_is_parallel={input_is_parallel}, "
+                 f"sequence_parallel={sequence_parallel}, bias={bias})")
         super().__init__(in_features, out_features, comm, bias, algo, blocks, unit, dtype,
-                         device, _full)
+                         device, _full, layer, calls)
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
