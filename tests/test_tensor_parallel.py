@@ -296,6 +296,19 @@ def test_an_input_that_only_one_rank_gets_wrong_is_refused_on_every_rank(tp):
     assert torch.equal(x, torch.full((3,), float(tp.size), dtype=torch.float64))
 
 
+def test_an_uneven_sequence_split_without_seq_len_names_seq_len(tp):
+    # 7 tokens split by array_split over 2-4 ranks are uneven; without seq_len the
+    # column layer takes the shards as even, and every rank is told to pass it.
+    if tp.size == 1:
+        pytest.skip("one rank's shard is the whole sequence")
+    layer = ColumnParallelLinear(6, 9, tp, sequence_parallel=True).double()
+    x = full(SEQ, BATCH, 6, seed=3)[rows(tp, SEQ)]
+    with pytest.raises(ValueError, match=r"count differs.* pass forward\(x, seq_len=s\) with "
+                                         "the full sequence length"):
+        layer(x)
+    assert layer(x, seq_len=SEQ).shape == (SEQ, BATCH, len(range(*layer.ranges[0])))
+
+
 def test_a_row_layer_given_the_full_input_names_input_is_parallel(tp):
     if tp.size == 1:
         pytest.skip("one rank's features are the full input")

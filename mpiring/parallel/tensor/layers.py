@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 from mpiring.comm.algos import ALGOS
 from mpiring.core.chunking import chunk_bounds
+from mpiring.core.errors import MismatchError
 from mpiring.parallel.tensor.operators import (
     all_gather_forward_reduce_scatter_backward,
     all_gather_forward_split_backward,
@@ -173,8 +174,21 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         if self.sequence_parallel:
-            x = all_gather_forward_reduce_scatter_backward(
-                x, self.comm, 0, sequence_sizes(seq_len, self.comm), self.algo)
+            try:
+                x = all_gather_forward_reduce_scatter_backward(
+                    x, self.comm, 0, sequence_sizes(seq_len, self.comm), self.algo)
+            except MismatchError as exc:
+                if seq_len is not None:
+                    raise
+                # Without seq_len the shards are taken as even: array_split shards of an
+                # uneven length differ in size, which the AllGather's argument check finds
+                # on every rank. Said with the fix rather than derived, because learning
+                # the sizes would cost one more collective on every forward.
+                raise MismatchError(
+                    f"{exc}. ColumnParallelLinear(sequence_parallel=True) without seq_len "
+                    "takes every rank's shard of the sequence to be the same length: if "
+                    "the ranks hold an uneven split, pass forward(x, seq_len=s) with the "
+                    "full sequence length s") from exc
         else:
             x = all_reduce_in_backward(x, self.comm, self.algo)
         y = F.linear(x, self.weight, self.bias)
