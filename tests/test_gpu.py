@@ -338,3 +338,78 @@ def test_vocab_parallel_cross_entropy_on_cuda_mpi_backend(comm):
 
 def test_vocab_parallel_cross_entropy_on_nccl_one_rank(nccl1):
     check_vocab_parallel_cross_entropy(nccl1)
+
+
+def test_rng_streams_fork_the_cuda_generator(comm):
+    # On a GPU dropout draws from the CUDA generator: the streams must replace that one
+    # (the CPU's is left alone), or the shared stream would not keep replicas identical.
+    import torch
+    from torch.nn import functional as F
+
+    from mpiring.parallel.tensor import RNGStreams
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    dev = torch.device(f"cuda:{DEVICE}")
+    streams = RNGStreams(seed=5, tp_rank=comm.rank)  # default device cpu: follows the tensor
+    torch.cuda.manual_seed(1000 + comm.rank)  # the global stream differs per rank on purpose
+    cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state(dev)
+    draws = {}
+    for name in ("shared", "tensor"):
+        with streams.fork(name, dev):
+            draws[name] = F.dropout(torch.ones(256, dtype=torch.float64, device=dev), 0.5)
+    assert torch.equal(torch.cuda.get_rng_state(dev), cuda), "fork must restore CUDA's generator"
+    assert torch.equal(torch.get_rng_state(), cpu), "a CUDA fork must leave the CPU's alone"
+    for name, mine in draws.items():
+        everyone = torch.zeros(comm.size, 256, dtype=torch.float64, device=dev)
+        everyone[comm.rank] = mine
+        comm.all_gather(everyone)
+        same = all(torch.equal(everyone[0], everyone[i]) for i in range(comm.size))
+        assert same if name == "shared" else (comm.size == 1 or not same), name
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_gpt_on_cuda(comm, sp):
+    # The loss and gradients equal the full GPT's on the GPU, and with dropout the
+    # replicated residual stream stays identical on every rank.
+    import torch
+
+    from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
+    from mpiring.tools.models.gpt_tp import TensorParallelGPT
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    dev = torch.device(f"cuda:{DEVICE}")
+    cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=24, n_layers=2, n_heads=3, dropout=0.0)
+    seq = torch.randint(0, 37, (3, 8), generator=torch.Generator().manual_seed(1)).to(dev)
+    x, y = seq[:, :-1], seq[:, 1:]
+    torch.manual_seed(7)
+    full = GPT(cfg).double().to(dev)
+    model = TensorParallelGPT.from_full(full, comm, sequence_parallel=sp)
+    want = lm_loss(full(x), y)
+    want.backward()
+    got = model.loss(model(x), y)
+    assert got.device == dev
+    torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-10, atol=1e-12)
+    got.backward()
+    grads = dict(full.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, model.shard(name, grads[name].grad), rtol=1e-9,
+                                   atol=1e-11, msg=lambda m, n=name: f"gradient of {n}: {m}")
+    if sp:
+        return  # each rank holds its own tokens: nothing replicated to compare
+    torch.manual_seed(7)
+    model = TensorParallelGPT.from_full(GPT(cfg.with_(dropout=0.2)).double().to(dev), comm,
+                                        hidden_dropout=0.3, seed=11)
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, i, out: seen.append(out.detach().clone()))
+    torch.cuda.manual_seed(100 + comm.rank)  # CUDA's own generator differs per rank
+    model.train()
+    model(x)
+    for i, mine in enumerate(seen):
+        everyone = torch.zeros(comm.size, *mine.shape, dtype=mine.dtype, device=dev)
+        everyone[comm.rank] = mine
+        comm.all_gather(everyone)
+        for r in range(comm.size):
+            assert torch.equal(everyone[r], everyone[0]), f"block {i}: r{r}'s stream differs"

@@ -154,3 +154,79 @@ def test_each_block_draws_its_own_masks_whatever_the_pipeline_split(tp):  # noqa
     assert not any(torch.equal(every[i], every[j]) for i in range(3) for j in range(i))
     alone = masks(TensorParallelGPT.from_full(full, tp, seed=11), [2])  # a stage of block 2
     assert torch.equal(alone[0], every[2])
+
+
+
+def _streams_now(model) -> list[torch.Tensor]:
+    """A draw from each block's two streams: where the streams stand."""
+    out = []
+    for block in model.blocks:
+        for name in ("tensor", "shared"):
+            with block.streams.fork(name):
+                out.append(torch.rand(4, dtype=torch.float64))
+    return out
+
+
+def _dropout_model(tp, sp):  # noqa: F811
+    torch.manual_seed(7)
+    model = TensorParallelGPT.from_full(GPT(CFG.with_(dropout=0.2)).double(), tp,
+                                        sequence_parallel=sp, hidden_dropout=0.3, seed=11)
+    return model.train()
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_pipeline_recomputation_replays_the_tensor_parallel_dropout_masks(tp, sp):  # noqa: F811
+    # A recomputed forward must draw the first forward's masks from the TP streams too
+    # (restoring torch's generator is not enough: every TP dropout draws from the
+    # streams), or the gradients belong to other masks than the loss reported. After
+    # the step the streams stand where a run without recomputation leaves them.
+    from mpiring.parallel.pipeline import PipelineStage, ScheduleGPipe
+
+    pp = tp.split(tp.rank, key=0)  # each rank its own one-stage pipeline
+    x, y = batch(0)
+
+    def run(recompute: bool):
+        model = _dropout_model(tp, sp)
+        stage = PipelineStage(model, 0, 1, pp)
+        sched = ScheduleGPipe(stage, 3, model.loss, recompute=recompute)
+        losses: list = []
+        sched.step(x, target=y, losses=losses)
+        sched.free()
+        stage.free()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return [float(v) for v in losses], grads, _streams_now(model)
+
+    (l0, g0, s0), (l1, g1, s1) = run(False), run(True)
+    pp.free()
+    assert l0 == l1
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0,
+                                   msg=lambda m, n=name: f"gradient of {n}: {m}")
+    assert all(torch.equal(a, b) for a, b in zip(s0, s1)), "the recompute moved the streams on"
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_torch_checkpoint_replays_the_masks_with_checkpoint_contexts(tp, sp):  # noqa: F811
+    from torch.utils.checkpoint import checkpoint
+
+    from mpiring.parallel.tensor import checkpoint_contexts, split_sizes
+
+    n = split_sizes(T, tp.size)[tp.rank] if sp else T  # this rank's tokens under SP
+    h0 = torch.randn(n, B, CFG.d_model, generator=torch.Generator().manual_seed(tp.rank),
+                     dtype=torch.float64)
+
+    def run(ckpt: bool):
+        model = _dropout_model(tp, sp)
+        h = h0.clone().requires_grad_()
+        out = h
+        for block in model.blocks:
+            out = (checkpoint(block, out, T, use_reentrant=False, context_fn=checkpoint_contexts)
+                   if ckpt else block(out, T))
+        (out * out).sum().backward()
+        grads = [p.grad.clone() for p in model.blocks.parameters()] + [h.grad]
+        return grads, _streams_now(model)
+
+    (g0, s0), (g1, s1) = run(False), run(True)
+    for i, (a, b) in enumerate(zip(g0, g1)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m, i=i: f"gradient {i}: {m}")
+    assert all(torch.equal(a, b) for a, b in zip(s0, s1)), "the recompute moved the streams on"

@@ -133,7 +133,10 @@ class PipelineStage:
             args = (inp,)
         last = self.is_last
         if recompute:
-            self._rng[mb] = torch.get_rng_state()
+            # torch's generator and the tensor-parallel dropout streams (which stand in
+            # for it inside TP layers): the recompute must draw this forward's masks.
+            from mpiring.parallel.tensor.random import get_rng_states
+            self._rng[mb] = (torch.get_rng_state(), get_rng_states())
             with torch.no_grad():
                 out = self.module(*args)
                 loss = loss_fn(out, target) if last else None
@@ -205,8 +208,10 @@ class PipelineStage:
             if not self.is_first:  # received leaves; the first stage's input is the user's
                 args = tuple(a.detach().requires_grad_(a.requires_grad) for a in args)
                 inp = args if isinstance(inp, tuple) else args[0]
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(self._rng.pop(mb))
+            from mpiring.parallel.tensor.random import replay_rng_states
+            cpu, streams = self._rng.pop(mb)
+            with torch.random.fork_rng(devices=[]), replay_rng_states(streams):
+                torch.set_rng_state(cpu)
                 loss_fn, target, scale = self._loss_args.pop(mb)
 
                 def run():

@@ -30,7 +30,13 @@ from mpiring.parallel.tensor.operators import (
     split_forward_all_gather_backward,
     split_sizes,
 )
-from mpiring.parallel.tensor.random import RNGStreams
+from mpiring.parallel.tensor.random import (
+    RNGStreams,
+    checkpoint_contexts,
+    get_rng_states,
+    replay_rng_states,
+    set_rng_states,
+)
 
 __all__ = [
     "AllGatherForwardReduceScatterBackward", "AllGatherForwardSplitBackward",
@@ -38,8 +44,8 @@ __all__ = [
     "ReduceScatterForwardAllGatherBackward", "RowParallelLinear",
     "SplitForwardAllGatherBackward", "VocabParallelEmbedding",
     "all_gather_forward_reduce_scatter_backward", "all_gather_forward_split_backward",
-    "all_reduce_in_backward", "all_reduce_in_forward",
-    "reduce_scatter_forward_all_gather_backward", "shard_ranges",
-    "split_forward_all_gather_backward", "split_sizes", "vocab_parallel_cross_entropy",
-    "vocab_range",
+    "all_reduce_in_backward", "all_reduce_in_forward", "checkpoint_contexts",
+    "get_rng_states", "reduce_scatter_forward_all_gather_backward", "replay_rng_states",
+    "set_rng_states", "shard_ranges", "split_forward_all_gather_backward", "split_sizes",
+    "vocab_parallel_cross_entropy", "vocab_range",
 ]

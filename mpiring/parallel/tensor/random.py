@@ -10,17 +10,26 @@ AllReduces sum inconsistent halves. Megatron keeps two generator states
     "tensor":  seed + 2718 + tp_rank   different across the TP group
     "shared":  seed                    the same on every rank of the TP group
 
-``with streams.fork("tensor"):`` swaps torch's generator for the stream's
-(dropout, ``F.scaled_dot_product_attention``'s included, draws from it) and
-saves the stream's advance on the way out. The shared stream is forked too,
+``with streams.fork("tensor", x.device):`` swaps the generator that draws for
+``x``'s device (the CPU's, or that CUDA device's) for the stream's (dropout,
+``F.scaled_dot_product_attention``'s included, draws from it) and saves the
+stream's advance on the way out. The shared stream is forked too,
 rather than trusting torch's global generator, because anything else that
 draws from it on one rank only (a data loader, a log line's sample) would
 silently break the replicas (Megatron-LM issue 206).
+
+Activation recomputation must draw the masks of the first forward again, so every
+live ``RNGStreams`` is known here (weakly): ``get_rng_states()`` before the first
+forward and ``with replay_rng_states(states):`` around the recomputation, as
+Megatron's ``CheckpointFunction`` does with its RNG tracker. ``PipelineStage``'s
+recompute does this; for ``torch.utils.checkpoint`` pass
+``context_fn=checkpoint_contexts``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +37,18 @@ import torch
 #: Megatron's offset of the tensor-parallel seed from the shared one.
 TENSOR_SEED_OFFSET = 2718
 STREAMS = ("tensor", "shared")
+#: The generators a stream can stand in for (a CUDA state serves any CUDA device).
+KINDS = ("cpu", "cuda")
+
+#: Every RNGStreams alive in this process, so that a recompute can replay them all.
+_LIVE: weakref.WeakSet[RNGStreams] = weakref.WeakSet()
+
+
+def _device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class RNGStreams:
@@ -37,46 +58,128 @@ class RNGStreams:
         seed: the shared seed (give data-parallel replicas different ones if
             their masks should differ).
         tp_rank: this rank's index in its tensor-parallel group.
-        device: "cpu" or a CUDA device whose generator the streams replace.
+        device: the device whose generator ``fork()`` replaces when it is not
+            given one ("cpu", or a CUDA device).
+
+    Each kind of generator (CPU, CUDA) gets its own pair of states, seeded the
+    same way the first time a stream forks it: the masks follow the device of
+    the tensors dropped, and a model moved to a GPU is protected there too.
     """
 
     def __init__(self, seed: int, tp_rank: int, device: str | torch.device = "cpu"):
-        self.device = torch.device(device)
+        self.device = _device(device)
         self.seeds = {"shared": int(seed), "tensor": int(seed) + TENSOR_SEED_OFFSET + int(tp_rank)}
-        self.states = {name: self._fresh(s) for name, s in self.seeds.items()}
+        self._states: dict[str, dict[str, torch.Tensor]] = {}
+        self._kind_states(self.device)
+        _LIVE.add(self)
 
-    def _fresh(self, seed: int) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.Generator().manual_seed(seed).get_state()
-        return torch.Generator(device=self.device).manual_seed(seed).get_state()
+    def _kind_states(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The streams' states for ``device``'s kind of generator, seeded on first use."""
+        kind = device.type
+        if kind not in self._states:
+            if kind not in KINDS:
+                raise ValueError(f"RNGStreams: no generator to fork on device {device}: "
+                                 "use a CPU or CUDA device")
+            self._states[kind] = {name: torch.Generator(device=device).manual_seed(s).get_state()
+                                  for name, s in self.seeds.items()}
+        return self._states[kind]
 
-    def _get(self) -> torch.Tensor:
-        if self.device.type == "cpu":
+    @staticmethod
+    def _get(device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
             return torch.get_rng_state()
-        return torch.cuda.get_rng_state(self.device)
+        return torch.cuda.get_rng_state(device)
 
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cpu":
+    @staticmethod
+    def _set(state: torch.Tensor, device: torch.device) -> None:
+        if device.type == "cpu":
             torch.set_rng_state(state)
         else:
-            torch.cuda.set_rng_state(state, self.device)
+            torch.cuda.set_rng_state(state, device)
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        """The default device's two states (``fork()``'s without a device)."""
+        return self._kind_states(self.device)
 
     @contextlib.contextmanager
-    def fork(self, name: str = "tensor") -> Iterator[None]:
-        """Draw from stream ``name`` ("tensor" or "shared") inside the block."""
-        if name not in self.states:
+    def fork(self, name: str = "tensor",
+             device: str | torch.device | None = None) -> Iterator[None]:
+        """Draw from stream ``name`` ("tensor" or "shared") inside the block.
+
+        ``device``: that of the tensors the block draws for (pass ``x.device``);
+        its generator is the one swapped. Default: the streams' ``device``.
+        """
+        if name not in STREAMS:
             raise ValueError(f"unknown RNG stream {name!r}: use one of {', '.join(STREAMS)}")
-        outer = self._get()
-        self._set(self.states[name])
+        device = self.device if device is None else _device(device)
+        if device.type == "meta":  # nothing is drawn on the meta device
+            yield
+            return
+        states = self._kind_states(device)
+        outer = self._get(device)
+        self._set(states[name], device)
         try:
             yield
         finally:
-            self.states[name] = self._get()
-            self._set(outer)
+            states[name] = self._get(device)
+            self._set(outer, device)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Both streams' states (activation recomputation must restore them)."""
-        return {k: v.clone() for k, v in self.states.items()}
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Both streams' states, per kind of generator used so far (``{"cpu": {...}}``)."""
+        return {kind: {k: v.clone() for k, v in states.items()}
+                for kind, states in self._states.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.states = {k: state[k].clone() for k in STREAMS}
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restore what ``state_dict`` returned (a kind it lacks starts from the seed)."""
+        unknown = sorted(set(state) - set(KINDS))
+        if unknown:
+            raise ValueError(f"RNGStreams state for {unknown}: expected kinds among "
+                             f"{', '.join(KINDS)} (a dict from RNGStreams.state_dict())")
+        self._states = {kind: {k: state[kind][k].clone() for k in STREAMS} for kind in state}
+        self._kind_states(self.device)
+
+
+def get_rng_states() -> weakref.WeakKeyDictionary:
+    """Every live ``RNGStreams``' states now (cheap: generator states are replaced, never
+    changed in place, so nothing is copied)."""
+    return weakref.WeakKeyDictionary(
+        {s: {kind: dict(states) for kind, states in s._states.items()} for s in list(_LIVE)})
+
+
+def set_rng_states(states: weakref.WeakKeyDictionary) -> None:
+    """Put every stream in ``states`` (from ``get_rng_states``) back where it was."""
+    for streams, saved in list(states.items()):
+        streams._states = {kind: dict(kind_states) for kind, kind_states in saved.items()}
+
+
+@contextlib.contextmanager
+def replay_rng_states(states: weakref.WeakKeyDictionary) -> Iterator[None]:
+    """Inside: every stream as in ``states``, to draw the same masks again; after: every
+    stream as it was before the block (``torch.random.fork_rng``'s way), so a
+    recomputation does not advance them."""
+    outer = get_rng_states()
+    set_rng_states(states)
+    try:
+        yield
+    finally:
+        set_rng_states(outer)
+
+
+def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager,
+                                   contextlib.AbstractContextManager]:
+    """``torch.utils.checkpoint(fn, ..., use_reentrant=False, context_fn=checkpoint_contexts)``:
+    the recomputation draws the tensor-parallel streams' masks of the first forward."""
+    saved = {}
+
+    @contextlib.contextmanager
+    def first() -> Iterator[None]:
+        saved["states"] = get_rng_states()
+        yield
+
+    @contextlib.contextmanager
+    def again() -> Iterator[None]:
+        with replay_rng_states(saved["states"]):
+            yield
+
+    return first(), again()

@@ -84,7 +84,8 @@ class TensorParallelBlock(nn.Module):
         if not (self.training and self.hidden_dropout):
             return x
         # Replicated rows draw alike on every rank; a sequence shard is this rank's own.
-        with self.streams.fork("tensor" if self.sp else "shared"):
+        # The generator forked is that of x's device: on a GPU, dropout draws from CUDA's.
+        with self.streams.fork("tensor" if self.sp else "shared", x.device):
             return F.dropout(x, self.hidden_dropout)
 
     def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -93,7 +94,7 @@ class TensorParallelBlock(nn.Module):
         q, k, v = h.view(t, b, 3, self.n_local, self.head_dim).permute(2, 1, 3, 0, 4)
         if self.n_local:
             p = self.attn_dropout if self.training else 0.0
-            with self.streams.fork("tensor"):  # this rank's heads: masks of its own
+            with self.streams.fork("tensor", q.device):  # this rank's heads: masks of its own
                 att = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:  # fewer heads than ranks: this rank has none and adds nothing
             att = q
