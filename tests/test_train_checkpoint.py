@@ -173,6 +173,47 @@ def test_sharded_optimizer_checkpoint_resumes_the_same_run(world, tmp_path, monk
     resumed.close()
 
 
+@pytest.mark.deadline(240)
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "tp2xpp2"])
+def test_tp_dropout_streams_resume_the_same_run(world, subcomms, tmp_path, pp):
+    """train --tp 2 with dropout: every TP dropout draws from the blocks' RNG streams, not
+    from torch's generator, so the checkpoint must hold them, or a resumed step 3 redraws
+    step 1's masks. Save at step 2, go on to 3; a job resumed from step 2 takes the same
+    step 3 bit for bit (the job train --tp builds: make_job)."""
+    from mpiring.tools.train.job3d import make_job as make_train_job
+
+    comm = subcomms[2 * pp]
+    if comm is None:
+        pytest.skip(f"rank {world.rank} is not in the {2 * pp}-rank group")
+    make_job(comm)  # fills the corpus cache
+    cfg = TrainConfig(mode="ddp", preset="tiny", seq_len=16, batch_size=2, steps=4, seed=5,
+                      val_batches=1, dropout=0.1, tp=2, pp=pp)
+
+    def new_job():
+        return make_train_job(comm, cfg, train_data=_CORPUS["data"][0],
+                              val_data=_CORPUS["data"][1])
+
+    d = wire.bcast_json(comm, str(tmp_path) if comm.rank == 0 else None)
+    job = new_job()
+    saver = Checkpointer(d, every=2, verbose=False)
+    for _ in range(2):
+        job.train_step()
+        saver.on_step_end(job)
+    job.train_step()
+    expected, expected_losses = params(job), list(job.losses)
+    job.close()
+
+    resumed = new_job()
+    Checkpointer(d, resume=True, verbose=False).on_start(resumed)
+    assert resumed.step == 2
+    resumed.train_step()
+    # Step 3's loss (NaN off the last pipeline stage, on both), then every parameter.
+    np.testing.assert_array_equal(resumed.losses[-1], expected_losses[-1])
+    for a, b in zip(expected, params(resumed), strict=True):
+        assert torch.equal(a, b)
+    resumed.close()
+
+
 def test_resume_on_another_world_size_is_refused_on_every_rank(world, subcomms, tmp_path):
     if world.size < 3:
         pytest.skip("needs 3 ranks")

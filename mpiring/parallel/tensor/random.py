@@ -140,6 +140,15 @@ class RNGStreams:
         self._kind_states(self.device)
 
 
+def named_rng_streams(module: torch.nn.Module) -> Iterator[tuple[str, RNGStreams]]:
+    """Every ``RNGStreams`` that ``module`` or a submodule holds as an attribute, by the
+    holder's name and the attribute's (``"blocks.0.streams"``): a checkpoint's keys."""
+    for name, m in module.named_modules():
+        for attr, value in vars(m).items():
+            if isinstance(value, RNGStreams):
+                yield (f"{name}.{attr}" if name else attr), value
+
+
 def get_rng_states() -> weakref.WeakKeyDictionary:
     """Every live ``RNGStreams``' states now (cheap: generator states are replaced, never
     changed in place, so nothing is copied)."""

@@ -11,8 +11,9 @@ What a checkpoint holds (``mpiring.parallel.checkpoint``'s format, so
 ``restore_training_state`` reads it too): the step, the model's and the
 optimizer's state (a sharded ZeRO optimizer consolidated first), the sampler's
 position (epoch and offset into this epoch's shard) and rank 0's RNG states;
-under ``extra``: every rank's RNG states (Python, NumPy, torch, CUDA), every
-rank's loss history, the DDP bucket layout and the rest of the job's state.
+under ``extra``: every rank's RNG states (Python, NumPy, torch, CUDA) and its
+tensor-parallel dropout streams, every rank's loss history, the DDP bucket
+layout and the rest of the job's state.
 
 Writing: every rank takes part in collecting the state (small Allgathers, and
 the consolidation of a sharded optimizer); rank 0 writes the file atomically
@@ -22,8 +23,9 @@ whether the write worked, and a failed write raises on every rank.
 
 Resuming: rank 0 picks the newest complete checkpoint and broadcasts its step
 (an integer); every rank loads that same file (the directory must be visible to
-every rank, as on a shared file system) and restores its own RNG states and
-loss history; a failure on any rank raises on every rank.
+every rank, as on a shared file system) and restores its own RNG states (and
+TP dropout streams, at the same layout; at another they start from the seed)
+and loss history; a failure on any rank raises on every rank.
 
 """
 
@@ -108,6 +110,50 @@ def set_rng_state_json(text: str) -> None:
     ck.set_rng_state(state)
 
 
+def _tp_streams(job) -> dict:
+    """The tensor-parallel dropout streams of this rank's model, by name (none: empty)."""
+    from mpiring.parallel.tensor.random import named_rng_streams
+
+    model = getattr(job, "tp_model", None)  # a grid job's whole TP model, all its blocks
+    return dict(named_rng_streams(job.model if model is None else model))
+
+
+def tp_streams_json(job) -> dict | None:
+    """This rank's TP dropout streams' states as plain data (hex), or None without any."""
+    found = {name: {kind: {k: v.numpy().tobytes().hex() for k, v in states.items()}
+                    for kind, states in streams.state_dict().items()}
+             for name, streams in _tp_streams(job).items()}
+    return found or None
+
+
+def set_tp_streams_json(job, data: dict | None, notes: list[str]) -> None:
+    """Restore what ``tp_streams_json`` returned (at the same layout, on the same rank)."""
+    import torch
+
+    streams = _tp_streams(job)
+    if not streams:
+        return
+    if data is None:  # a checkpoint from before the streams were saved
+        if job.cfg.dropout:
+            notes.append("the checkpoint holds no tensor-parallel dropout streams: they start "
+                         "again from the seed, so the result will differ from an "
+                         "uninterrupted run")
+        return
+    if set(data) != set(streams):
+        raise ValueError(f"the checkpoint's tensor-parallel dropout streams are "
+                         f"{sorted(data)}, this model's {sorted(streams)}: resume with the "
+                         "checkpoint's model and layout")
+    for name, s in streams.items():
+        s.load_state_dict({kind: {k: torch.frombuffer(bytearray.fromhex(h), dtype=torch.uint8)
+                                  for k, h in states.items()}
+                           for kind, states in data[name].items()})
+
+
+def _restore_tp_streams(job, extra: dict, notes: list[str]) -> None:
+    ranks = extra.get("tp_streams_ranks")  # absent in checkpoints from before they were saved
+    set_tp_streams_json(job, None if ranks is None else ranks[job.comm.rank], notes)
+
+
 def _quiet_wait(comm) -> None:
     # Rank 0 may take a while to write; the others must not spin a core meanwhile
     # (MPICH busy-polls in blocking calls, and ranks share cores).
@@ -165,6 +211,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         js = job.state_dict()  # collective with a sharded optimizer
         rngs = wire.allgather_json(comm, rng_state_json())
+        # Every TP dropout draws from these, not from torch's generator: without them a
+        # resume would replay the first step's masks.
+        streams = wire.allgather_json(comm, tp_streams_json(job))
         losses = wire.allgather_array(comm, np.asarray(job.losses, dtype=np.float64))
         global_losses = job.global_mean(job.losses)  # what a resume at any layout continues
         path = os.path.join(self.directory, ck.checkpoint_name(job.step))
@@ -183,6 +232,7 @@ class Checkpointer:
                 "extra": {
                     "world_size": comm.size,
                     "rng_ranks": rngs,
+                    "tp_streams_ranks": streams,
                     "losses_ranks": torch.from_numpy(losses),
                     "ddp_layout": reducer.layout_state() if reducer is not None else None,
                     "layout": reshard.layout(job),
@@ -298,6 +348,7 @@ class Checkpointer:
         js["losses"] = losses[rank].tolist() if losses is not None and losses.numel() else []
         job.load_state_dict(js)
         set_rng_state_json(extra["rng_ranks"][rank])
+        _restore_tp_streams(job, extra, notes)
         reducer = _reducer(job)
         layout = extra.get("ddp_layout")
         if reducer is not None and layout is not None:
@@ -330,16 +381,21 @@ class Checkpointer:
         job.losses = [float(v) for v in extra["global_losses"].tolist()]
         same = saved == now
         if same:
+            notes = []
             set_rng_state_json(extra["rng_ranks"][job.comm.rank])
+            _restore_tp_streams(job, extra, notes)
             reducer, ddp = _reducer(job), extra.get("ddp_layout")
             if reducer is not None and ddp is not None:
                 reducer.load_layout_state(ddp)
-            return []
+            return notes
         ck.set_rng_state(state["rng"])  # rank 0's: another layout has other ranks
         shape = lambda d: f"dp={d['dp']} x tp={d['tp']} x pp={d['pp']}"  # noqa: E731
         notes = [f"resharded from {shape(saved)} ({saved['world']} ranks) to {shape(now)}"]
         if job.cfg.dropout:
-            notes.append("dropout draws other masks at another layout: the result will "
+            # Another layout gives the ranks other shards to drop: the TP streams stay as
+            # the model built them, from the seed, and the masks cannot match anyway.
+            notes.append("dropout draws other masks at another layout (the tensor-parallel "
+                         "dropout streams start again from the seed): the result will "
                          "differ from an uninterrupted run")
         saved_cfg = extra["job"]["config"]
         from dataclasses import asdict
