@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call
 
 from mpiring.parallel.pipeline import data_parallel, split_backward
+from mpiring.parallel.tensor.random import get_rng_states, replay_rng_states
 
 
 class PipelineStage:
@@ -91,7 +92,7 @@ class PipelineStage:
         """Forget every micro-batch (the start of a step)."""
         self._inp: dict[int, torch.Tensor] = {}
         self._out: dict[int, torch.Tensor] = {}
-        self._rng: dict[int, torch.Tensor] = {}
+        self._rng: dict[int, tuple] = {}  # recompute: (CPU, GPU, TP streams) RNG states
         self._stash: dict[int, dict[str, torch.Tensor]] = {}
         self._wq: dict[int, list] = {}
         self._loss_args: dict[int, tuple] = {}
@@ -133,10 +134,13 @@ class PipelineStage:
             args = (inp,)
         last = self.is_last
         if recompute:
-            # torch's generator and the tensor-parallel dropout streams (which stand in
-            # for it inside TP layers): the recompute must draw this forward's masks.
-            from mpiring.parallel.tensor.random import get_rng_states
-            self._rng[mb] = (torch.get_rng_state(), get_rng_states())
+            # torch's generators (the CPU's, and the GPU's the layers draw from there) and
+            # the tensor-parallel dropout streams (which stand in for them inside TP
+            # layers): the recompute must draw this forward's masks.
+            gpu = _gpu_of(self.module)
+            self._rng[mb] = (torch.get_rng_state(),
+                             None if gpu is None else torch.cuda.get_rng_state(gpu),
+                             get_rng_states())
             with torch.no_grad():
                 out = self.module(*args)
                 loss = loss_fn(out, target) if last else None
@@ -208,10 +212,13 @@ class PipelineStage:
             if not self.is_first:  # received leaves; the first stage's input is the user's
                 args = tuple(a.detach().requires_grad_(a.requires_grad) for a in args)
                 inp = args if isinstance(inp, tuple) else args[0]
-            from mpiring.parallel.tensor.random import replay_rng_states
-            cpu, streams = self._rng.pop(mb)
-            with torch.random.fork_rng(devices=[]), replay_rng_states(streams):
+            cpu, cuda, streams = self._rng.pop(mb)
+            gpu = _gpu_of(self.module) if cuda is not None else None
+            with torch.random.fork_rng(devices=[] if gpu is None else [gpu]), \
+                    replay_rng_states(streams):
                 torch.set_rng_state(cpu)
+                if gpu is not None:
+                    torch.cuda.set_rng_state(cuda, gpu)
                 loss_fn, target, scale = self._loss_args.pop(mb)
 
                 def run():
@@ -294,6 +301,12 @@ class PipelineStage:
 
     def _release(self, mb: int) -> None:
         self._grow(-self._held.pop(mb, 0))
+
+
+def _gpu_of(module: nn.Module) -> torch.device | None:
+    """The CUDA device of ``module``'s parameters, or None (a CPU stage)."""
+    p = next(module.parameters(), None)
+    return p.device if p is not None and p.device.type == "cuda" else None
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
