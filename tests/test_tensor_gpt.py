@@ -113,6 +113,9 @@ def test_train_tp2_dp2_equals_ddp_on_2_ranks(world, subcomms, sp):
     assert (job.tp_comm.size, job.data_comm.size) == (2, 2)
     assert job.tp_comm.rank == world.rank % 2 and job.data_comm.rank == world.rank // 2
     got = train(job)
+    # One rank's state_dict would hold its own shards only: refused, naming make_job.
+    with pytest.raises(ValueError, match="make_job"):
+        job.state_dict()
     job.close()
     if subcomms[2] is not None:
         ref_job = TrainJob(subcomms[2], TrainConfig(**common), train_data=data,

@@ -410,6 +410,7 @@ class TrainJob:
         With a sharded optimizer (zero1, zero2) this is a collective: the
         optimizer state is consolidated onto every rank.
         """
+        self._refuse_tp_checkpoint()
         if hasattr(self.optimizer, "consolidate_state_dict"):
             self.optimizer.consolidate_state_dict(to=None)
         return {
@@ -423,6 +424,7 @@ class TrainJob:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output (on the same mode and world size)."""
+        self._refuse_tp_checkpoint()
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -430,6 +432,16 @@ class TrainJob:
         self.sampler.load_state_dict(state["sampler"])
         self._shard = None
         self.losses = list(state.get("losses", []))
+
+    def _refuse_tp_checkpoint(self) -> None:
+        # Each rank of a tensor-parallel group holds its own shard, and this job's
+        # checkpoint is one rank's state_dict: it would save rank 0's shards only and
+        # load them on every rank. GridJob gathers the full model by name.
+        if self.tp_comm is not None and type(self).state_dict is TrainJob.state_dict:
+            raise ValueError("a TrainJob with tp > 1 holds a weight shard per rank, which its "
+                             "checkpoint does not gather: build the job with "
+                             "job3d.make_job (as `train --tp` does), whose checkpoints hold the "
+                             "full model")
 
     def close(self) -> None:
         """Stop the DDP communication thread and tear down torch's process group."""
