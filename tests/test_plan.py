@@ -168,3 +168,25 @@ def test_cli_check_and_json(tmp_path, capsys):
     assert len(json.loads(out.read_text())["layouts"]) == 3
     assert _plan(["--check"]) == 0
     assert "ZeRO stage 3" in capsys.readouterr().out
+
+
+def test_expert_gradients_are_reduced_over_each_experts_own_replicas():
+    # DeepSeek-V3, dp128 pp16: each GPU holds experts/(pp ep) expert parameters, and
+    # dp t / ep GPUs hold the same experts: the more ep, the less there is to reduce.
+    from mpiring.core import steptime as st
+    from mpiring.core.netmodel import collective_time
+
+    g, c = pr.DEEPSEEK_V3, pr.h800_cluster(2048)
+    lay = Layout(dp=128, pp=16, zero=1)
+    times = {ep: st._dp_time(g, c, lay.with_(ep=ep)) for ep in (1, 8, 64, 128)}
+    assert times[1] > times[8] > times[64] > times[128]
+    exp = st._expert_params(g) / 16
+    # ep = dp t: only the dense part is left, over dp.
+    dense = (sm.params(g) - st._expert_params(g)) / 16
+    assert times[128] == pytest.approx(collective_time("all_reduce", dense * 2, 128,
+                                                       st._dp_fabric(c, lay)))
+    for ep in (1, 8, 64):
+        want = collective_time("all_reduce", exp / ep * 2, 128 // ep, st._group_fabric(c, ep))
+        assert times[ep] - times[128] == pytest.approx(want)
+    with pytest.raises(ValueError, match="must divide dp x tp"):
+        step_time(g, c, lay.with_(ep=3), 15360)

@@ -133,6 +133,9 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
         raise ValueError(f"pp={lay.pp} exceeds the model's {g.layers} layers")
     if lay.ep > 1 and not g.experts:
         raise ValueError("ep > 1 needs a mixture-of-experts model (experts > 0)")
+    if lay.ep > 1 and ((lay.dp * lay.tp) % lay.ep or g.experts % lay.ep):
+        raise ValueError(f"ep={lay.ep} must divide dp x tp = {lay.dp * lay.tp} and the "
+                         f"{g.experts} experts: pick an ep that divides both")
     return batch // (lay.dp * lay.micro_batch)
 
 
@@ -163,12 +166,17 @@ def _expert_params(g: sm.GPT) -> int:
     return moe * g.experts * sm.mlp_params(g.hidden, g.expert_ffn, g.gated)
 
 
-def _dp_fabric(c: Cluster, lay: Layout) -> Fabric:
-    """The links one data-parallel group sees: its ranks are tp apart (Megatron's order)."""
+def _group_fabric(c: Cluster, stride: int) -> Fabric:
+    """The links a group sees whose ranks are ``stride`` apart (Megatron's order: tp fastest)."""
     f = c.fabric
-    local = max(1, f.gpus_per_node // lay.tp)
+    local = max(1, f.gpus_per_node // stride)
     # Each GPU keeps its 1/G share of the node's NICs whatever the group's shape.
     return Fabric(f.intra, f.nic, local, max(1, round(f.nics_per_node * local / f.gpus_per_node)))
+
+
+def _dp_fabric(c: Cluster, lay: Layout) -> Fabric:
+    """The links one data-parallel group sees: its ranks are tp apart."""
+    return _group_fabric(c, lay.tp)
 
 
 def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
@@ -255,15 +263,23 @@ def _ep_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
 
 
 def _dp_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
-    """Gradient ReduceScatter + AllGather (or AllReduce: the same bytes) over dp; ZeRO-3 x1.5."""
-    if lay.dp <= 1:
-        return 0.0
+    """Gradient ReduceScatter + AllGather (or AllReduce: the same bytes); ZeRO-3 x1.5.
+
+    The dense part (everything but the routed experts) is reduced over dp. Each
+    GPU's experts/(pp ep) expert parameters are reduced over that expert's own
+    replicas, dp t / ep of them, ep ranks apart: none once ep = dp t.
+    """
+    t = 0.0
     if g.experts:
-        psi = (sm.params(g) - _expert_params(g)) / (lay.tp * lay.pp)
-        psi += _expert_params(g) / (lay.pp * lay.ep) * (lay.ep / (lay.dp * lay.tp))
+        dense = (sm.params(g) - _expert_params(g)) / (lay.tp * lay.pp)
+        replicas = lay.dp * lay.tp // lay.ep
+        if replicas > 1:
+            t += collective_time("all_reduce", _expert_params(g) / (lay.pp * lay.ep)
+                                 * lay.grad_bytes, replicas, _group_fabric(c, lay.ep))
     else:
-        psi = sm.params(g) / (lay.tp * lay.pp)
-    t = collective_time("all_reduce", psi * lay.grad_bytes, lay.dp, _dp_fabric(c, lay))
+        dense = sm.params(g) / (lay.tp * lay.pp)
+    if lay.dp > 1:
+        t += collective_time("all_reduce", dense * lay.grad_bytes, lay.dp, _dp_fabric(c, lay))
     return t * (1.5 if lay.zero == 3 else 1.0)
 
 
