@@ -190,3 +190,29 @@ def test_expert_gradients_are_reduced_over_each_experts_own_replicas():
         assert times[ep] - times[128] == pytest.approx(want)
     with pytest.raises(ValueError, match="must divide dp x tp"):
         step_time(g, c, lay.with_(ep=3), 15360)
+
+
+def test_zero3_gathers_the_parameters_in_every_micro_batch():
+    from mpiring.core import steptime as st
+
+    g, c = pr.MEGATRON_TABLE[6].model(), pr.selene(1024)
+    lay = Layout(dp=512, tp=2, zero=3)
+    ar = step_time(g, c, lay.with_(zero=1), 2048).dp_total  # one gradient AllReduce
+    for b, m in ((4, 1), (2, 2), (1, 4)):
+        br = step_time(g, c, lay.with_(micro_batch=b), 2048)
+        # m forwards and m backwards gather, m reduce-scatters: 1.5 m AllReduces.
+        assert br.dp_total == pytest.approx(1.5 * m * ar)
+        assert br.dp_exposed == pytest.approx(br.dp_total)  # overlap_dp = 0: nothing hides
+    # With overlap, a micro-batch's forward gather hides only behind its own forward.
+    hid = lay.with_(micro_batch=2, overlap_dp=1.0)
+    compute = step_time(g, c, hid, 2048).compute
+    fast = c.with_(peak_flops=c.peak_flops * 100)  # compute 100x faster: gathers show
+    br = step_time(g, fast, hid, 2048)
+    f = compute / 100 / (3 * 2)
+    assert br.dp_exposed == pytest.approx(2 * ((ar / 2 - f) + (ar - 2 * f)))
+    # Memory: the unit in use and the prefetched one, whole, and one unit's gradient.
+    unit = sm.layer_params(g, False, False) / 2
+    mem = st.memory(g, lay.with_(micro_batch=2), 2)
+    assert mem["buffers"] == pytest.approx(unit * (2 * 2 + 2))
+    assert mem["total"] == pytest.approx(mem["model_states"] + mem["activations"] + unit * 6)
+    assert st.memory(g, lay.with_(zero=2), 2)["buffers"] == 0

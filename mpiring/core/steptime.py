@@ -17,7 +17,8 @@ Time per step is the sum of what cannot overlap (Narayanan et al. 2021, §3):
                    boundary, 1/t of it per GPU (Megatron's scatter/gather)
     bubble         bubble_fraction(schedule) x the above per-micro-batch work
     dp_exposed     gradient reduction over d minus what hides behind the last
-                   micro-batch's backward
+                   micro-batch's backward; ZeRO-3 gathers the parameters twice and
+                   reduce-scatters the gradients in every micro-batch
 
 Cluster constants (gemm_eff, elementwise passes) are inputs, fitted once per
 GPU generation; the docs say on which published runs.
@@ -158,7 +159,24 @@ def memory(g: sm.GPT, lay: Layout, m: int) -> dict[str, float]:
                                                   lay.tp, lay.sp, "selective")
     held = sm.in_flight_microbatches(lay.schedule, lay.pp, m)
     acts = per_layer * g.layers / lay.pp * held
-    return {"model_states": states, "activations": acts, "total": states + acts}
+    # ZeRO-3 gathers one unit (a layer, or the embedding) at a time: the unit in use
+    # and the one prefetched are whole, and so is its gradient until it is reduce-scattered.
+    buffers = (_largest_unit(g, lay) * (2 * sm.WEIGHT_BYTES + sm.GRAD_BYTES)
+               if lay.zero == 3 else 0.0)
+    return {"model_states": states, "activations": acts, "buffers": buffers,
+            "total": states + acts + buffers}
+
+
+def _largest_unit(g: sm.GPT, lay: Layout) -> float:
+    """Parameters one GPU holds of its largest layer or of the embedding, unsharded over dp."""
+    units = [g.vocab * g.hidden / lay.tp]
+    moe = g.layers - g.dense_layers if g.experts else 0
+    if moe < g.layers:
+        units.append(sm.layer_params(g, False, False) / lay.tp)
+    if moe:
+        routed = g.experts * sm.mlp_params(g.hidden, g.expert_ffn, g.gated)
+        units.append((sm.layer_params(g, True, False) - routed) / lay.tp + routed / lay.ep)
+    return max(units)
 
 
 def _expert_params(g: sm.GPT) -> int:
@@ -213,12 +231,10 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
         per_mb_pp = 0.0
     per_mb = compute / m + per_mb_elem + per_mb_tp + per_mb_ep + per_mb_pp
     bubble = sm.bubble_fraction(lay.schedule, lay.pp, m, lay.vpp) * per_mb * m
-    dp_total = _dp_time(g, c, lay)
-    window = lay.overlap_dp * (2 / 3) * compute / m
     return sm.Breakdown(compute=compute, elementwise=per_mb_elem * m, tp_comm=per_mb_tp * m,
                         ep_comm=per_mb_ep * m, pp_comm=per_mb_pp * m, bubble=bubble,
-                        dp_exposed=max(0.0, dp_total - window), dp_total=dp_total,
-                        memory=memory(g, lay, m))
+                        dp_exposed=_dp_exposed(g, c, lay, m, compute),
+                        dp_total=_dp_time(g, c, lay, m), memory=memory(g, lay, m))
 
 
 def compute_time(g: sm.GPT, c: Cluster, lay: Layout, tokens: float) -> float:
@@ -262,8 +278,8 @@ def _ep_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
     return 4 * moe_layers * one
 
 
-def _dp_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
-    """Gradient ReduceScatter + AllGather (or AllReduce: the same bytes); ZeRO-3 x1.5.
+def _all_reduce_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
+    """One AllReduce of the gradients (ZeRO-1/2's ReduceScatter + AllGather: the same bytes).
 
     The dense part (everything but the routed experts) is reduced over dp. Each
     GPU's experts/(pp ep) expert parameters are reduced over that expert's own
@@ -280,7 +296,36 @@ def _dp_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
         dense = sm.params(g) / (lay.tp * lay.pp)
     if lay.dp > 1:
         t += collective_time("all_reduce", dense * lay.grad_bytes, lay.dp, _dp_fabric(c, lay))
-    return t * (1.5 if lay.zero == 3 else 1.0)
+    return t
+
+
+def _dp_time(g: sm.GPT, c: Cluster, lay: Layout, m: int = 1) -> float:
+    """Data-parallel traffic per step of m micro-batches.
+
+    ZeRO 0-2: one gradient AllReduce per step. ZeRO-3 reshards the parameters
+    after each forward and backward (FSDP's default, DeepSpeed's stage 3), so
+    every micro-batch all-gathers them twice and reduce-scatters its gradients:
+    m (2 AG + RS) = 1.5 m AllReduces (the ZeRO paper's 1.5x counts one pass).
+    """
+    ar = _all_reduce_time(g, c, lay)
+    return 1.5 * m * ar if lay.zero == 3 else ar
+
+
+def _dp_exposed(g: sm.GPT, c: Cluster, lay: Layout, m: int, compute: float) -> float:
+    """The part of ``_dp_time`` that no compute hides.
+
+    ZeRO 0-2: the AllReduce may hide behind the last micro-batch's backward
+    (``overlap_dp`` of it). ZeRO-3: each micro-batch's forward gather hides only
+    behind its forward (a third of its compute), the backward's gather and the
+    ReduceScatter behind its backward (two thirds).
+    """
+    ar = _all_reduce_time(g, c, lay)
+    fwd = lay.overlap_dp * compute / (3 * m)
+    if lay.zero == 3:
+        # A ring AllReduce is a ReduceScatter then an AllGather over the same links.
+        half = ar / 2
+        return m * (max(0.0, half - fwd) + max(0.0, 2 * half - 2 * fwd))
+    return max(0.0, ar - 2 * fwd)
 
 
 def throughput(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> dict[str, float]:
