@@ -115,6 +115,9 @@ def test_step_parts_move_the_right_way():
     (Layout(dp=6, tp=8, pp=64, micro_batch=7), 128, "not a multiple"),
     (Layout(dp=6, tp=8, pp=64, ep=2), 128, "mixture-of-experts"),
     (Layout(dp=6, tp=8, pp=64, micro_batch=0), 128, ">= 1"),
+    (Layout(dp=6, tp=8, pp=64, micro_batch=16, schedule="interleaved", vpp=2), 128,
+     "needs m >= pp"),
+    (Layout(dp=6, tp=8, pp=64, schedule="interleaved", vpp=4), 128, "exceeds the model's"),
 ])
 def test_bad_layouts_are_refused_with_the_fix(lay, layers, match):
     with pytest.raises(ValueError, match=match):
@@ -216,3 +219,15 @@ def test_zero3_gathers_the_parameters_in_every_micro_batch():
     assert mem["buffers"] == pytest.approx(unit * (2 * 2 + 2))
     assert mem["total"] == pytest.approx(mem["model_states"] + mem["activations"] + unit * 6)
     assert st.memory(g, lay.with_(zero=2), 2)["buffers"] == 0
+
+
+def test_interleaved_needs_as_many_micro_batches_as_stages():
+    # Megatron refuses m < p for interleaving; (p-1)/(v m) would claim p=64, m=8, v=2
+    # halves 1F1B's bubble when the fill alone takes about p v chunk times.
+    with pytest.raises(ValueError, match="m >= p"):
+        sm.bubble_fraction("interleaved", 64, 8, 2)
+    assert sm.bubble_fraction("interleaved", 64, 64, 2) == pytest.approx(63 / 128)
+    row = pr.MEGATRON_TABLE[-1]
+    found = search(row.model(), pr.selene(row.gpus), row.batch, top=100000)
+    inter = [x.layout for x in found if x.layout.schedule == "interleaved"]
+    assert inter and all(row.batch // (x.dp * x.micro_batch) >= x.pp for x in inter)

@@ -222,7 +222,8 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Idle time over ideal compute time of one pipeline flush.
 
     gpipe and 1f1b: (p-1)/m (Narayanan et al. 2021 §2.2.1; as a share of wall
-    time that is (p-1)/(m+p-1)); interleaved with v chunks: (p-1)/(v m) (§2.2.2);
+    time that is (p-1)/(m+p-1)); interleaved with v chunks: (p-1)/(v m) (§2.2.2),
+    for m >= p only (with fewer the fill takes about p v chunk times: refused);
     zb-h1: a third of 1F1B's, zb-h2: none (Qi et al. 2024, Table 2 with
     T_F = T_B = T_W); dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B)
     (DeepSeek-V3 report, Table 2), where B is the full backward and W its
@@ -234,6 +235,8 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
     if schedule == "interleaved":
+        if m < p:
+            raise ValueError(f"interleaved 1F1B needs m >= p micro-batches, got m={m}, p={p}")
         return (p - 1) / (v * m)
     if schedule == "zb-h1":
         return (p - 1) / (3 * m)

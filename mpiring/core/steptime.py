@@ -132,6 +132,16 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
                          f"{lay.dp * lay.micro_batch}: change the batch or the micro-batch")
     if lay.pp > g.layers:
         raise ValueError(f"pp={lay.pp} exceeds the model's {g.layers} layers")
+    if lay.schedule == "interleaved":
+        if lay.pp * lay.vpp > g.layers:
+            raise ValueError(f"interleaved pp x vpp = {lay.pp * lay.vpp} chunks exceeds the "
+                             f"model's {g.layers} layers: lower vpp")
+        # Megatron refuses fewer (the micro-batches of a round must range in [PP, M]):
+        # with m < p the fill alone takes about p v chunk times whatever v is.
+        if batch // (lay.dp * lay.micro_batch) < lay.pp:
+            raise ValueError(f"interleaved 1F1B needs m >= pp micro-batches, got "
+                             f"m={batch // (lay.dp * lay.micro_batch)}, pp={lay.pp}: use a "
+                             "smaller micro-batch or dp, or 1f1b")
     if lay.ep > 1 and not g.experts:
         raise ValueError("ep > 1 needs a mixture-of-experts model (experts > 0)")
     if lay.ep > 1 and ((lay.dp * lay.tp) % lay.ep or g.experts % lay.ep):

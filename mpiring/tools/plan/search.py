@@ -71,8 +71,8 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
                                                        _eps(g, dp * tp)):
                 if batch % (dp * b) or (zero and dp == 1):
                     continue
-                if sched == "interleaved" and pp * v > g.layers:
-                    continue
+                if sched == "interleaved" and (pp * v > g.layers or batch // (dp * b) < pp):
+                    continue  # what steptime.check refuses: chunks without a layer, m < p
                 if flash and rc == "selective":  # flash attention keeps no s x s scores: = none
                     continue
                 # DualPipe's point is hiding the all-to-all (DeepSeek-V3 §3.2.1).
