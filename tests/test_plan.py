@@ -231,3 +231,39 @@ def test_interleaved_needs_as_many_micro_batches_as_stages():
     found = search(row.model(), pr.selene(row.gpus), row.batch, top=100000)
     inter = [x.layout for x in found if x.layout.schedule == "interleaved"]
     assert inter and all(row.batch // (x.dp * x.micro_batch) >= x.pp for x in inter)
+
+
+@pytest.mark.parametrize("p,m,v,chunks", [
+    (16, 32, 4, 3 * 16 + 2 * 15 + 1),  # Megatron's warm-up (v-1) p + 2(p-1), then one more
+    (16, 32, 2, 16 + 2 * 15 + 1),
+    (16, 16, 4, 64),                   # the warm-up would exceed all m v chunk forwards
+    (8, 20, 2, 10 + 2 * 7 + 1),        # 20 = 2 rounds of 10: a round is 10, not p
+])
+def test_interleaved_rank0_holds_its_warm_up_chunks(p, m, v, chunks):
+    assert sm.in_flight_microbatches("interleaved", p, m, v) == pytest.approx(chunks / v)
+    assert sm.in_flight_microbatches("1f1b", p, m) == min(p, m)
+
+
+def test_interleaving_costs_memory_and_sends():
+    from mpiring.core import steptime as st
+
+    run = pr.llama31_405b_run()
+    g, c, lay = run.model, run.cluster, run.layout
+    one = step_time(g, c, lay.with_(schedule="1f1b", vpp=1), 4096)  # m = 32 > p = 16
+    for depth in (2, 4):
+        br = step_time(g, c, lay.with_(vpp=depth), 4096)
+        held = (depth - 1) * 16 + 2 * 15 + 1  # chunks of 126/(16 v) layers on rank 0
+        assert br.memory["activations"] == pytest.approx(
+            one.memory["activations"] * held / depth / 16)
+        assert br.pp_comm == pytest.approx(depth * one.pp_comm)  # v chunk boundaries a rank
+        assert br.bubble < one.bubble
+    # The published run (m = 16 = p): every chunk forward is warm-up, as much as 1F1B holds.
+    assert st.memory(g, lay, 16)["activations"] == pytest.approx(one.memory["activations"])
+    # The search tries every depth that splits a rank's layers evenly, and powers of two.
+    from mpiring.tools.plan.search import _vpps, layouts
+
+    assert _vpps(7) == [2, 4, 7] and _vpps(8) == [2, 4, 8]
+    vs = {x.vpp for x in layouts(g, c, run.batch) if x.schedule == "interleaved" and x.pp == 16}
+    assert vs == {2, 4, 7}
+    with pytest.raises(ValueError, match="for schedule 'interleaved'"):
+        step_time(g, c, lay.with_(schedule="1f1b"), 2048)

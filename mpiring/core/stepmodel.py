@@ -248,12 +248,29 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
 
 
-def in_flight_microbatches(schedule: str, p: int, m: int) -> int:
-    """Micro-batches whose activations stage 0 holds at its peak.
+def interleaved_warmup(p: int, m: int, v: int, rank: int = 0) -> int:
+    """Chunk forwards ``rank`` runs before its first backward in interleaved 1F1B.
 
-    GPipe keeps all m; 1F1B and its variants min(p, m) (torch's Schedule1F1B
-    warm-up); ZB-H2 about 2p - 1 (Qi et al. 2024, Table 2); DualPipe p + 1 at
-    most (DeepSeek-V3 report, Table 2: PP + 1 chunks).
+    Megatron's count (``get_pp_rank_microbatches``): (v - 1) g + 2 (p - 1 - rank),
+    g the micro-batches of a round: p, or, when p does not divide m, the first
+    of m // p rounds of near-equal size; at most all m v chunk forwards.
+    """
+    if m < p:
+        raise ValueError(f"interleaved 1F1B needs m >= p micro-batches, got m={m}, p={p}")
+    rounds = m // p
+    g = -(-m // rounds)  # the first round is the largest
+    return min(m * v, (v - 1) * g + 2 * (p - 1 - rank))
+
+
+def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Micro-batches' worth of a rank's layers whose activations rank 0 holds at its peak.
+
+    GPipe keeps all m; 1F1B and ZB-H1 min(p, m) (torch's Schedule1F1B warm-up);
+    ZB-H2 about 2p - 1 (Qi et al. 2024, Table 2); DualPipe p + 1 at most
+    (DeepSeek-V3 report, Table 2: PP + 1 chunks). Interleaved holds chunks of 1/v
+    of the rank's layers: its warm-up plus the steady state's first forward,
+    over v (``interleaved_warmup``); with p dividing m that is p + (p - 1)/v:
+    p = 16, v = 4 holds 79 chunks, 19.75 where 1F1B holds 16.
     """
     if schedule == "gpipe":
         return m
@@ -261,6 +278,8 @@ def in_flight_microbatches(schedule: str, p: int, m: int) -> int:
         return min(m, 2 * p - 1)
     if schedule == "dualpipe":
         return min(m, p + 1)
+    if schedule == "interleaved":
+        return min(m * v, interleaved_warmup(p, m, v) + 1) / v
     return min(m, p)
 
 

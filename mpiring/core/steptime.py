@@ -14,7 +14,8 @@ Time per step is the sum of what cannot overlap (Narayanan et al. 2021, §3):
                    minus the share the schedule overlaps (DualPipe hides the
                    pipeline sends with them)
     pp_comm        one activation and one gradient per micro-batch and stage
-                   boundary, 1/t of it per GPU (Megatron's scatter/gather)
+                   boundary, 1/t of it per GPU (Megatron's scatter/gather); v of
+                   each when interleaved
     bubble         bubble_fraction(schedule) x the above per-micro-batch work
     dp_exposed     gradient reduction over d minus what hides behind the last
                    micro-batch's backward; ZeRO-3 gathers the parameters twice and
@@ -142,6 +143,8 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
             raise ValueError(f"interleaved 1F1B needs m >= pp micro-batches, got "
                              f"m={batch // (lay.dp * lay.micro_batch)}, pp={lay.pp}: use a "
                              "smaller micro-batch or dp, or 1f1b")
+    elif lay.vpp > 1:
+        raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved', not {lay.schedule!r}")
     if lay.ep > 1 and not g.experts:
         raise ValueError("ep > 1 needs a mixture-of-experts model (experts > 0)")
     if lay.ep > 1 and ((lay.dp * lay.tp) % lay.ep or g.experts % lay.ep):
@@ -167,7 +170,7 @@ def memory(g: sm.GPT, lay: Layout, m: int) -> dict[str, float]:
     if lay.flash and lay.recompute == "none":  # no s x s scores kept: selective's count
         per_layer = sm.activation_bytes_per_layer(g.seq, lay.micro_batch, g.hidden, g.heads,
                                                   lay.tp, lay.sp, "selective")
-    held = sm.in_flight_microbatches(lay.schedule, lay.pp, m)
+    held = sm.in_flight_microbatches(lay.schedule, lay.pp, m, lay.vpp)
     acts = per_layer * g.layers / lay.pp * held
     # ZeRO-3 gathers one unit (a layer, or the embedding) at a time: the unit in use
     # and the one prefetched are whole, and so is its gradient until it is reduce-scattered.
@@ -229,7 +232,9 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
     if lay.pp > 1:
         # Stage neighbours are tp x dp ranks apart: across nodes once that fills one.
         across = lay.tp * lay.dp >= f.gpus_per_node
-        per_mb_pp = 2 * _p2p(lay.act_bytes * s * b * h / lay.tp, c, across)
+        # Interleaved: a micro-batch crosses p v - 1 chunk boundaries, v per rank.
+        sends = lay.vpp if lay.schedule == "interleaved" else 1
+        per_mb_pp = 2 * sends * _p2p(lay.act_bytes * s * b * h / lay.tp, c, across)
     # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
     # DualPipe overlaps the pipeline sends in the same F&B pairs ("both all-to-all
     # and PP communication can be fully hidden", DeepSeek-V3 §3.2.1).
@@ -241,10 +246,10 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
         per_mb_pp = 0.0
     per_mb = compute / m + per_mb_elem + per_mb_tp + per_mb_ep + per_mb_pp
     bubble = sm.bubble_fraction(lay.schedule, lay.pp, m, lay.vpp) * per_mb * m
+    dp_total, dp_exposed = _dp_parts(_all_reduce_time(g, c, lay), lay, m, compute)
     return sm.Breakdown(compute=compute, elementwise=per_mb_elem * m, tp_comm=per_mb_tp * m,
                         ep_comm=per_mb_ep * m, pp_comm=per_mb_pp * m, bubble=bubble,
-                        dp_exposed=_dp_exposed(g, c, lay, m, compute),
-                        dp_total=_dp_time(g, c, lay, m), memory=memory(g, lay, m))
+                        dp_exposed=dp_exposed, dp_total=dp_total, memory=memory(g, lay, m))
 
 
 def compute_time(g: sm.GPT, c: Cluster, lay: Layout, tokens: float) -> float:
@@ -310,32 +315,28 @@ def _all_reduce_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
 
 
 def _dp_time(g: sm.GPT, c: Cluster, lay: Layout, m: int = 1) -> float:
-    """Data-parallel traffic per step of m micro-batches.
+    """Data-parallel traffic per step of m micro-batches (``_dp_parts``)."""
+    return _dp_parts(_all_reduce_time(g, c, lay), lay, m, 0.0)[0]
 
-    ZeRO 0-2: one gradient AllReduce per step. ZeRO-3 reshards the parameters
-    after each forward and backward (FSDP's default, DeepSpeed's stage 3), so
-    every micro-batch all-gathers them twice and reduce-scatters its gradients:
+
+def _dp_parts(ar: float, lay: Layout, m: int, compute: float) -> tuple[float, float]:
+    """(all, exposed) seconds of data-parallel traffic a step, from ``ar``, one gradient AllReduce.
+
+    ZeRO 0-2: one AllReduce a step, which may hide behind the last micro-batch's
+    backward (``overlap_dp`` of it). ZeRO-3 reshards the parameters after each
+    forward and backward (FSDP's default, DeepSpeed's stage 3), so every
+    micro-batch all-gathers them twice and reduce-scatters its gradients:
     m (2 AG + RS) = 1.5 m AllReduces (the ZeRO paper's 1.5x counts one pass).
+    Each forward gather hides only behind its forward (a third of the
+    micro-batch's compute), the backward's gather and the ReduceScatter behind
+    its backward (two thirds).
     """
-    ar = _all_reduce_time(g, c, lay)
-    return 1.5 * m * ar if lay.zero == 3 else ar
-
-
-def _dp_exposed(g: sm.GPT, c: Cluster, lay: Layout, m: int, compute: float) -> float:
-    """The part of ``_dp_time`` that no compute hides.
-
-    ZeRO 0-2: the AllReduce may hide behind the last micro-batch's backward
-    (``overlap_dp`` of it). ZeRO-3: each micro-batch's forward gather hides only
-    behind its forward (a third of its compute), the backward's gather and the
-    ReduceScatter behind its backward (two thirds).
-    """
-    ar = _all_reduce_time(g, c, lay)
     fwd = lay.overlap_dp * compute / (3 * m)
     if lay.zero == 3:
         # A ring AllReduce is a ReduceScatter then an AllGather over the same links.
         half = ar / 2
-        return m * (max(0.0, half - fwd) + max(0.0, 2 * half - 2 * fwd))
-    return max(0.0, ar - 2 * fwd)
+        return 1.5 * m * ar, m * (max(0.0, half - fwd) + max(0.0, 2 * half - 2 * fwd))
+    return ar, max(0.0, ar - 2 * fwd)
 
 
 def throughput(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> dict[str, float]:

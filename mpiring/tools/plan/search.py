@@ -54,6 +54,16 @@ def _eps(g: sm.GPT, ranks: int) -> list[int]:
     return [e for e in _pow2_upto(min(g.experts, ranks)) if ranks % e == 0 and g.experts % e == 0]
 
 
+def _vpps(per_rank: int) -> list[int]:
+    """Interleaving depths for ``per_rank`` layers a rank: those that split them evenly
+    (Megatron needs l / (p v) whole) and the powers of two, up to one layer a chunk.
+
+    Deeper v shrinks the bubble and rank 0's activations but sends v times as often,
+    so the best depth is found, not assumed.
+    """
+    return sorted({v for v in range(2, per_rank + 1) if per_rank % v == 0 or v & (v - 1) == 0})
+
+
 def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
             overlap_dp: float = 1.0) -> list[Layout]:
     """Every layout of exactly ``c.gpus`` GPUs the search considers (memory not yet checked)."""
@@ -64,15 +74,16 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
         rest = c.gpus // tp
         for pp in (p for p in range(1, min(rest, g.layers) + 1) if rest % p == 0):
             dp = rest // pp
-            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+            scheds = [("1f1b", 1)] if pp == 1 else [
+                ("1f1b", 1), ("zb-h1", 1), *(("interleaved", v) for v in _vpps(g.layers // pp))]
             if g.experts and pp > 1:
                 scheds.append(("dualpipe", 1))
             for b, (sched, v), zero, rc, ep in product(MICRO_BATCHES, scheds, range(4), RECOMPUTE,
                                                        _eps(g, dp * tp)):
                 if batch % (dp * b) or (zero and dp == 1):
                     continue
-                if sched == "interleaved" and (pp * v > g.layers or batch // (dp * b) < pp):
-                    continue  # what steptime.check refuses: chunks without a layer, m < p
+                if sched == "interleaved" and batch // (dp * b) < pp:
+                    continue  # Megatron refuses m < p (steptime.check)
                 if flash and rc == "selective":  # flash attention keeps no s x s scores: = none
                     continue
                 # DualPipe's point is hiding the all-to-all (DeepSeek-V3 §3.2.1).
