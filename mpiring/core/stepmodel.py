@@ -214,6 +214,35 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
     raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
 
+# --- pipeline stages ----------------------------------------------------------------
+def chunk_sizes(layers: int, chunks: int, light_ends: bool = False) -> list[int]:
+    """Layers per pipeline chunk: the numpy.array_split way (the first l mod chunks one
+    longer); ``light_ends``: the first and last chunk one layer fewer, for the embedding
+    and the head (Llama 3 §3.3.2 took one layer off its first and last stages)."""
+    n = layers + 2 if light_ends and chunks > 1 else layers
+    if chunks < 1 or chunks > layers:
+        raise ValueError(f"cannot split {layers} layers into {chunks} chunks")
+    q, extra = divmod(n, chunks)
+    sizes = [q + (i < extra) for i in range(chunks)]
+    if n != layers:
+        sizes[0] -= 1
+        sizes[-1] -= 1
+    return sizes
+
+
+def rank_layers(layers: int, p: int, v: int = 1, light_ends: bool = False) -> list[list[int]]:
+    """The layers each of p ranks holds: l split into p v chunks (``chunk_sizes``),
+    rank r holding chunks r, r + p, ... (Megatron's interleaved placement; v = 1:
+    one contiguous stage a rank)."""
+    if p < 1 or v < 1:
+        raise ValueError(f"need p, v >= 1, got p={p}, v={v}")
+    bounds = [0]
+    for size in chunk_sizes(layers, p * v, light_ends):
+        bounds.append(bounds[-1] + size)
+    return [[k for c in range(r, p * v, p) for k in range(bounds[c], bounds[c + 1])]
+            for r in range(p)]
+
+
 # --- pipeline bubble ----------------------------------------------------------------
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "dualpipe")
 
@@ -262,25 +291,26 @@ def interleaved_warmup(p: int, m: int, v: int, rank: int = 0) -> int:
     return min(m * v, (v - 1) * g + 2 * (p - 1 - rank))
 
 
-def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Micro-batches' worth of a rank's layers whose activations rank 0 holds at its peak.
+def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
+    """Micro-batches' worth of its layers whose activations ``rank`` holds at its peak.
 
-    GPipe keeps all m; 1F1B and ZB-H1 min(p, m) (torch's Schedule1F1B warm-up);
-    ZB-H2 about 2p - 1 (Qi et al. 2024, Table 2); DualPipe p + 1 at most
-    (DeepSeek-V3 report, Table 2: PP + 1 chunks). Interleaved holds chunks of 1/v
-    of the rank's layers: its warm-up plus the steady state's first forward,
-    over v (``interleaved_warmup``); with p dividing m that is p + (p - 1)/v:
+    GPipe keeps all m; 1F1B and ZB-H1 min(p - rank, m) (torch's Schedule1F1B
+    warm-up); ZB-H2 about 2(p - rank) - 1 (Qi et al. 2024, Table 2: 2p - 1 on the
+    first); DualPipe p + 1 at most on every rank (DeepSeek-V3 report, Table 2:
+    PP + 1 chunks a device). Interleaved holds chunks of 1/v of the rank's
+    layers: its warm-up plus the steady state's first forward, over v
+    (``interleaved_warmup``); on rank 0 with p dividing m that is p + (p - 1)/v:
     p = 16, v = 4 holds 79 chunks, 19.75 where 1F1B holds 16.
     """
     if schedule == "gpipe":
         return m
     if schedule == "zb-h2":
-        return min(m, 2 * p - 1)
+        return min(m, 2 * (p - rank) - 1)
     if schedule == "dualpipe":
         return min(m, p + 1)
     if schedule == "interleaved":
-        return min(m * v, interleaved_warmup(p, m, v) + 1) / v
-    return min(m, p)
+        return min(m * v, interleaved_warmup(p, m, v, rank) + 1) / v
+    return min(m, p - rank)
 
 
 # --- utilisation ---------------------------------------------------------------------

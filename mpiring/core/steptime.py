@@ -28,10 +28,15 @@ GPU generation; the docs say on which published runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from mpiring.core import stepmodel as sm
 from mpiring.core.costmodel import AlphaBeta, ring_all_reduce
 from mpiring.core.netmodel import Fabric, collective_time
+
+# The search prices thousands of layouts that share a gradient reduction (every b,
+# schedule, ZeRO stage and recomputation of one dp x tp x pp x ep): price each once.
+_collective = lru_cache(maxsize=1 << 16)(collective_time)
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class Layout:
             combine averaged: 1.5 for DeepSeek-V3's fp8 dispatch, bf16 combine).
         act_bytes: bytes per activation element in the TP AllReduces and the
             pipeline sends (2: bf16; 4 for fp32 runs).
+        light_ends: the first and last pipeline chunk one layer fewer, for the
+            embedding and the head (Llama 3 §3.3.2); False: numpy.array_split.
     """
 
     dp: int
@@ -107,6 +114,7 @@ class Layout:
     comm_sm_fraction: float = 0.0
     a2a_bytes: float = 2.0
     act_bytes: float = 2.0
+    light_ends: bool = False
 
     @property
     def gpus(self) -> int:
@@ -153,25 +161,76 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
     return batch // (lay.dp * lay.micro_batch)
 
 
+@dataclass(frozen=True)
+class _Rank:
+    """What one pipeline rank holds: its layers, and its parameters before the tp/ep split."""
+
+    index: int
+    layers: int
+    moe_layers: int
+    dense_params: float  # everything but the routed experts, embedding and head included
+    expert_params: float
+
+
+@lru_cache(maxsize=1024)
+def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool) -> tuple[_Rank, ...]:
+    """Every pipeline rank's share. Rank 0 holds the embedding, the last rank the head
+    (or, tied, Megatron's copy of the embedding); with pp = 1 one rank holds both."""
+    routed = g.experts * sm.mlp_params(g.hidden, g.expert_ffn, g.gated)
+    dense_w = sm.layer_params(g, False, False)
+    moe_w = sm.layer_params(g, True, False) - routed if g.experts else 0
+    table = g.vocab * g.hidden
+    out = []
+    for r, held in enumerate(sm.rank_layers(g.layers, pp, v, light_ends)):
+        moe = sum(1 for i in held if g.experts and i >= g.dense_layers)
+        tables = (r == 0) + (r == pp - 1 and not (pp == 1 and g.tied_embeddings))
+        out.append(_Rank(r, len(held), moe, (len(held) - moe) * dense_w + moe * moe_w
+                         + tables * table, moe * routed))
+    return tuple(out)
+
+
+def _layout_ranks(g: sm.GPT, lay: Layout) -> tuple[_Rank, ...]:
+    return _ranks(g, lay.pp, lay.vpp if lay.schedule == "interleaved" else 1, lay.light_ends)
+
+
+def _stage_layers(g: sm.GPT, lay: Layout) -> int:
+    """Layers on the slowest stage, which sets the pipeline's pace: ceil(l/pp), not l/pp."""
+    return max(r.layers for r in _layout_ranks(g, lay))
+
+
+def _states(r: _Rank, lay: Layout) -> float:
+    """One rank's model states by the ZeRO formulas: its dense part sharded over dp,
+    its experts split over ep and sharded over their dp t / ep replicas."""
+    states = sm.zero_model_state_bytes(r.dense_params / lay.tp, lay.dp, lay.zero)
+    if r.expert_params:
+        states += sm.zero_model_state_bytes(r.expert_params / lay.ep,
+                                            max(1, lay.dp * lay.tp // lay.ep), lay.zero)
+    return states
+
+
 def memory(g: sm.GPT, lay: Layout, m: int) -> dict[str, float]:
-    """Bytes per GPU: model states (ZeRO formulas) and activations (Korthikanti)."""
-    dense = sm.params(g.with_(experts=0, dense_layers=0)) if not g.experts else None
-    if dense is not None:
-        psi = dense / (lay.tp * lay.pp)
-        states = sm.zero_model_state_bytes(psi, lay.dp, lay.zero)
-    else:
-        total, experts_only = sm.params(g), _expert_params(g)
-        psi_shared = (total - experts_only) / (lay.tp * lay.pp)
-        psi_exp = experts_only / (lay.pp * lay.ep)  # experts split over ep, replicated over dp/ep
-        states = (sm.zero_model_state_bytes(psi_shared, lay.dp, lay.zero)
-                  + sm.zero_model_state_bytes(psi_exp, max(1, lay.dp * lay.tp // lay.ep), lay.zero))
+    """Bytes on the fullest GPU: model states (ZeRO formulas) and activations (Korthikanti).
+
+    Every pipeline rank is counted with its own layers, parameters and in-flight
+    micro-batches: rank 0 holds the most micro-batches and the embedding, but with
+    experts a later rank's expert states can outweigh them.
+    """
     per_layer = sm.activation_bytes_per_layer(g.seq, lay.micro_batch, g.hidden, g.heads, lay.tp,
                                               lay.sp, lay.recompute)
     if lay.flash and lay.recompute == "none":  # no s x s scores kept: selective's count
         per_layer = sm.activation_bytes_per_layer(g.seq, lay.micro_batch, g.hidden, g.heads,
                                                   lay.tp, lay.sp, "selective")
-    held = sm.in_flight_microbatches(lay.schedule, lay.pp, m, lay.vpp)
-    acts = per_layer * g.layers / lay.pp * held
+    best, seen = None, set()
+    for r in _layout_ranks(g, lay):
+        # A later rank with the same share holds no more micro-batches: skip it.
+        if (r.layers, r.dense_params, r.expert_params) in seen:
+            continue
+        seen.add((r.layers, r.dense_params, r.expert_params))
+        held = sm.in_flight_microbatches(lay.schedule, lay.pp, m, lay.vpp, r.index)
+        states, acts = _states(r, lay), per_layer * r.layers * held
+        if best is None or states + acts > best[0] + best[1]:
+            best = (states, acts)
+    states, acts = best
     # ZeRO-3 gathers one unit (a layer, or the embedding) at a time: the unit in use
     # and the one prefetched are whole, and so is its gradient until it is reduce-scattered.
     buffers = (_largest_unit(g, lay) * (2 * sm.WEIGHT_BYTES + sm.GRAD_BYTES)
@@ -221,12 +280,13 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
     act = sm.activation_bytes_per_layer(s, b, h, g.heads, lay.tp, lay.sp,
                                         "selective" if lay.flash else "none")
     redo = 4 / 3 if lay.recompute == "full" else 1.0
-    per_mb_elem = c.elementwise_passes * act * redo * g.layers / lay.pp / c.mem_bw
+    layers = _stage_layers(g, lay)
+    per_mb_elem = c.elementwise_passes * act * redo * layers / c.mem_bw
     # Tensor parallel: 2 AllReduces forward and 2 backward per layer (Shoeybi et al.
     # 2019 §3), 2 more when the forward is recomputed; on NVLink inside the node.
     n_ar = 6 if lay.recompute == "full" else 4
     tp_link = f.intra if lay.tp <= f.gpus_per_node else f.link(lay.tp, True)
-    per_mb_tp = n_ar * g.layers / lay.pp * ring_all_reduce(lay.act_bytes * s * b * h, lay.tp,
+    per_mb_tp = n_ar * layers * ring_all_reduce(lay.act_bytes * s * b * h, lay.tp,
                                                                  tp_link)
     per_mb_pp = 0.0
     if lay.pp > 1:
@@ -263,7 +323,11 @@ def compute_time(g: sm.GPT, c: Cluster, lay: Layout, tokens: float) -> float:
     sms = 1 - lay.comm_sm_fraction
     lo = c.peak_flops * c.gemm_eff * sms
     hi = (c.bf16_flops or c.peak_flops) * (c.bf16_eff or c.gemm_eff) * sms
-    return (kinds["linear"] / lo + (kinds["attention"] + kinds["head"]) / hi) * tokens / lay.gpus
+    # The slowest stage's ceil(l/pp) layers set the pace; the head is still spread
+    # over the stages (Megatron's last stage runs it: not modelled).
+    stage = _stage_layers(g, lay) * lay.pp / g.layers
+    return ((kinds["linear"] * stage / lo + (kinds["attention"] * stage + kinds["head"]) / hi)
+            * tokens / lay.gpus)
 
 
 def _p2p(nbytes: float, c: Cluster, across: bool) -> float:
@@ -280,7 +344,7 @@ def _ep_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
     """
     if lay.ep <= 1:
         return 0.0
-    moe_layers = (g.layers - g.dense_layers) / lay.pp
+    moe_layers = max(r.moe_layers for r in _layout_ranks(g, lay))
     g_node = c.fabric.gpus_per_node
     nodes = max(1, lay.ep // g_node)
     far = max(0.0, (lay.ep - g_node) / lay.ep)
@@ -298,20 +362,26 @@ def _all_reduce_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
 
     The dense part (everything but the routed experts) is reduced over dp. Each
     GPU's experts/(pp ep) expert parameters are reduced over that expert's own
-    replicas, dp t / ep of them, ep ranks apart: none once ep = dp t.
+    replicas, dp t / ep of them, ep ranks apart: none once ep = dp t. Each
+    pipeline rank reduces its own share; the slowest sets the time.
     """
-    t = 0.0
-    if g.experts:
-        dense = (sm.params(g) - _expert_params(g)) / (lay.tp * lay.pp)
-        replicas = lay.dp * lay.tp // lay.ep
-        if replicas > 1:
-            t += collective_time("all_reduce", _expert_params(g) / (lay.pp * lay.ep)
-                                 * lay.grad_bytes, replicas, _group_fabric(c, lay.ep))
-    else:
-        dense = sm.params(g) / (lay.tp * lay.pp)
-    if lay.dp > 1:
-        t += collective_time("all_reduce", dense * lay.grad_bytes, lay.dp, _dp_fabric(c, lay))
-    return t
+    replicas = lay.dp * lay.tp // lay.ep
+    shares = {(r.dense_params, r.expert_params) for r in _layout_ranks(g, lay)}
+    # Every stage reduces at once and the slowest counts; a share no larger in both
+    # parts than another's cannot be the slowest.
+    shares = [a for a in shares if not any(b != a and b[0] >= a[0] and b[1] >= a[1]
+                                           for b in shares)]
+    times = []
+    for dense, expert in shares:
+        t = 0.0
+        if expert and replicas > 1:
+            t += _collective("all_reduce", expert / lay.ep * lay.grad_bytes, replicas,
+                             _group_fabric(c, lay.ep))
+        if lay.dp > 1:
+            t += _collective("all_reduce", dense / lay.tp * lay.grad_bytes, lay.dp,
+                             _dp_fabric(c, lay))
+        times.append(t)
+    return max(times)
 
 
 def _dp_time(g: sm.GPT, c: Cluster, lay: Layout, m: int = 1) -> float:

@@ -158,9 +158,10 @@ def deepseek_v3_run(fp8: bool = True) -> Run:
 def llama31_405b_run(vpp: int = 4) -> Run:
     # 2,048 sequences of 8,192 tokens (16M) over dp 128: m = 16 micro-batches of 1.
     # The interleaving depth v is not published: an assumption (docs/planner.md).
-    # FSDP without resharding after forward: ZeRO-2's memory (Llama 3 §3.3.2).
+    # FSDP without resharding after forward: ZeRO-2's memory (Llama 3 §3.3.2), which
+    # also takes one layer off the first and the last stage for the embedding and head.
     lay = Layout(dp=128, tp=8, pp=16, micro_batch=1, schedule="interleaved", vpp=vpp, zero=2,
-                 recompute="none", sp=True, flash=True, overlap_dp=1.0)
+                 recompute="none", sp=True, flash=True, overlap_dp=1.0, light_ends=True)
     return Run("llama-3.1-405b", LLAMA31_405B, h100_cluster(16384), lay, 2048, 15.6e12,
                30.84e6, "The Llama 3 Herd of Models, arXiv 2407.21783, Table 4; Llama 3.1 model card")
 

@@ -2,7 +2,8 @@
 
 tp stays inside a node (powers of two up to the GPUs per node, dividing the
 heads), pp runs over the divisors of GPUs / tp up to the layer count (stages
-split the layers the numpy.array_split way, so pp need not divide them), and
+split the layers the numpy.array_split way, so pp need not divide them; the
+slowest stage, ceil(l/pp) layers, prices the layout), and
 dp takes the rest of the cluster. A layout is kept when its memory per GPU
 fits and the global batch splits into whole micro-batches.
 """
