@@ -303,3 +303,36 @@ def test_the_slowest_stage_sets_the_pace_and_the_fullest_gpu_the_memory():
     got = st.memory(ds, lay2, 15360 // 64)
     assert got["model_states"] == pytest.approx(st._states(ranks[2], lay2))
     assert got["model_states"] > 5 * st._states(ranks[0], lay2)
+
+
+def test_dualpipe_runs_what_dualpipe_accepts_and_holds_two_copies():
+    from mpiring.core import steptime as st
+    from mpiring.tools.plan.search import layouts
+
+    g, B = pr.DEEPSEEK_V3, 15360
+    for gpus in (1536, 2048):
+        for x in layouts(g, pr.h800_cluster(gpus), B):
+            if x.schedule == "dualpipe":  # DualPipe.step asserts these
+                m = B // (x.dp * x.micro_batch)
+                assert x.pp % 2 == 0 and m % 2 == 0 and m >= 2 * x.pp, x
+    c, lay = pr.h800_cluster(2048), pr.deepseek_v3_run().layout
+    with pytest.raises(ValueError, match="even pp"):
+        step_time(g, c, lay.with_(pp=3, dp=64), 15360)
+    with pytest.raises(ValueError, match="m >= 2 pp"):
+        step_time(g, c, lay, 3072)  # m = 24 < 2 pp = 32
+    with pytest.raises(ValueError, match="dense model"):
+        step_time(pr.MEGATRON_TABLE[6].model(), pr.selene(1536),
+                  Layout(dp=24, tp=8, pp=8, schedule="dualpipe"), 2304)
+    # Rank 0 holds stage 0 (embedding) and stage 15 (head), each stage on 2 dp ranks.
+    g64 = g.with_(layers=64, dense_layers=0)
+    routed = g.experts * sm.mlp_params(g.hidden, g.expert_ffn, g.gated)
+    dense = 8 * (sm.layer_params(g64, True, False) - routed) + 2 * g.vocab * g.hidden
+    want = (sm.zero_model_state_bytes(dense, 2 * 128, 1)
+            + sm.zero_model_state_bytes(8 * routed / 64, 2 * 2, 1))
+    got = st.memory(g64, lay, 120)
+    assert got["model_states"] == pytest.approx(want)
+    one = st.memory(g64, lay.with_(schedule="zb-h1"), 120)
+    assert got["model_states"] > 1.6 * one["model_states"]  # weights and grads twice
+    # Each micro-batch still runs one stage a rank: the same compute as 1F1B.
+    assert step_time(g64, c, lay, B).compute == pytest.approx(
+        step_time(g64, c, lay.with_(schedule="1f1b"), B).compute)

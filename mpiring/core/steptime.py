@@ -153,6 +153,16 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
                              "smaller micro-batch or dp, or 1f1b")
     elif lay.vpp > 1:
         raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved', not {lay.schedule!r}")
+    if lay.schedule == "dualpipe":
+        m = batch // (lay.dp * lay.micro_batch)
+        if not g.experts:
+            raise ValueError("dualpipe is priced as DeepSeek-V3 runs it, hiding the MoE "
+                             "all-to-alls: for a dense model use zb-h1 or interleaved")
+        # DualPipe's own asserts (deepseek-ai/DualPipe, DualPipe.step): half of the
+        # micro-batches enter from each end.
+        if lay.pp % 2 or m % 2 or m < 2 * lay.pp:
+            raise ValueError(f"dualpipe needs an even pp and an even m >= 2 pp micro-batches, "
+                             f"got pp={lay.pp}, m={m}: change pp, the micro-batch or the batch")
     if lay.ep > 1 and not g.experts:
         raise ValueError("ep > 1 needs a mixture-of-experts model (experts > 0)")
     if lay.ep > 1 and ((lay.dp * lay.tp) % lay.ep or g.experts % lay.ep):
@@ -163,7 +173,11 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
 
 @dataclass(frozen=True)
 class _Rank:
-    """What one pipeline rank holds: its layers, and its parameters before the tp/ep split."""
+    """What one pipeline rank holds, its parameters before the tp/ep split.
+
+    ``layers`` and ``moe_layers`` are those one micro-batch runs through on it
+    (every chunk of an interleaved rank; one of a DualPipe rank's two stages).
+    """
 
     index: int
     layers: int
@@ -173,24 +187,41 @@ class _Rank:
 
 
 @lru_cache(maxsize=1024)
-def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool) -> tuple[_Rank, ...]:
-    """Every pipeline rank's share. Rank 0 holds the embedding, the last rank the head
-    (or, tied, Megatron's copy of the embedding); with pp = 1 one rank holds both."""
+def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool, dual: bool = False) -> tuple[_Rank, ...]:
+    """Every pipeline rank's share. Stage 0 holds the embedding, the last stage the head
+    (or, tied, Megatron's copy of the embedding); with pp = 1 one stage holds both.
+
+    ``dual`` (DualPipe): rank r holds stage r and stage p - 1 - r, one for each
+    direction, so every stage's parameters sit on two ranks (DeepSeek-V3 report,
+    Table 2: "Parameter 2x").
+    """
     routed = g.experts * sm.mlp_params(g.hidden, g.expert_ffn, g.gated)
     dense_w = sm.layer_params(g, False, False)
     moe_w = sm.layer_params(g, True, False) - routed if g.experts else 0
     table = g.vocab * g.hidden
+    stages = sm.rank_layers(g.layers, pp, v, light_ends)
     out = []
-    for r, held in enumerate(sm.rank_layers(g.layers, pp, v, light_ends)):
-        moe = sum(1 for i in held if g.experts and i >= g.dense_layers)
-        tables = (r == 0) + (r == pp - 1 and not (pp == 1 and g.tied_embeddings))
-        out.append(_Rank(r, len(held), moe, (len(held) - moe) * dense_w + moe * moe_w
-                         + tables * table, moe * routed))
+    for r in range(pp):
+        mine = [r, pp - 1 - r] if dual and pp - 1 - r != r else [r]
+        per, moe_max, dense, expert = 0, 0, 0.0, 0.0
+        for st in mine:
+            moe = sum(1 for i in stages[st] if g.experts and i >= g.dense_layers)
+            tables = (st == 0) + (st == pp - 1 and not (pp == 1 and g.tied_embeddings))
+            dense += (len(stages[st]) - moe) * dense_w + moe * moe_w + tables * table
+            expert += moe * routed
+            per, moe_max = max(per, len(stages[st])), max(moe_max, moe)
+        out.append(_Rank(r, per, moe_max, dense, expert))
     return tuple(out)
 
 
 def _layout_ranks(g: sm.GPT, lay: Layout) -> tuple[_Rank, ...]:
-    return _ranks(g, lay.pp, lay.vpp if lay.schedule == "interleaved" else 1, lay.light_ends)
+    return _ranks(g, lay.pp, lay.vpp if lay.schedule == "interleaved" else 1, lay.light_ends,
+                  lay.schedule == "dualpipe")
+
+
+def _copies(lay: Layout) -> int:
+    """Ranks holding each stage's parameters per data-parallel replica: 2 under DualPipe."""
+    return 2 if lay.schedule == "dualpipe" else 1
 
 
 def _stage_layers(g: sm.GPT, lay: Layout) -> int:
@@ -200,11 +231,13 @@ def _stage_layers(g: sm.GPT, lay: Layout) -> int:
 
 def _states(r: _Rank, lay: Layout) -> float:
     """One rank's model states by the ZeRO formulas: its dense part sharded over dp,
-    its experts split over ep and sharded over their dp t / ep replicas."""
-    states = sm.zero_model_state_bytes(r.dense_params / lay.tp, lay.dp, lay.zero)
+    its experts split over ep and sharded over their dp t / ep replicas; under
+    DualPipe over twice as many, the stage's other copy being one more replica."""
+    k = _copies(lay)
+    states = sm.zero_model_state_bytes(r.dense_params / lay.tp, lay.dp * k, lay.zero)
     if r.expert_params:
         states += sm.zero_model_state_bytes(r.expert_params / lay.ep,
-                                            max(1, lay.dp * lay.tp // lay.ep), lay.zero)
+                                            max(1, lay.dp * lay.tp // lay.ep) * k, lay.zero)
     return states
 
 
@@ -365,7 +398,9 @@ def _all_reduce_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
     replicas, dp t / ep of them, ep ranks apart: none once ep = dp t. Each
     pipeline rank reduces its own share; the slowest sets the time.
     """
-    replicas = lay.dp * lay.tp // lay.ep
+    # DualPipe's two copies of a stage reduce their gradients together.
+    k = _copies(lay)
+    replicas = lay.dp * lay.tp // lay.ep * k
     shares = {(r.dense_params, r.expert_params) for r in _layout_ranks(g, lay)}
     # Every stage reduces at once and the slowest counts; a share no larger in both
     # parts than another's cannot be the slowest.
@@ -377,8 +412,8 @@ def _all_reduce_time(g: sm.GPT, c: Cluster, lay: Layout) -> float:
         if expert and replicas > 1:
             t += _collective("all_reduce", expert / lay.ep * lay.grad_bytes, replicas,
                              _group_fabric(c, lay.ep))
-        if lay.dp > 1:
-            t += _collective("all_reduce", dense / lay.tp * lay.grad_bytes, lay.dp,
+        if lay.dp * k > 1:
+            t += _collective("all_reduce", dense / lay.tp * lay.grad_bytes, lay.dp * k,
                              _dp_fabric(c, lay))
         times.append(t)
     return max(times)

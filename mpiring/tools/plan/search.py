@@ -77,14 +77,17 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
             dp = rest // pp
             scheds = [("1f1b", 1)] if pp == 1 else [
                 ("1f1b", 1), ("zb-h1", 1), *(("interleaved", v) for v in _vpps(g.layers // pp))]
-            if g.experts and pp > 1:
+            if g.experts and pp % 2 == 0:
                 scheds.append(("dualpipe", 1))
             for b, (sched, v), zero, rc, ep in product(MICRO_BATCHES, scheds, range(4), RECOMPUTE,
                                                        _eps(g, dp * tp)):
                 if batch % (dp * b) or (zero and dp == 1):
                     continue
-                if sched == "interleaved" and batch // (dp * b) < pp:
+                m = batch // (dp * b)
+                if sched == "interleaved" and m < pp:
                     continue  # Megatron refuses m < p (steptime.check)
+                if sched == "dualpipe" and (m % 2 or m < 2 * pp):
+                    continue  # DualPipe's own asserts (steptime.check)
                 if flash and rc == "selective":  # flash attention keeps no s x s scores: = none
                     continue
                 # DualPipe's point is hiding the all-to-all (DeepSeek-V3 §3.2.1).
