@@ -336,3 +336,27 @@ def test_dualpipe_runs_what_dualpipe_accepts_and_holds_two_copies():
     # Each micro-batch still runs one stage a rank: the same compute as 1F1B.
     assert step_time(g64, c, lay, B).compute == pytest.approx(
         step_time(g64, c, lay.with_(schedule="1f1b"), B).compute)
+
+
+def test_activations_follow_the_mlp_width_gating_and_kv_heads():
+    from mpiring.core import steptime as st
+
+    s, b, h, a = 2048, 1, 2048, 16
+    sb = s * b
+    for ffn in (4 * h, 8 * h, 16 * h):
+        # Korthikanti's parts: 18 s b h + 4 s b ffn (+ 5 a s^2 b without flash).
+        g = sm.GPT(24, h, a, s, 51200, ffn=ffn)
+        mem = st.memory(g, Layout(dp=1, flash=True), 1)
+        assert mem["activations"] == pytest.approx(24 * sb * (18 * h + 4 * ffn))
+        assert sm.activation_bytes_per_layer(s, b, h, a, ffn=ffn) == sb * (
+            18 * h + 4 * ffn + 5 * a * s)
+    # SwiGLU keeps three ffn-wide tensors; 8 KV heads of 128 shrink K and V to 1/16.
+    assert sm.activation_bytes_per_layer(s, b, h, a, 2, True, "selective", ffn=3 * h,
+                                         gated=True) == sb * (18 * h + 18 * h) / 2
+    assert sm.activation_bytes_per_layer(s, b, h, 128, kv_heads=8, recompute="selective") == \
+        sb * h * (10 + 4 + 4 / 16 + 16)
+    # The default shape is Table 2's 34 s b h, and a MoE layer counts its active experts.
+    assert sm.activation_bytes_per_layer(s, b, h, a, recompute="selective") == 34 * sb * h
+    ds = pr.DEEPSEEK_V3
+    assert sm.layer_activation_bytes(ds, 1, recompute="selective", moe=True) == pytest.approx(
+        ds.seq * (18 * ds.hidden + 6 * 9 * ds.expert_ffn))

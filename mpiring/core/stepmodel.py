@@ -196,22 +196,46 @@ def zero_model_state_bytes(psi: float, nd: int, stage: int, k: float = ADAM_K) -
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
-                               sp: bool = False, recompute: str = "none") -> float:
-    """Activation memory of one layer in bytes (Korthikanti et al. 2022, Table 2).
+                               sp: bool = False, recompute: str = "none", *, ffn: int = 0,
+                               gated: bool = False, kv_heads: int = 0) -> float:
+    """Activation memory of one layer in bytes (Korthikanti et al. 2022, §4.1, Table 2).
 
-    none: s b h (10 + 24/t + 5 a s/(h t)) (with sequence parallelism
-    s b h (34/t + 5 a s/(h t))); selective: s b h 34/t with SP (attention's
-    softmax, dropout and AV recomputed); full: 2 s b h (only the layer's input
-    is kept, /t with SP).
+    Their parts: 10 s b h outside the tensor-parallel regions (LayerNorm inputs,
+    the two linear inputs, two dropout masks), split over t only with SP; inside
+    them Q and K 4 s b h, V 2 s b h, the output projection's input 2 s b h, the
+    MLP's GeLU input and second linear input 2 s b ffn each, and the scores
+    5 a s^2 b. With ffn = 4h that is Table 2: none s b h (10 + 24/t + 5 a s/(h t))
+    (with SP s b h (34/t + 5 a s/(h t))); selective s b h 34/t with SP
+    (attention's softmax, dropout and AV recomputed); full 2 s b h (only the
+    layer's input kept, /t with SP). ``kv_heads`` < a shrinks K and V
+    (grouped-query attention); ``gated`` keeps SwiGLU's two inputs and the
+    second linear's input, 3 x 2 s b ffn (Megatron's fused SwiGLU saves its input).
     """
     sbh = s * b * h
     if recompute == "full":
         return 2.0 * sbh / (t if sp else 1)
-    if recompute == "selective":
-        return sbh * (34.0 / t if sp else 10 + 24.0 / t)
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    ffn = ffn or 4 * h
+    kv = (kv_heads or a) / a
+    inside = sbh * (4 + 4 * kv) + s * b * ffn * (6 if gated else 4)
+    out = (10 * sbh + inside) / t if sp else 10 * sbh + inside / t
     if recompute == "none":
-        return sbh * ((34.0 / t if sp else 10 + 24.0 / t) + 5.0 * a * s / (h * t))
-    raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+        out += 5.0 * a * s * s * b / t
+    return out
+
+
+def layer_activation_bytes(g: GPT, b: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", moe: bool = False) -> float:
+    """``activation_bytes_per_layer`` at ``g``'s shape: its MLP width, gating and KV heads.
+
+    A MoE layer counts a token's top_k routed and shared experts as one MLP of
+    their summed width; the token copies each routed expert keeps of its input
+    are left out, and so is multi-head latent attention's own shape (MHA's count).
+    """
+    ffn = (g.top_k + g.shared_experts) * g.expert_ffn if moe else g.d_ffn
+    return activation_bytes_per_layer(g.seq, b, g.hidden, g.heads, t, sp, recompute, ffn=ffn,
+                                      gated=g.gated, kv_heads=g.kv_heads)
 
 
 # --- pipeline stages ----------------------------------------------------------------

@@ -6,8 +6,8 @@ Time per step is the sum of what cannot overlap (Narayanan et al. 2021, §3):
                    FP8 GEMMs the attention core and the output head stay in
                    16-bit and run at bf16_flops x bf16_eff instead
     elementwise    bytes the memory-bound ops touch / HBM bandwidth: passes x
-                   Korthikanti's per-layer activation bytes (their 5as/h term
-                   only without flash attention)
+                   Korthikanti's per-layer activation bytes at the layer's MLP
+                   width (their 5as/h term only without flash attention)
     tp_comm        4 ring AllReduces of b s h per layer and micro-batch (2 forward,
                    2 backward; 6 with full recomputation), none overlapped
     ep_comm        MoE dispatch + combine all-to-alls, forward and backward,
@@ -241,6 +241,14 @@ def _states(r: _Rank, lay: Layout) -> float:
     return states
 
 
+def _stage_activations(g: sm.GPT, lay: Layout, r: _Rank, recompute: str) -> float:
+    """Activation bytes of one micro-batch through rank ``r``'s layers, each at its own shape."""
+    one = sm.layer_activation_bytes(g, lay.micro_batch, lay.tp, lay.sp, recompute)
+    moe = (sm.layer_activation_bytes(g, lay.micro_batch, lay.tp, lay.sp, recompute, moe=True)
+           if r.moe_layers else 0.0)
+    return (r.layers - r.moe_layers) * one + r.moe_layers * moe
+
+
 def memory(g: sm.GPT, lay: Layout, m: int) -> dict[str, float]:
     """Bytes on the fullest GPU: model states (ZeRO formulas) and activations (Korthikanti).
 
@@ -248,19 +256,17 @@ def memory(g: sm.GPT, lay: Layout, m: int) -> dict[str, float]:
     micro-batches: rank 0 holds the most micro-batches and the embedding, but with
     experts a later rank's expert states can outweigh them.
     """
-    per_layer = sm.activation_bytes_per_layer(g.seq, lay.micro_batch, g.hidden, g.heads, lay.tp,
-                                              lay.sp, lay.recompute)
-    if lay.flash and lay.recompute == "none":  # no s x s scores kept: selective's count
-        per_layer = sm.activation_bytes_per_layer(g.seq, lay.micro_batch, g.hidden, g.heads,
-                                                  lay.tp, lay.sp, "selective")
+    # Flash attention keeps no s x s scores: selective's count.
+    rc = "selective" if lay.flash and lay.recompute == "none" else lay.recompute
     best, seen = None, set()
     for r in _layout_ranks(g, lay):
         # A later rank with the same share holds no more micro-batches: skip it.
-        if (r.layers, r.dense_params, r.expert_params) in seen:
+        key = (r.layers, r.moe_layers, r.dense_params, r.expert_params)
+        if key in seen:
             continue
-        seen.add((r.layers, r.dense_params, r.expert_params))
+        seen.add(key)
         held = sm.in_flight_microbatches(lay.schedule, lay.pp, m, lay.vpp, r.index)
-        states, acts = _states(r, lay), per_layer * r.layers * held
+        states, acts = _states(r, lay), _stage_activations(g, lay, r, rc) * held
         if best is None or states + acts > best[0] + best[1]:
             best = (states, acts)
     states, acts = best
@@ -310,11 +316,11 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
     tokens = batch * s
     compute = compute_time(g, c, lay, tokens)
     # Memory-bound ops, per micro-batch and stage; recomputation repeats the forward's.
-    act = sm.activation_bytes_per_layer(s, b, h, g.heads, lay.tp, lay.sp,
-                                        "selective" if lay.flash else "none")
+    rc = "selective" if lay.flash else "none"
+    act = max(_stage_activations(g, lay, r, rc) for r in _layout_ranks(g, lay))
     redo = 4 / 3 if lay.recompute == "full" else 1.0
     layers = _stage_layers(g, lay)
-    per_mb_elem = c.elementwise_passes * act * redo * layers / c.mem_bw
+    per_mb_elem = c.elementwise_passes * act * redo / c.mem_bw
     # Tensor parallel: 2 AllReduces forward and 2 backward per layer (Shoeybi et al.
     # 2019 §3), 2 more when the forward is recomputed; on NVLink inside the node.
     n_ar = 6 if lay.recompute == "full" else 4

@@ -78,9 +78,11 @@ def fp8_gemm_eff(g: sm.GPT, fp8_peak: float, prof: dict = PROFILE) -> float:
 def elementwise_passes(g: sm.GPT, mem_bw: float, prof: dict = PROFILE) -> float:
     """The memory-bound kernels' time as passes over Korthikanti's activation bytes.
 
-    passes = other_ms x HBM bandwidth / (layers x s b h x 34) with b s = the
-    profile's tokens (selective recomputation, flash attention: no s x s term).
+    passes = other_ms x HBM bandwidth / (layers x one MoE layer's activation
+    bytes) at the profile's tokens (``layer_activation_bytes``, selective
+    recomputation, flash attention: no s x s term; 33.4 s b h for DeepSeek-V3).
     """
-    act = sm.activation_bytes_per_layer(prof["tokens"], 1, g.hidden, g.heads, 1, False,
-                                        "selective")
+    # The profile's layers are MoE layers: the count the step model prices them with.
+    act = sm.layer_activation_bytes(g.with_(seq=prof["tokens"]), 1, 1, False, "selective",
+                                    moe=True)
     return prof["other_ms"] * 1e-3 * mem_bw / (prof["layers"] * act)
