@@ -100,7 +100,7 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
 
 def search(g: sm.GPT, c: Cluster, batch: int, tokens: float = 0.0, top: int = 5,
            **kw) -> list[Candidate]:
-    """The ``top`` fastest layouts that fit in memory (fastest first).
+    """The ``top`` fastest layouts that fit in memory (fastest first, the leanest of a tie).
 
     Args:
         g: the model. c: the cluster (all ``c.gpus`` are used).
@@ -129,5 +129,21 @@ def search(g: sm.GPT, c: Cluster, batch: int, tokens: float = 0.0, top: int = 5,
         raise ValueError(f"no layout fits in {c.mem_bytes / 1e9:.0f} GB per GPU: the leanest "
                          f"({leanest[1].describe()}) needs {leanest[0]:.1f} GB; add GPUs or "
                          "shrink the model or the sequence")
-    found.sort(key=lambda x: x.step_s)
-    return found[:top]
+    # Layouts the model prices within 0.01 % of each other are ties (ZeRO 0-2 and b
+    # often are): the leanest comes first, and of a layout that differs only in ZeRO
+    # stage or micro-batch at that time only the leanest is kept, so the rows differ.
+    found.sort(key=lambda x: (_tie(x.step_s), x.memory_gb))
+    out, seen = [], set()
+    for x in found:
+        lay = x.layout
+        key = (_tie(x.step_s), lay.dp, lay.tp, lay.pp, lay.ep, lay.schedule, lay.vpp,
+               lay.recompute)
+        if key not in seen:
+            seen.add(key)
+            out.append(x)
+    return out[:top]
+
+
+def _tie(seconds: float) -> float:
+    """Step time to 4 significant digits: the model's precision is far coarser."""
+    return float(f"{seconds:.4g}")
