@@ -381,3 +381,31 @@ def layouts_fitting(g, gpus, batch):
     c = pr.selene(gpus)
     rows = [throughput(g, c, lay, batch) for lay in layouts(g, c, batch)]
     return [r for r in rows if r["memory_gb"] <= 80]
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "0"], ["--batch", "0"], ["--top", "-1"], ["--top", "0"],
+                                  ["--ffn", "-5"], ["--tokens", "-1"], ["--layers", "x"]])
+def test_cli_refuses_values_it_used_to_replace(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _plan(argv)
+    assert exc.value.code == 2 and "use a" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--hidden", "100", "--heads", "16"], "not a multiple of heads"),
+    (["--preset", "deepseek-v3", "--gpu", "a100"], "drop --gpu"),
+])
+def test_cli_names_the_fix_for_a_bad_model_or_combination(argv, match, capsys):
+    assert _plan(argv + ["--top", "1"]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_takes_the_values_it_is_given(capsys):
+    assert _plan(["--gpus", "32", "--batch", "64", "--top", "1"]) == 0
+    assert "32 x selene-a100, batch 64 sequences" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="kv_heads 3 must divide heads 16"):
+        sm.GPT(24, 2048, 16, 2048, 51200, kv_heads=3)
+    with pytest.raises(ValueError, match="GPT.ffn must be >= 0"):
+        sm.GPT(24, 2048, 16, 2048, 51200, ffn=-5)
+    with pytest.raises(ValueError, match="top must be >= 1"):
+        search(sm.GPT(24, 2048, 16, 2048, 51200), pr.selene(8), 64, top=0)

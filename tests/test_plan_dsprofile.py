@@ -42,7 +42,7 @@ def test_the_step_model_reproduces_the_profiled_chunk_pair():
     # work are fitted, attention (BF16 at the A100 share) is not: within 10 %.
     c, p = pr.h800_cluster(), d.PROFILE
     sms = p["gemm_sms"] / p["sms"]
-    kinds = sm.training_flops_by_kind(G.with_(layers=1, mtp_depth=0), "selective")
+    kinds = sm.training_flops_by_kind(G.with_(layers=1, dense_layers=0, mtp_depth=0), "selective")
     attn = kinds["attention"] * 4 * 4096 / (c.bf16_flops * c.bf16_eff * sms) * 1e3
     lin = 3 * d.moe_layer_linear_flops(G) * 4 * 4096 / (c.peak_flops * c.gemm_eff * sms) * 1e3
     pair = lin + attn + p["other_ms"]

@@ -17,6 +17,8 @@ import argparse
 import json
 import sys
 
+from mpiring.cli import positive_int
+
 PRESETS = ("megatron-1t", "megatron-145b", "llama-3.1-405b", "deepseek-v3")
 
 
@@ -26,14 +28,17 @@ def add_arguments(p) -> None:
     p.add_argument("--check", action="store_true",
                    help="print the published tables (Megatron-LM, ZeRO, DeepSeek-V3, Llama 3.1) "
                         "beside the predictions")
-    p.add_argument("--gpu", choices=("a100", "h100", "h800"), default="a100")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs in the cluster")
+    p.add_argument("--gpu", choices=("a100", "h100", "h800"), default=None,
+                   help="the cluster of a model you describe (default a100); a preset brings "
+                        "its own")
+    p.add_argument("--gpus", type=positive_int, default=None, help="GPUs in the cluster")
     for name, help_ in (("layers", "l"), ("hidden", "h"), ("heads", "a"), ("seq", "s"),
                         ("vocab", "V"), ("ffn", "MLP inner size (default 4h)")):
-        p.add_argument(f"--{name}", type=int, default=None, help=help_)
-    p.add_argument("--batch", type=int, default=None, help="global batch in sequences")
-    p.add_argument("--tokens", type=float, default=0.0, help="token budget for GPU-hours, e.g. 3e11")
-    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+        p.add_argument(f"--{name}", type=positive_int, default=None, help=help_)
+    p.add_argument("--batch", type=positive_int, default=None, help="global batch in sequences")
+    p.add_argument("--tokens", type=_tokens, default=None,
+                   help="token budget for GPU-hours, e.g. 3e11 (0: none)")
+    p.add_argument("--top", type=positive_int, default=5, help="layouts to print (default 5)")
     p.add_argument("--local", nargs="*", metavar="JSON", default=None,
                    help="this host: with no file, fit alpha/beta and the FLOP rate, run the DDP, "
                         "TP and PP benches on --ranks ranks and print predicted vs measured; "
@@ -53,11 +58,25 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="PNG", help="stacked bars of each layout's step time")
 
 
+def _tokens(text: str) -> float:
+    """argparse type: a finite token count >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use a token count >= 0, e.g. 3e11")
+    return value
+
+
 def _problem(args):
     from mpiring.core.stepmodel import GPT
     from mpiring.tools.plan import presets as pr
 
     clusters = {"a100": pr.selene, "h100": pr.h100_cluster, "h800": pr.h800_cluster}
+    if args.preset and args.gpu:
+        raise ValueError(f"--gpu {args.gpu} with --preset {args.preset}: a preset brings its "
+                         "own cluster; drop --gpu (or --preset, and describe the model)")
     if args.preset in ("megatron-1t", "megatron-145b"):
         row = pr.MEGATRON_TABLE[-1 if args.preset == "megatron-1t" else 6]
         g, c, batch, tokens = row.model(), pr.selene(row.gpus), row.batch, 0.0
@@ -66,14 +85,15 @@ def _problem(args):
         g, c, batch, tokens = run.model, run.cluster, run.batch, run.tokens
     else:
         g = GPT(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200)
-        c, batch, tokens = clusters[args.gpu](args.gpus or 64), 512, 0.0
+        c, batch, tokens = clusters[args.gpu or "a100"](64), 512, 0.0
     changes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn")
                if getattr(args, k) is not None}
     if changes:
         g = g.with_(**changes)
-    if args.gpus:
+    if args.gpus is not None:
         c = c.with_(gpus=args.gpus)
-    return g, c, args.batch or batch, args.tokens or tokens
+    return (g, c, batch if args.batch is None else args.batch,
+            tokens if args.tokens is None else args.tokens)
 
 
 def _check(args) -> int:
@@ -259,8 +279,8 @@ def run(args) -> int:
             sys.stderr.write("python -m mpiring plan: --local takes no file or BENCH_JSON DDP_JSON\n")
             return 2
         return _local_all(args)
-    g, c, batch, tokens = _problem(args)
     try:
+        g, c, batch, tokens = _problem(args)
         cands = search(g, c, batch, tokens, top=args.top)
     except ValueError as exc:
         sys.stderr.write(f"python -m mpiring plan: {exc}\n")

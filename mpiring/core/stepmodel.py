@@ -65,6 +65,19 @@ class GPT:
                 raise ValueError(f"GPT.{f} must be >= 1, got {getattr(self, f)}")
         if self.experts and not (0 < self.top_k <= self.experts and self.expert_ffn > 0):
             raise ValueError("a mixture of experts needs 0 < top_k <= experts and expert_ffn > 0")
+        for f in ("ffn", "kv_heads", "experts", "top_k", "shared_experts", "expert_ffn",
+                  "dense_layers", "attn_params_per_layer", "attn_width", "node_limit",
+                  "mtp_depth"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"GPT.{f} must be >= 0 (0: the default), got {getattr(self, f)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}: "
+                             "each head needs hidden/heads dimensions")
+        if self.kv_heads and self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads} "
+                             "(each key/value head serves heads/kv_heads query heads)")
+        if self.dense_layers > self.layers:
+            raise ValueError(f"dense_layers {self.dense_layers} exceeds the {self.layers} layers")
 
     @property
     def d_ffn(self) -> int:

@@ -112,6 +112,8 @@ def search(g: sm.GPT, c: Cluster, batch: int, tokens: float = 0.0, top: int = 5,
     """
     if batch < 1:
         raise ValueError(f"global batch must be >= 1 sequence, got {batch}")
+    if top < 1:
+        raise ValueError(f"top must be >= 1 layout, got {top}")
     found, leanest = [], None
     for lay in layouts(g, c, batch, **kw):
         r = throughput(g, c, lay, batch)
