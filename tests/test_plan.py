@@ -393,7 +393,8 @@ def test_cli_refuses_values_it_used_to_replace(argv, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--hidden", "100", "--heads", "16"], "not a multiple of heads"),
-    (["--preset", "deepseek-v3", "--gpu", "a100"], "drop --gpu"),
+    (["--preset", "deepseek-v3", "--gpu", "a100"], "drop them"),
+    (["--gpu", "a100", "--precision", "fp8"], "only for --gpu h800"),
 ])
 def test_cli_names_the_fix_for_a_bad_model_or_combination(argv, match, capsys):
     assert _plan(argv + ["--top", "1"]) == 2
@@ -409,3 +410,18 @@ def test_cli_takes_the_values_it_is_given(capsys):
         sm.GPT(24, 2048, 16, 2048, 51200, ffn=-5)
     with pytest.raises(ValueError, match="top must be >= 1"):
         search(sm.GPT(24, 2048, 16, 2048, 51200), pr.selene(8), 64, top=0)
+
+
+def test_cli_h800_is_bf16_unless_fp8_is_asked(capsys):
+    # DeepSeek's FP8 MoE trace constants (28 elementwise passes) made a dense BF16
+    # GPT 1.5x slower on the H800 than on the H100 with the same cores.
+    assert _plan(["--gpu", "h800", "--top", "1"]) == 0
+    bf16 = capsys.readouterr().out
+    assert "64 x h800," in bf16
+    assert _plan(["--gpu", "h800", "--precision", "fp8", "--top", "1"]) == 0
+    assert "64 x h800-fp8," in capsys.readouterr().out
+    g = sm.GPT(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200)
+    h800 = search(g, pr.h800_cluster(64, fp8=False), 512, top=1)[0]
+    h100 = search(g, pr.h100_cluster(64), 512, top=1)[0]
+    assert h800.step_s == pytest.approx(h100.step_s, rel=0.01)
+    assert f"{h800.step_s:8.3f}" in bf16

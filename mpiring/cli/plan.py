@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu", choices=("a100", "h100", "h800"), default=None,
                    help="the cluster of a model you describe (default a100); a preset brings "
                         "its own")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default=None,
+                   help="GEMM precision for --gpu (default bf16); fp8 only for h800, priced with "
+                        "the constants of DeepSeek-V3's FP8 MoE trace")
     p.add_argument("--gpus", type=positive_int, default=None, help="GPUs in the cluster")
     for name, help_ in (("layers", "l"), ("hidden", "h"), ("heads", "a"), ("seq", "s"),
                         ("vocab", "V"), ("ffn", "MLP inner size (default 4h)")):
@@ -73,10 +76,16 @@ def _problem(args):
     from mpiring.core.stepmodel import GPT
     from mpiring.tools.plan import presets as pr
 
-    clusters = {"a100": pr.selene, "h100": pr.h100_cluster, "h800": pr.h800_cluster}
-    if args.preset and args.gpu:
-        raise ValueError(f"--gpu {args.gpu} with --preset {args.preset}: a preset brings its "
-                         "own cluster; drop --gpu (or --preset, and describe the model)")
+    # The H800's FP8 constants are DeepSeek-V3's (an FP8 MoE recipe with its routing and
+    # quantisation work): a what-if for other models, so BF16 unless asked.
+    clusters = {"a100": pr.selene, "h100": pr.h100_cluster,
+                "h800": lambda n: pr.h800_cluster(n, fp8=args.precision == "fp8")}
+    if args.preset and (args.gpu or args.precision):
+        raise ValueError(f"--gpu/--precision with --preset {args.preset}: a preset brings its "
+                         "own cluster; drop them (or --preset, and describe the model)")
+    if args.precision == "fp8" and args.gpu != "h800":
+        raise ValueError("--precision fp8 has constants only for --gpu h800 (DeepSeek-V3's "
+                         "trace): use --gpu h800 or bf16")
     if args.preset in ("megatron-1t", "megatron-145b"):
         row = pr.MEGATRON_TABLE[-1 if args.preset == "megatron-1t" else 6]
         g, c, batch, tokens = row.model(), pr.selene(row.gpus), row.batch, 0.0
