@@ -68,6 +68,21 @@ def test_bubble_fractions(sched, p, m, v, want):
     assert sm.bubble_fraction(sched, p, m, v) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("sched,want", [("1f1b", 7 / 32), ("interleaved", 7 / 64),
+                                        ("zb-h1", 7 / 64), ("zb-h2", 7 / 128),
+                                        ("dualpipe", 3 / 32)])
+def test_full_recomputation_puts_a_forward_inside_b(sched, want):
+    # Qi et al.'s (p-1)(T_F + T_B - T_W) with T_B = 2 (input gradient + recomputed
+    # forward): ZB-H1 half of 1F1B's, not a third; ZB-H2 no longer zero.
+    assert sm.bubble_fraction(sched, 8, 32, 2 if sched == "interleaved" else 1, "full") == \
+        pytest.approx(want)
+    row = pr.MEGATRON_TABLE[6]
+    g, c, lay = row.model(), pr.selene(row.gpus), row.layout()  # 1f1b, full recomputation
+    one = step_time(g, c, lay, row.batch)
+    assert step_time(g, c, lay.with_(schedule="zb-h1"), row.batch).bubble == pytest.approx(
+        one.bubble / 2)
+
+
 def test_bubble_rejects_unknown_schedules_and_zero_degrees():
     with pytest.raises(ValueError, match="unknown schedule"):
         sm.bubble_fraction("2f2b", 4, 8)

@@ -284,33 +284,40 @@ def rank_layers(layers: int, p: int, v: int = 1, light_ends: bool = False) -> li
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "dualpipe")
 
 
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = "none") -> float:
     """Idle time over ideal compute time of one pipeline flush.
 
     gpipe and 1f1b: (p-1)/m (Narayanan et al. 2021 §2.2.1; as a share of wall
     time that is (p-1)/(m+p-1)); interleaved with v chunks: (p-1)/(v m) (§2.2.2),
-    for m >= p only (with fewer the fill takes about p v chunk times: refused);
-    zb-h1: a third of 1F1B's, zb-h2: none (Qi et al. 2024, Table 2 with
-    T_F = T_B = T_W); dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B)
-    (DeepSeek-V3 report, Table 2), where B is the full backward and W its
-    weight half: with F = W = B/2 and F&B = F + B (the overlap hides
-    communication, not compute) that is (p - 2)/(3m).
+    for m >= p only (with fewer the fill takes about p v chunk times: refused).
+    The zero-bubble schedules by Qi et al. 2024, Table 2: zb-h1 (p-1)(T_F + T_B
+    - T_W), zb-h2 (p-1)(T_F + T_B - 2 T_W), over m (T_F + T_B + T_W); with
+    T_F = T_B = T_W a third of 1F1B's and none. Full recomputation runs the
+    forward again inside B (T_B = 2): zb-h1 is then half of 1F1B's, zb-h2 a
+    quarter. dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B) (DeepSeek-V3
+    report, Table 2), where B is the full backward and W its weight half: with
+    F = W = 1, B = 2 (3 recomputing) and F&B = F + B (the overlap hides
+    communication, not compute) that is (p - 2)/(3m) ((p/2 - 1)/m recomputing).
     """
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"need p, m, v >= 1, got p={p}, m={m}, v={v}")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
     if schedule == "interleaved":
         if m < p:
             raise ValueError(f"interleaved 1F1B needs m >= p micro-batches, got m={m}, p={p}")
         return (p - 1) / (v * m)
+    # Unit times: F, B's input-gradient half (with the recomputed forward), W.
+    f, b, w = 1.0, 2.0 if recompute == "full" else 1.0, 1.0
     if schedule == "zb-h1":
-        return (p - 1) / (3 * m)
-    if schedule == "dualpipe":
-        f, b, w = 1.0, 2.0, 1.0
-        return max(0.0, (p / 2 - 1) * ((f + b) + b - 3 * w)) / (m * (f + b))
+        return (p - 1) * (f + b - w) / (m * (f + b + w))
     if schedule == "zb-h2":
-        return 0.0
+        return max(0.0, (p - 1) * (f + b - 2 * w)) / (m * (f + b + w))
+    if schedule == "dualpipe":
+        full = b + w  # DualPipe's B is the whole backward
+        return max(0.0, (p / 2 - 1) * ((f + full) + full - 3 * w)) / (m * (f + full))
     raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
 
 

@@ -344,7 +344,7 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
     if hidden_pp:
         per_mb_pp = 0.0
     per_mb = compute / m + per_mb_elem + per_mb_tp + per_mb_ep + per_mb_pp
-    bubble = sm.bubble_fraction(lay.schedule, lay.pp, m, lay.vpp) * per_mb * m
+    bubble = sm.bubble_fraction(lay.schedule, lay.pp, m, lay.vpp, lay.recompute) * per_mb * m
     dp_total, dp_exposed = _dp_parts(_all_reduce_time(g, c, lay), lay, m, compute)
     return sm.Breakdown(compute=compute, elementwise=per_mb_elem * m, tp_comm=per_mb_tp * m,
                         ep_comm=per_mb_ep * m, pp_comm=per_mb_pp * m, bubble=bubble,
