@@ -440,3 +440,17 @@ def test_cli_h800_is_bf16_unless_fp8_is_asked(capsys):
     h100 = search(g, pr.h100_cluster(64), 512, top=1)[0]
     assert h800.step_s == pytest.approx(h100.step_s, rel=0.01)
     assert f"{h800.step_s:8.3f}" in bf16
+
+
+def test_a_pipeline_over_two_nodes_sends_across_them():
+    # dp2 tp2 pp4 on 8-GPU nodes: stages 0-1 on node 0, 2-3 on node 1, so the
+    # boundary between stages 1 and 2 goes over the NIC.
+    from mpiring.core import steptime as st
+
+    g, c = pr.MEGATRON_TABLE[2].model(), pr.selene(16)
+    lay = Layout(dp=2, tp=2, pp=4, recompute="full")
+    br = step_time(g, c, lay, 64)
+    m, nbytes = 64 // 2, 2 * g.seq * g.hidden / 2
+    assert br.pp_comm == pytest.approx(m * 2 * st._p2p(nbytes, c, True))
+    one_node = step_time(g, c, lay.with_(dp=1), 64)  # 8 GPUs: NVLink only
+    assert one_node.pp_comm == pytest.approx(64 * 2 * st._p2p(nbytes, c, False))

@@ -329,8 +329,9 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
                                                                  tp_link)
     per_mb_pp = 0.0
     if lay.pp > 1:
-        # Stage neighbours are tp x dp ranks apart: across nodes once that fills one.
-        across = lay.tp * lay.dp >= f.gpus_per_node
+        # Stage neighbours are tp x dp ranks apart (Megatron's order): once the pipeline
+        # spans more than one node some boundary crosses one, and the slowest sets the pace.
+        across = lay.gpus > f.gpus_per_node
         # Interleaved: a micro-batch crosses p v - 1 chunk boundaries, v per rank.
         sends = lay.vpp if lay.schedule == "interleaved" else 1
         per_mb_pp = 2 * sends * _p2p(lay.act_bytes * s * b * h / lay.tp, c, across)
