@@ -304,7 +304,8 @@ def test_the_slowest_stage_sets_the_pace_and_the_fullest_gpu_the_memory():
     g1, lay1 = row.model(), row.layout()
     psi0 = (2 * sm.layer_params(g1, False, False) + g1.vocab * g1.hidden) / 8
     mem = st.memory(g1, lay1, row.batch // lay1.dp)
-    assert mem["model_states"] == pytest.approx(sm.zero_model_state_bytes(psi0, lay1.dp, 0))
+    assert mem["model_states"] == pytest.approx(sm.zero_model_state_bytes(psi0, lay1.dp, 0,
+                                                                          grad_bytes=4))
     # Llama 3's split: one layer fewer on the first and last stage.
     assert sm.chunk_sizes(126, 16, light_ends=True) == [7] + [8] * 14 + [7]
     assert sm.chunk_sizes(126, 16) == [8] * 14 + [7] * 2
@@ -454,3 +455,16 @@ def test_a_pipeline_over_two_nodes_sends_across_them():
     assert br.pp_comm == pytest.approx(m * 2 * st._p2p(nbytes, c, True))
     one_node = step_time(g, c, lay.with_(dp=1), 64)  # 8 GPUs: NVLink only
     assert one_node.pp_comm == pytest.approx(64 * 2 * st._p2p(nbytes, c, False))
+
+
+def test_fp32_gradients_take_4_bytes_in_memory_too():
+    # Megatron's rows keep fp32 main gradients (grad_bytes=4): 2 + 4 + 12 = 18 B/param.
+    from mpiring.core import steptime as st
+
+    row = pr.MEGATRON_TABLE[-1]
+    g, lay = row.model(), row.layout()
+    assert lay.grad_bytes == 4
+    psi0 = (2 * sm.layer_params(g, False, False) + g.vocab * g.hidden) / 8
+    mem = st.memory(g, lay, row.batch // lay.dp)
+    assert mem["model_states"] == pytest.approx(18 * psi0)
+    assert st.memory(g, lay.with_(grad_bytes=2), 1)["model_states"] == pytest.approx(16 * psi0)

@@ -187,15 +187,17 @@ def model_flops_per_token(g: GPT) -> float:
 WEIGHT_BYTES, GRAD_BYTES, ADAM_K = 2, 2, 12
 
 
-def zero_model_state_bytes(psi: float, nd: int, stage: int, k: float = ADAM_K) -> float:
+def zero_model_state_bytes(psi: float, nd: int, stage: int, k: float = ADAM_K,
+                           grad_bytes: float = GRAD_BYTES) -> float:
     """Per-GPU model states by the ZeRO paper (Rajbhandari et al. 2020, Fig. 1, §5).
 
     stage 0: (2 + 2 + K) Psi; 1 (P_os): 2Psi + 2Psi + K Psi/N_d;
     2 (P_os+g): 2Psi + (2 + K) Psi/N_d; 3 (P_os+g+p): (2 + 2 + K) Psi/N_d.
+    ``grad_bytes`` replaces the second 2 (4: fp32 main gradients, as Megatron keeps them).
     """
     if nd < 1:
         raise ValueError(f"data-parallel degree N_d must be >= 1, got {nd}")
-    w, g = WEIGHT_BYTES * psi, GRAD_BYTES * psi
+    w, g = WEIGHT_BYTES * psi, grad_bytes * psi
     o = k * psi
     if stage == 0:
         return w + g + o

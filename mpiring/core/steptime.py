@@ -86,7 +86,8 @@ class Layout:
         sp: sequence parallelism. flash: attention without the s x s matrix in HBM.
         overlap_dp: share of the last micro-batch's backward the gradient
             reduction may hide behind (0: reduced after the flush).
-        grad_bytes: bytes per gradient element on the wire.
+        grad_bytes: bytes per gradient element, in memory and on the wire (4:
+            fp32 main gradients, as Megatron keeps and reduces them).
         ep_overlap: share of the MoE all-to-all hidden behind compute.
         comm_sm_fraction: share of the GPU's cores kept for communication.
         a2a_bytes: bytes per hidden element in the MoE all-to-alls (dispatch and
@@ -234,10 +235,12 @@ def _states(r: _Rank, lay: Layout) -> float:
     its experts split over ep and sharded over their dp t / ep replicas; under
     DualPipe over twice as many, the stage's other copy being one more replica."""
     k = _copies(lay)
-    states = sm.zero_model_state_bytes(r.dense_params / lay.tp, lay.dp * k, lay.zero)
+    states = sm.zero_model_state_bytes(r.dense_params / lay.tp, lay.dp * k, lay.zero,
+                                       grad_bytes=lay.grad_bytes)
     if r.expert_params:
         states += sm.zero_model_state_bytes(r.expert_params / lay.ep,
-                                            max(1, lay.dp * lay.tp // lay.ep) * k, lay.zero)
+                                            max(1, lay.dp * lay.tp // lay.ep) * k, lay.zero,
+                                            grad_bytes=lay.grad_bytes)
     return states
 
 
@@ -272,7 +275,7 @@ def memory(g: sm.GPT, lay: Layout, m: int) -> dict[str, float]:
     states, acts = best
     # ZeRO-3 gathers one unit (a layer, or the embedding) at a time: the unit in use
     # and the one prefetched are whole, and so is its gradient until it is reduce-scattered.
-    buffers = (_largest_unit(g, lay) * (2 * sm.WEIGHT_BYTES + sm.GRAD_BYTES)
+    buffers = (_largest_unit(g, lay) * (2 * sm.WEIGHT_BYTES + lay.grad_bytes)
                if lay.zero == 3 else 0.0)
     return {"model_states": states, "activations": acts, "buffers": buffers,
             "total": states + acts + buffers}
