@@ -325,6 +325,36 @@ def test_zero_with_ddp_buckets_no_sync_and_rebuild(comm, stage):
     ddp.close()
 
 
+def test_stage2_with_ddp_over_some_parameters_is_refused_stage1_matches(comm):
+    """Stage 2 reduce-scatters whole DDP buckets: an optimizer over only some of the
+    DDP model's parameters would update with partial sums, so every rank refuses it.
+    Stage 1 takes DDP's mean as it is: the split (ZeRO + a plain SGD) matches torch."""
+    from mpiring.parallel.data import DistributedDataParallel
+
+    model = make_model()
+    ddp = DistributedDataParallel(model, comm)
+    mine = [p for n, p in model.named_parameters() if n != "fc2.weight"]
+    with pytest.raises(ValueError, match="fc2.weight.*every trainable parameter"):
+        ZeroRedundancyOptimizer(mine, comm, torch.optim.SGD, stage=2, ddp=ddp, lr=0.1)
+    opt = ZeroRedundancyOptimizer(mine, comm, torch.optim.SGD, stage=1, ddp=ddp, lr=0.1)
+    other = torch.optim.SGD([model.fc2.weight], lr=0.1)
+    reference = make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        other.zero_grad()
+        loss_fn(ddp, shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)).backward()
+        opt.step()
+        other.step()
+        ref_opt.zero_grad()
+        loss_fn(reference, x, y).backward()
+        ref_opt.step()
+    assert_same_params(model, reference)
+    assert_replicas_identical(model, comm)
+    ddp.close()
+
+
 def test_training_job_zero2_and_zero1_with_fp16_hook_follow_adamw(world, subcomms):
     """The train command's configurations: zero2 and zero1+fp16 give AdamW's loss curve."""
     from mpiring.tools.train.data import read_corpus

@@ -55,7 +55,9 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
             (DDP's first synced backward is all-reduced instead: DDP rebuilds
             its buckets after it, and the first step lays the shards out like
             the rebuilt ones);
-            stage 1 takes DDP's averaged gradients as they are. ``no_sync``
+            stage 2 needs every trainable parameter of the DDP module in this
+            optimizer (it refuses otherwise); stage 1 takes DDP's averaged
+            gradients as they are, for any subset of them. ``no_sync``
             works as with DDP: step after the synced backward.
         max_grad_norm: clip the mean gradient to this global 2-norm in ``step()``,
             once the gradients are averaged (DeepSpeed's ``gradient_clipping``);
@@ -67,8 +69,9 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
     Raises:
         TypeError: a bad ``comm``, ``optimizer_class`` or parameter (sparse,
             not floating point).
-        ValueError: a bad ``stage``, no parameters, or ranks that passed
-            different parameters (the message names the first difference).
+        ValueError: a bad ``stage``, no parameters, ranks that passed
+            different parameters (the message names the first difference), or
+            stage 2 with ``ddp`` over only some of the DDP module's parameters.
 
     After ``step``, parameters are identical on every rank. With stage 2,
     ``p.grad`` is left as this rank's local gradient (only the shard's mean is
@@ -119,6 +122,8 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
                                      for _ in grp["params"]]
         if error is None:
             error = self._check_params()
+        if error is None and ddp is not None and self.stage == 2:
+            error = self._check_ddp_coverage(ddp)
         self._agree(error)  # every rank raises (or none does) before a byte moves
 
         self.rank: int = comm.rank
@@ -163,6 +168,26 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
                 return TypeError(f"parameter {i} has dtype {p.dtype}: gradients are averaged, "
                                  "which needs a floating-point dtype")
         return None
+
+    def _check_ddp_coverage(self, ddp) -> Exception | None:
+        """Stage 2 with ``ddp``: every parameter DDP reduces must be one of ours.
+
+        The hook reduce-scatters whole DDP buckets, so chunk r of a bucket is the
+        mean only if rank r's shard is that same chunk: a parameter we do not
+        hold would shift the shard off the reduced chunk, and leave its own
+        ``p.grad`` partial sums that another optimizer would step on differently
+        on each rank.
+        """
+        ours = {id(p) for p in self._all_params}
+        missing = [n for n, p in zip(ddp.reducer.names, ddp.reducer.params) if id(p) not in ours]
+        if not missing:
+            return None
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        return ValueError(
+            f"ZeroRedundancyOptimizer(stage=2, ddp=...): the DDP model's parameter(s) {shown} "
+            "are not in this optimizer, and stage 2 reduce-scatters whole DDP buckets: give "
+            "ZeRO every trainable parameter of the DDP module (several param groups are fine), "
+            "or use stage=1, or leave out ddp=")
 
     def _agree(self, error: Exception | None) -> None:
         """Raise on every rank if any rank failed its checks or passed different parameters."""
