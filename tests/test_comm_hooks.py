@@ -15,9 +15,10 @@ from mpiring.parallel.data import comm_hooks as ch  # noqa: E402
 SHAPES = [(24, 10), (10,), (16, 3, 2), (7,), (12, 12)]
 
 
-def bucket_of(comm, step, shapes=SHAPES, dtype=torch.float32, scale=1.0):
-    """A GradBucket over fake parameters with rank- and index-dependent gradients."""
-    params = [torch.zeros(s, dtype=dtype) for s in shapes]
+def bucket_of(comm, step, shapes=SHAPES, dtype=torch.float32, scale=1.0, params=None):
+    """A GradBucket over fake parameters with rank- and index-dependent gradients
+    (pass the same ``params`` every step: a hook keeps its state per parameter)."""
+    params = params or [torch.zeros(s, dtype=dtype) for s in shapes]
     offsets, total = [], 0
     for p in params:
         offsets.append(total)
@@ -67,8 +68,9 @@ def test_topk_error_feedback_conserves_the_gradient(comm):
     state = ch.TopKState(ratio=0.05)
     total_sent = torch.zeros(0, dtype=torch.float64)
     total_mean = None
+    params = [torch.zeros(s) for s in SHAPES]
     for step in range(4):
-        b = bucket_of(comm, step)
+        b = bucket_of(comm, step, params=params)
         mean = exact_mean(comm, b.buffer())
         # The first step by hand: each rank's top-k of g / K, summed over ranks.
         if step == 0:
@@ -89,6 +91,55 @@ def test_topk_error_feedback_conserves_the_gradient(comm):
     if comm.size > 1:
         # the AllGather grows with K: dense / sparse = 1 / (K ratio) = 5 at K = 4
         assert state.bytes_sent < state.dense_bytes / 4
+
+
+class Shuffled(torch.nn.Module):
+    """Layers registered in an order other than the forward's (heads declared first),
+    so DDP's rebuild after the first backward reorders the parameters in the bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 3)
+        self.mid = torch.nn.Linear(8, 8)
+        self.inp = torch.nn.Linear(6, 8)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def test_topk_error_feedback_follows_the_bucket_rebuild(comm):
+    """Per parameter: applied so far + what every rank holds back = the sum of the true
+    means (one-process torch), across DDP's rebuild with the default start_iter=0."""
+    torch.manual_seed(0)
+    model = Shuffled()
+    torch.manual_seed(0)
+    reference = Shuffled()
+    ddp = DistributedDataParallel(model, comm)
+    state = ch.TopKState(ratio=0.05)
+    ddp.register_comm_hook(state, ch.topk_hook)
+    before = [list(b) for b in ddp.bucket_params]
+    applied = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    true = [torch.zeros_like(p, dtype=torch.float64) for p in model.parameters()]
+    k = comm.size
+    for s in range(3):
+        x = torch.randn(2 * k, 6, generator=torch.Generator().manual_seed(s))
+        model.zero_grad()
+        ddp(x[2 * comm.rank:2 * comm.rank + 2]).pow(2).sum().backward()
+        reference.zero_grad()
+        (reference(x).pow(2).sum() / k).backward()
+        for a, t, p, q in zip(applied, true, model.parameters(), reference.parameters()):
+            a += p.grad
+            t += q.grad
+    if k > 1:
+        assert ddp.bucket_params != before  # the rebuild did reorder the bucket
+    red = ddp.reducer
+    held = {b: exact_mean(comm, err) * k for b, err in state.errors.items()}
+    where = {id(p): red._where[i] for i, p in enumerate(red.params)}
+    for (name, p), a, t in zip(model.named_parameters(), applied, true):
+        b, off = where[id(p)]
+        mine = held[b][off:off + p.numel()].view_as(p) if b in held else 0
+        torch.testing.assert_close(a + mine, t, rtol=1e-5, atol=1e-6, msg=name)
+    ddp.close()
 
 
 class Tiny(torch.nn.Module):

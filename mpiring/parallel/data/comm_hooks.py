@@ -203,6 +203,10 @@ class TopKState(HookState):
             (without it top-k stalls on the small coordinates; with it every
             coordinate is sent eventually, Stich et al. 2018).
         start_iter: plain AllReduce for the first ``start_iter`` iterations.
+
+    ``errors[b]`` is bucket b's held-back error, laid out as ``layouts[b]`` says:
+    ``(id(p), offset, numel)`` per parameter. When DDP rebuilds its buckets,
+    each parameter's error follows it into its new bucket.
     """
 
     def __init__(self, ratio: float = 0.01, use_error_feedback: bool = True, start_iter: int = 0):
@@ -213,7 +217,51 @@ class TopKState(HookState):
         self.use_error_feedback = use_error_feedback
         self.start_iter = int(start_iter)
         self.errors: dict[int, torch.Tensor] = {}
+        # The bucket index alone is not enough: DDP rebuilds its buckets after the
+        # first synced backward, often reordering a bucket of the same size, and
+        # the error would land on other parameters' coordinates.
+        self.layouts: dict[int, tuple[tuple[int, int, int], ...]] = {}
+        self._fresh: set[int] = set()               # buckets stored this iteration
+        self._moved: dict[int, torch.Tensor] = {}   # id(p) -> its error, while remapping
         self.iter = 0
+
+    def _take_error(self, bucket: GradBucket) -> torch.Tensor | None:
+        """This bucket's held-back error, laid out like the bucket is now (or None)."""
+        b, layout = bucket.index(), _layout_of(bucket)
+        if self.layouts.get(b) == layout:
+            return self.errors[b]
+        stale = [old for old in self.errors if old not in self._fresh]
+        for old in stale:
+            # The buckets were rebuilt: split the errors kept under the old layout
+            # by parameter, so that each new bucket takes its parameters' errors.
+            err = self.errors.pop(old)
+            for pid, off, numel in self.layouts.pop(old):
+                self._moved[pid] = err[off:off + numel]
+        if not self._moved:
+            return None
+        buf = bucket.buffer()
+        err = torch.zeros(buf.numel(), dtype=buf.dtype, device=buf.device)
+        for pid, off, numel in layout:
+            e = self._moved.pop(pid, None)
+            if e is not None and e.numel() == numel:
+                err[off:off + numel] = e
+        return err
+
+    def _keep_error(self, bucket: GradBucket, err: torch.Tensor | None) -> None:
+        b = bucket.index()
+        if err is None:
+            self.errors.pop(b, None)
+            self.layouts.pop(b, None)
+        else:
+            self.errors[b], self.layouts[b] = err, _layout_of(bucket)
+            self._fresh.add(b)
+        if bucket.is_last():  # the iteration is over: nothing is left to remap
+            self._fresh.clear()
+            self._moved.clear()
+
+
+def _layout_of(bucket: GradBucket) -> tuple[tuple[int, int, int], ...]:
+    return tuple((id(p), off, p.numel()) for p, off in zip(bucket.parameters(), bucket.offsets()))
 
 
 def topk_hook(state: TopKState, bucket: GradBucket) -> torch.Tensor:
@@ -235,14 +283,15 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.Tensor:
              or k * k_ranks * (4 + buf.element_size()) >= 2 * n * buf.element_size())
     if bucket.is_last():
         state.iter += 1
+    err = state._take_error(bucket) if state.use_error_feedback else None
     if dense:
-        state.errors.pop(bucket.index(), None)
+        if err is not None:  # held back before a rebuild made this bucket dense: send it now
+            buf.add_(err, alpha=k_ranks)
+        state._keep_error(bucket, None)
         return _all_reduce_mean_(state, comm, buf)
     g = buf.div_(k_ranks)  # the mean's share of this rank: divide before adding up
-    if state.use_error_feedback:
-        err = state.errors.get(bucket.index())
-        if err is not None and err.numel() == n:
-            g.add_(err)
+    if err is not None:
+        g.add_(err)
     idx = torch.topk(g.abs(), k, sorted=False).indices
     indices = torch.zeros(k_ranks * k, dtype=torch.int32, device=buf.device)
     values = torch.zeros(k_ranks * k, dtype=buf.dtype, device=buf.device)
@@ -253,7 +302,7 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.Tensor:
         # What this rank did not send this time is sent (added) next time.
         err = g.clone()
         err[idx] = 0
-        state.errors[bucket.index()] = err
+    state._keep_error(bucket, err if state.use_error_feedback else None)
     if k_ranks > 1:
         comm.all_gather(indices, check=False)
         comm.all_gather(values, check=False)
