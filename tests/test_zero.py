@@ -355,6 +355,44 @@ def test_stage2_with_ddp_over_some_parameters_is_refused_stage1_matches(comm):
     ddp.close()
 
 
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
+@pytest.mark.parametrize("stage,with_ddp", ((1, False), (2, False), (2, True)))
+def test_grad_scaler_skips_an_overflowed_step_on_every_rank(comm, stage, with_ddp):
+    """torch.amp.GradScaler: an inf in one rank's batch makes every rank skip the step and
+    back off the scale together, as one process with torch's SGD does on the whole batch."""
+    from mpiring.parallel.data import DistributedDataParallel
+
+    model, reference = make_model(dtype=torch.float32), make_model(dtype=torch.float32)
+    model, reference = model.float(), reference.float()
+    ddp = DistributedDataParallel(model, comm) if with_ddp else None
+    opt = ZeroRedundancyOptimizer(model.parameters(), comm, torch.optim.SGD, stage=stage,
+                                  ddp=ddp, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    last = comm.size - 1
+    for s in range(5):
+        x, y = batch(s)
+        x, y = x.float(), y.float()
+        if s == 1:
+            x[last * (GLOBAL_BATCH // comm.size), 0] = float("inf")  # only the last rank's shard
+        opt.zero_grad()
+        xs, ys = shard(x, comm.rank, comm.size), shard(y, comm.rank, comm.size)
+        scaler.scale(((ddp or model)(xs).float() - ys).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        ref_scaler.scale((reference(x).float() - y).pow(2).mean()).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale(), f"step {s}"
+    assert scaler.get_scale() < 2.0 ** 10 * 2  # backed off once, grew at most once
+    assert_same_params(model, reference)
+    assert_replicas_identical(model, comm)
+    if ddp is not None:
+        ddp.close()
+
+
 def test_training_job_zero2_and_zero1_with_fp16_hook_follow_adamw(world, subcomms):
     """The train command's configurations: zero2 and zero1+fp16 give AdamW's loss curve."""
     from mpiring.tools.train.data import read_corpus

@@ -275,12 +275,41 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
             for g in grads:
                 g.mul_(coef)
 
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=): its inf check
+    # must be agreed over the ranks, since step() is a collective.
+    _step_supports_amp_scaling = True
+
+    def _amp_found_inf(self, grad_scaler) -> bool:
+        """Unscale ``p.grad`` and agree over the ranks whether any rank found inf/nan.
+
+        The scaler checks ``p.grad``, which is this rank's own gradient (or, with
+        ``ddp`` and stage 2, partial sums outside the shard): one rank alone may
+        see an overflow. Each rank skipping on its own view would pair its next
+        step's collectives with the others' this step. One scalar all-reduce
+        (max) gives every rank the same answer, written back into the scaler so
+        that ``update()`` backs off (or grows) the scale alike on every rank.
+        """
+        from torch.amp.grad_scaler import OptState
+
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            grad_scaler.unscale_(self)
+        flags = state["found_inf_per_device"].values()
+        local = int(any(float(f) for f in flags))
+        found = self.comm.control.allreduce_scalar(local, "max") if self.comm.size > 1 else local
+        for f in flags:
+            f.fill_(float(found))
+        return bool(found)
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None, grad_scaler=None,
+             **kwargs: Any) -> float | None:
         """Average the gradients, update this rank's shard, gather the parameters.
 
         A collective: every rank must call it. ``closure`` (re-evaluates the
         model and calls backward) runs first, before the gradients are reduced.
+        ``grad_scaler`` is passed by ``torch.amp.GradScaler.step(opt)``: every
+        rank then skips the step, or none does, as any rank's gradient overflowed.
 
         Returns:
             The closure's loss, if a closure was given.
@@ -289,9 +318,16 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if grad_scaler is None and hasattr(self, "found_inf"):
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer: this torch's GradScaler no longer passes itself to "
+                "step(), so the ranks cannot agree on skipping an overflowed step; step without "
+                "the scaler (bfloat16 autocast needs none)")
         self._rebind()
         if self._ddp is not None:
             self._follow_ddp()
+        if grad_scaler is not None and self._amp_found_inf(grad_scaler):
+            return loss  # every rank skips alike: the replicas stay equal
         has_grad = self._has_grad()
         self._reduce_gradients()
         for pc in self._pieces():
