@@ -159,6 +159,22 @@ def test_replicas_bit_identical_after_steps(comm):
     ddp.close()
 
 
+@pytest.mark.deadline(30)  # the old behaviour: a backward that never returned
+def test_training_through_a_closed_wrapper_raises_instead_of_hanging(comm):
+    torch.manual_seed(0)
+    model = mlp(0)
+    ddp = DDP(model, comm)
+    x, y = global_batch(comm.size, 1)
+    loss_fn(ddp(shard(x, comm)), shard(y, comm)).backward()
+    ddp.close()
+    with pytest.raises(RuntimeError, match="closed.*wrap the module again"):
+        loss_fn(ddp(shard(x, comm)), shard(y, comm)).backward()
+    with torch.no_grad():  # evaluation still runs, through the wrapper or the module
+        torch.testing.assert_close(ddp(shard(x, comm)), model(shard(x, comm)))
+    with pytest.raises(RuntimeError, match="closed"):
+        ddp.reducer._thread.submit(lambda: None)
+
+
 def test_no_sync_accumulates_locally_then_reduces_the_sum(comm):
     model, ref, local = mlp(2), mlp(2), mlp(2)
     ddp = DDP(model, comm, bucket_cap_mb=SMALL, first_bucket_mb=TINY)

@@ -30,10 +30,14 @@ class CommThread:
         self._submitted = 0
         self._done = 0
         self._error: BaseException | None = None
+        self.closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], None]) -> None:
+        if self.closed:  # nobody would run it: wait() would block forever
+            raise RuntimeError(f"{self._thread.name}: the communication thread was closed; "
+                               "build a new model wrapper to communicate again")
         self._submitted += 1
         self._queue.put(fn)
 
@@ -64,6 +68,7 @@ class CommThread:
 
     def close(self) -> bool:
         """Stop the thread; whether it ended (within 10 s)."""
+        self.closed = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=10)

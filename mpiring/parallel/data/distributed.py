@@ -262,7 +262,11 @@ class DistributedDataParallel(nn.Module):
                              "every rank, before the first forward")
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread (the module stays usable).
+        """Remove the hooks and stop the communication thread.
+
+        ``ddp.module`` stays usable, and so does the wrapper under ``torch.no_grad()``;
+        a forward with gradients through the wrapper raises RuntimeError (wrap the
+        module again to train).
 
         The trace's buffered tail is written out here (and at exit), so a run that
         ends normally keeps every event.

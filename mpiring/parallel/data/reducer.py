@@ -162,7 +162,15 @@ class Reducer(BucketLayout, EndOfBackward):
 
     @outside_compile
     def prepare_forward(self) -> None:
-        """Refuse a new forward while a synced backward is half done (a bug upstream)."""
+        """Refuse a new forward while a synced backward is half done (a bug upstream),
+        or after ``close()``."""
+        if self._thread.closed:
+            # The hooks are gone and the thread stopped: a backward would wait for
+            # reductions nobody runs. Raise before any byte moves instead.
+            raise RuntimeError(
+                "DistributedDataParallel: this model was closed (close()), so its gradients "
+                "can no longer be reduced: wrap the module again to train, or run ddp.module "
+                "(or the wrapper under torch.no_grad()) for evaluation")
         if self._started:
             raise RuntimeError(
                 "DistributedDataParallel: a new forward started while the previous backward "
