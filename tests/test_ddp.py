@@ -221,6 +221,16 @@ def test_options_that_differ_across_ranks_are_refused_on_every_rank(comm, option
         DDP(Branchy(with_never=False), comm, **{option: value})
 
 
+@pytest.mark.deadline(30)  # the old behaviour: the good ranks waited for the stall deadline
+@pytest.mark.parametrize("option", ["bucket_cap_mb", "first_bucket_mb", "algo"])
+def test_a_bad_option_on_one_rank_raises_on_every_rank(comm, option):
+    last = comm.rank == comm.size - 1
+    good = {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0, "algo": "ring"}[option]
+    bad = {"bucket_cap_mb": -1, "first_bucket_mb": float("inf"), "algo": "rign"}[option]
+    with pytest.raises(ValueError, match=rf"r{comm.size - 1}: .*{option}="):
+        DDP(Branchy(with_never=False), comm, **{option: bad if last else good})
+
+
 def test_a_parameter_used_only_under_no_sync_is_averaged(comm):
     # c takes part in the no_sync micro-batch only: the synced backward does not reach
     # it, yet its accumulated gradient must be averaged over the ranks, not left local.

@@ -239,6 +239,10 @@ def test_rejects_bad_arguments_on_every_rank(comm):
         other = torch.nn.Linear(7, 14) if comm.rank == 1 else torch.nn.Linear(7, 13)
         with pytest.raises(ValueError, match="parameter 0 differs"):
             ZeroRedundancyOptimizer(other.parameters(), comm, lr=0.1)
+        # torch's own check (an empty list) on one rank only: every rank raises, at once.
+        mine = [] if comm.rank == 1 else list(model.parameters())
+        with pytest.raises(ValueError, match="empty parameter list|r1 rejected"):
+            ZeroRedundancyOptimizer(mine, comm, lr=0.1)
 
 
 @pytest.mark.deadline(90)

@@ -123,14 +123,17 @@ class DistributedDataParallel(nn.Module):
             # wrapping its model must see an error, not mix its messages with ours.
             comm.agree_call("DistributedDataParallel")
         bucket_cap_mb = 25.0 if bucket_cap_mb is None else bucket_cap_mb
-        if not (_mib(bucket_cap_mb) and _mib(first_bucket_mb)):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} and first_bucket_mb={first_bucket_mb!r}: "
-                             "bucket sizes must be positive, finite numbers of MiB (e.g. 25)")
         from mpiring.comm.communicator import ALGOS
 
-        if algo not in ALGOS["all_reduce"]:
-            raise ValueError(f"algo={algo!r}: use one of {', '.join(ALGOS['all_reduce'])}")
-        self.device = check_devices(comm, module, device_ids, output_device, dim)
+        problem = None
+        if not (_mib(bucket_cap_mb) and _mib(first_bucket_mb)):
+            problem = (f"bucket_cap_mb={bucket_cap_mb!r} and first_bucket_mb={first_bucket_mb!r}: "
+                       "bucket sizes must be positive, finite numbers of MiB (e.g. 25)")
+        elif algo not in ALGOS["all_reduce"]:
+            problem = f"algo={algo!r}: use one of {', '.join(ALGOS['all_reduce'])}"
+        # Agreed with the device checks: a rank-dependent bad value must make every
+        # rank raise, not leave the others waiting in the next exchange.
+        self.device = check_devices(comm, module, device_ids, output_device, dim, problem)
         self.module = module
         self.comm = self.process_group = comm
         self.device_ids = None if device_ids is None else [self.device.index]

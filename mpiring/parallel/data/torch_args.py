@@ -40,12 +40,15 @@ def resolve_comm(comm):
     return resolve(comm, "DistributedDataParallel")
 
 
-def check_devices(comm, module: nn.Module, device_ids, output_device, dim) -> torch.device:
-    """The module's one device; refuses, on every rank, device arguments that contradict it."""
+def check_devices(comm, module: nn.Module, device_ids, output_device, dim,
+                  problem: str | None = None) -> torch.device:
+    """The module's one device; refuses, on every rank, device arguments that contradict it
+    (or the caller's own ``problem`` with the other arguments, found on this rank)."""
     devices = {t.device for t in list(module.parameters()) + list(module.buffers())}
     device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-    problem = None
-    if len(devices) > 1:
+    if problem is not None:
+        pass
+    elif len(devices) > 1:
         problem = (f"the module's tensors are on {sorted(map(str, devices))}: move the whole "
                    "module to one device (one process per device)")
     elif device_ids is not None:

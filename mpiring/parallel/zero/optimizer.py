@@ -112,7 +112,13 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
             error = exc
         if error is not None and not hasattr(comm, "control"):
             raise error  # no communicator to agree through
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+        except (TypeError, ValueError) as exc:
+            # torch's own checks (an empty list, a non-leaf, a duplicate): agreed
+            # below like ours, so a rank-dependent mistake makes every rank raise.
+            error = error or exc
+            self.param_groups = []
         self.comm = comm
         self.stage = int(stage) if error is None else 2
         self.optimizer_class = optimizer_class
