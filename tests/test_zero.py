@@ -9,6 +9,7 @@ to floating-point order.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -234,6 +235,15 @@ def test_rejects_bad_arguments_on_every_rank(comm):
         ZeroRedundancyOptimizer(model.parameters(), comm, stage=3, lr=0.1)
     with pytest.raises(TypeError, match="optimizer_class"):
         ZeroRedundancyOptimizer(model.parameters(), comm, optimizer_class=object, lr=0.1)
+    # Hyperparameters are checked by the inner class, as torch itself would (a TypeError).
+    for cls, kwargs in ((torch.optim.AdamW, {"weight_decy": 0.1}),
+                        (torch.optim.SGD, {"lr": 0.1, "betas": (0.9, 0.99)})):
+        with pytest.raises(TypeError) as theirs:
+            cls(make_model().parameters(), **kwargs)
+        with pytest.raises(TypeError, match=re.escape(str(theirs.value))):
+            ZeroRedundancyOptimizer(model.parameters(), comm, optimizer_class=cls, **kwargs)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        ZeroRedundancyOptimizer(model.parameters(), comm, torch.optim.SGD, lr=-1.0)
     if comm.size > 1:
         # Rank 1 builds a different model: every rank raises, naming the parameter.
         other = torch.nn.Linear(7, 14) if comm.rank == 1 else torch.nn.Linear(7, 13)

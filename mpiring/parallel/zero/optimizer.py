@@ -64,7 +64,9 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
             ``last_grad_norm`` is the norm before clipping. Do not call
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``: until then
             ``p.grad`` is this rank's own gradient, and its norm is not the mean's.
-        **defaults: hyperparameters for ``optimizer_class`` (lr, betas, ...).
+        **defaults: hyperparameters for ``optimizer_class`` (lr, betas, ...),
+            checked by that class at construction as torch would (a TypeError
+            for a name it does not take, on every rank).
 
     Raises:
         TypeError: a bad ``comm``, ``optimizer_class`` or parameter (sparse,
@@ -128,6 +130,8 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
                                      for _ in grp["params"]]
         if error is None:
             error = self._check_params()
+        if error is None:
+            error = self._check_defaults(defaults)
         if error is None and ddp is not None and self.stage == 2:
             error = self._check_ddp_coverage(ddp)
         self._agree(error)  # every rank raises (or none does) before a byte moves
@@ -173,6 +177,21 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
             if not p.is_floating_point():
                 return TypeError(f"parameter {i} has dtype {p.dtype}: gradients are averaged, "
                                  "which needs a floating-point dtype")
+        return None
+
+    def _check_defaults(self, defaults: dict[str, Any]) -> Exception | None:
+        """``optimizer_class``'s own check of the hyperparameters, as torch would run it.
+
+        They reach the inner optimizer as param-group keys, never as constructor
+        arguments, so a misspelt name (``weight_decy``) or another class's
+        (``betas`` for SGD) would be kept silently and the default used.
+        """
+        first = self._all_params[0]
+        probe = torch.zeros(1, dtype=first.dtype, device=first.device, requires_grad=True)
+        try:
+            self.optimizer_class([probe], **defaults)
+        except (TypeError, ValueError) as exc:
+            return exc
         return None
 
     def _check_ddp_coverage(self, ddp) -> Exception | None:
