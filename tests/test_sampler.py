@@ -45,3 +45,19 @@ def test_epoch_changes_order_and_rank_checked():
         DistributedSampler(10, 2, 2)
     with pytest.raises(ValueError, match="comm"):
         DistributedSampler(10)
+
+
+def test_set_epoch_at_the_top_of_a_resumed_epoch_keeps_its_position():
+    """torch's loop calls set_epoch(epoch) first thing: a restored position must survive it,
+    and the resumed indices are the rest of the epoch torch's sampler would give."""
+    n, k, r = 20, 2, 1
+    theirs = tud.DistributedSampler(list(range(n)), k, r, seed=1)
+    theirs.set_epoch(3)
+    full = list(theirs)
+    s = DistributedSampler(n, k, r, seed=1)
+    s.load_state_dict({"seed": 1, "epoch": 3, "start": 4})
+    s.set_epoch(3)
+    assert list(s) == full[4:]
+    s.set_epoch(4)  # a new epoch starts at its beginning
+    theirs.set_epoch(4)
+    assert s.start == 0 and list(s) == list(theirs)

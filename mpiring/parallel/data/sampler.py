@@ -71,10 +71,15 @@ class DistributedSampler:
     def set_epoch(self, epoch: int) -> None:
         """Choose the permutation of the next ``iter()`` (call it at each epoch start).
 
-        Also rewinds ``start`` to the beginning of the shard.
+        A new epoch also rewinds ``start`` to the beginning of the shard; the
+        epoch already set keeps it, so torch's loop (``set_epoch(epoch)`` at the
+        top of every epoch) resumes a restored mid-epoch position.
         """
+        # torch's sampler has no position, and its set_epoch only sets the epoch:
+        # rewinding on the same epoch would replay what a checkpoint had consumed.
+        if int(epoch) != self.epoch:
+            self.start = 0
         self.epoch = int(epoch)
-        self.start = 0
 
     def global_indices(self) -> list[int]:
         """The epoch's indices for all ranks (before the shard is taken), length total_size."""
