@@ -570,3 +570,27 @@ def test_parameter_server_matches_ddp(comm):
     rows = gather(comm, flat_params(b))
     assert (rows == rows[0]).all(), "workers must hold the server's parameters"
     ddp.close()
+
+
+def test_parameter_server_leaves_parameters_without_any_gradient_alone(comm):
+    """A layer no rank uses keeps grad None on the server, so AdamW's weight decay skips
+    it, as one process with torch's AdamW does; the used layer matches torch too."""
+    def make():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"used": nn.Linear(6, 3), "unused": nn.Linear(6, 3)}).double()
+
+    model, reference = make(), make()
+    ps = ParameterServer(model, comm, lambda ps_: torch.optim.AdamW(ps_, lr=0.1, weight_decay=0.5))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.5)
+    for it in range(3):
+        X, Y = global_batch(comm.size, 90 + it)
+        ps.zero_grad()
+        loss_fn(model["used"](shard(X, comm)), shard(Y, comm)).backward()
+        ps.step()
+        ref_opt.zero_grad()
+        loss_fn(reference["used"](X), Y).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name)
+    if ps.is_server:
+        assert model["unused"].weight.grad is None

@@ -77,6 +77,12 @@ class ParameterServer:
         k = self.comm.size
         if k > 1 and self.comm.backend == "mpi" and self.params[0].device.type == "cpu":
             self.comm.control.barrier(poll_s=QUIET_POLL_S)  # no spinning while slower workers compute
+        # A parameter with no gradient on any rank keeps grad None on the server, so
+        # its optimizer skips it as torch and DDP do (a zero one would still get
+        # weight decay and momentum): one small exchange of flags.
+        flags = [int(p.grad is not None) for p in self.params]
+        if k > 1:
+            flags = self.comm.control.allgather_array(flags).max(axis=0).tolist()
         with torch.no_grad():
             for group, offsets, flat in self.buckets:
                 for i, off in zip(group, offsets):
@@ -92,7 +98,9 @@ class ParameterServer:
                     for i, off in zip(group, offsets):
                         p = self.params[i]
                         view = flat[off:off + p.numel()].view_as(p)
-                        if p.grad is None:
+                        if not flags[i]:
+                            p.grad = None
+                        elif p.grad is None:
                             p.grad = view.clone()
                         else:
                             p.grad.copy_(view)
