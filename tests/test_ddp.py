@@ -594,3 +594,33 @@ def test_parameter_server_leaves_parameters_without_any_gradient_alone(comm):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name)
     if ps.is_server:
         assert model["unused"].weight.grad is None
+
+
+def test_static_graph_with_a_never_used_parameter_matches_torch_ddp(world):
+    """torch's static_graph needs no find_unused_parameters for a parameter that is never
+    used: it finds the unused set in the first iteration. So does ours, gradients equal."""
+    from mpiring.tools.train.torch_pg import destroy_torch_process_group, init_torch_process_group
+
+    pg = init_torch_process_group(world, torch.device("cpu"))
+    ours, theirs = Branchy(), Branchy()
+    ddp = DDP(ours, world, bucket_cap_mb=SMALL, first_bucket_mb=TINY, static_graph=True)
+    tddp = nn.parallel.DistributedDataParallel(theirs, process_group=pg, bucket_cap_mb=SMALL,
+                                               static_graph=True)
+    try:
+        for it in range(3):
+            X, Y = global_batch(world.size, 60 + it)
+            for m in (ours, theirs):
+                m.zero_grad()
+            loss_fn(ddp(shard(X, world), True), shard(Y, world)).backward()
+            loss_fn(tddp(shard(X, world), True), shard(Y, world)).backward()
+            for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+                if q.grad is None:
+                    assert p.grad is None, f"{name} iteration {it}"
+                else:
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12,
+                                               msg=f"{name} iteration {it}")
+            assert ours.never.weight.grad is None
+    finally:
+        ddp.close()
+        del tddp
+        destroy_torch_process_group(world)

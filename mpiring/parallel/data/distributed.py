@@ -72,9 +72,11 @@ class DistributedDataParallel(nn.Module):
         check_reduction: accepted and ignored (torch deprecated it too).
         gradient_as_bucket_view: ``.grad`` becomes a view into the bucket buffer
             (saves a copy and the memory of one gradient copy).
-        static_graph: accepted. It tells torch the set of used parameters never
-            changes so it may rebuild buckets once from the first iteration's
-            order: mpiring's reducer does that rebuild anyway (without
+        static_graph: the set of used parameters never changes. As in torch,
+            parameters no rank used in the first synced backward need no
+            ``find_unused_parameters``: they count as zero from then on (their
+            ``.grad`` stays None). The buckets are rebuilt once from the first
+            iteration's order, as mpiring's reducer does anyway (without
             ``find_unused_parameters``). A parameter whose gradient arrives twice
             in one backward (reentrant activation checkpointing, which torch
             allows with static_graph) is still an error here.
@@ -157,7 +159,8 @@ class DistributedDataParallel(nn.Module):
             ("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb),
             ("find_unused_parameters", find_unused_parameters), ("algo", algo),
             ("broadcast_buffers", broadcast_buffers), ("init_sync", init_sync),
-            ("overlap", overlap), ("sparse embeddings", sparse))]
+            ("overlap", overlap), ("static_graph", bool(static_graph)),
+            ("sparse embeddings", sparse))]
         check_same_model(comm, describe_module(module) + options)
         if sparse:  # the same on every rank (just compared): all raise alike, before any step
             raise TypeError(f"DistributedDataParallel reduces dense gradients only, and "
@@ -170,7 +173,8 @@ class DistributedDataParallel(nn.Module):
                                bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
                                find_unused_parameters=find_unused_parameters,
                                gradient_as_bucket_view=gradient_as_bucket_view,
-                               overlap=overlap, algo=algo, quiet_wait=quiet_wait)
+                               overlap=overlap, algo=algo, quiet_wait=quiet_wait,
+                               static_graph=static_graph)
 
     def forward(self, *args, **kwargs):
         grad, sync = self._pre_forward()

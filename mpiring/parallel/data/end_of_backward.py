@@ -31,7 +31,10 @@ class EndOfBackward:
     def _finalize(self) -> None:
         t_end_backward = clock()
         missing = [i for i in range(len(self.params)) if not self._ready[i]]
-        if missing and not self.find_unused_parameters:
+        # static_graph: the first synced backward finds the unused set (torch does
+        # the same in its iteration 0), so a gap there is not an error.
+        learning = self.static_graph and self._static_unused is None
+        if missing and not (self.find_unused_parameters or learning):
             # Still launch every bucket (zeros in the holes): the other ranks may
             # already be inside these AllReduces, and only the status tail tells
             # them to raise instead of waiting for us forever.
@@ -66,8 +69,10 @@ class EndOfBackward:
             # rather than step on a gradient that was never averaged.
             self._raise_status([self._error_code if r == self.rank else 0
                                 for r in range(self.size)], no_grad)
-        if self.find_unused_parameters:
+        if self.find_unused_parameters or learning:
             self._finish_unused(no_grad)
+        if learning:
+            self._static_unused = [i for i, c in enumerate(no_grad) if c >= self.size]
         if self.iteration == 0 and not self.rebuilt and not self.find_unused_parameters:
             # torch DDP rebuilds only with a static set of used parameters.
             self._rebuild_due = True

@@ -78,6 +78,9 @@ class Reducer(BucketLayout, EndOfBackward):
         bucket_cap_mb: bucket size cap in MiB.
         first_bucket_mb: cap of the first bucket in MiB.
         find_unused_parameters: allow parameters that get no gradient.
+        static_graph: the set of used parameters never changes (torch's flag): the
+            ones unused on every rank in the first synced backward count as zero
+            from then on, without the graph walk of ``find_unused_parameters``.
         gradient_as_bucket_view: make ``.grad`` a view into the bucket (no copy
             back, less memory).
         overlap: launch each bucket as soon as it is complete (True) or only after
@@ -94,7 +97,8 @@ class Reducer(BucketLayout, EndOfBackward):
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], comm=None, *,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 overlap: bool = True, algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None):
+                 overlap: bool = True, algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None,
+                 static_graph: bool = False):
         self.params = list(params)
         self.names = list(names)
         if not self.params:
@@ -110,6 +114,10 @@ class Reducer(BucketLayout, EndOfBackward):
         self.bucket_cap_bytes = max(1, int(bucket_cap_mb * MIB))
         self.first_bucket_bytes = max(1, int(first_bucket_mb * MIB))
         self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        # With static_graph: the parameters no rank used in the first synced
+        # backward (None until it ran), marked ready with zeros in every later one.
+        self._static_unused: list[int] | None = None
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.overlap = overlap
         self.algo = algo
@@ -243,6 +251,8 @@ class Reducer(BucketLayout, EndOfBackward):
         self._t_backward = clock()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for i in self._unused:
+            self._mark_ready(i, zero=True)
+        for i in self._static_unused or ():
             self._mark_ready(i, zero=True)
         for i in self._carried:
             self._on_grad_ready(i, self.params[i])
