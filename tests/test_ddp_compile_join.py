@@ -189,3 +189,23 @@ def test_join_refuses_nesting(comm):
                 with ddp.join():
                     pass
     ddp.close()
+
+
+@pytest.mark.deadline(30)  # the old behaviour: an MPI "message truncated" abort or a stall
+def test_zero_step_inside_join_raises_everywhere(comm):
+    """join() shadows DDP's reductions, not ZeRO's collectives: a clear error on every rank
+    at the first step, before any rank runs out of inputs."""
+    from mpiring.parallel.zero import ZeroRedundancyOptimizer
+
+    if comm.size == 1:
+        pytest.skip("join() does nothing on one rank")
+    ddp = DDP(net(), comm)
+    opt = ZeroRedundancyOptimizer(ddp.module.parameters(), comm, torch.optim.SGD, stage=1,
+                                  ddp=ddp, lr=0.1)
+    with pytest.raises(RuntimeError, match="inside ddp.join"):
+        with ddp.join():
+            for step in range(1 + comm.rank):
+                x, y = batch(comm.rank, step)
+                loss_fn(ddp(x), y).backward()
+                opt.step()
+    ddp.close()

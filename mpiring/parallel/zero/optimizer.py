@@ -339,6 +339,16 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
         Returns:
             The closure's loss, if a closure was given.
         """
+        if self._ddp is not None and getattr(self._ddp, "_join", None) is not None:
+            # join() shadows DDP's bucket reductions only: a rank out of inputs would
+            # answer this step's exchanges with its join flags (a truncated message).
+            # Every rank steps in the first iteration, so all raise here together.
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.step() inside ddp.join(): join() shadows only DDP's "
+                "gradient reductions, not ZeRO's collectives, so a rank that ran out of inputs "
+                "could not take part in them. Give every rank the same number of batches "
+                "(DistributedSampler(drop_last=True)) and train without join(), or use a "
+                "plain torch optimizer inside join()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
