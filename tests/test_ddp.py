@@ -297,6 +297,12 @@ def test_a_sparse_embedding_is_refused_when_wrapped(comm):
         DDP(model, comm)
 
 
+def test_a_complex_parameter_is_refused_when_wrapped(comm):
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"1\.weight, 1\.bias are complex"):
+        DDP(model, comm)
+
+
 def test_a_dataclass_output_is_searched_for_tensors(comm):
     # find_unused_parameters walks the output for the graph: a dataclass's fields too
     # (torch's _find_tensors), else every parameter looks unused and no rank's gradient

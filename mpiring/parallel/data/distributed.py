@@ -98,8 +98,9 @@ class DistributedDataParallel(nn.Module):
             CPU buckets on the MPI backend.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, or ``process_group`` is
-            not a Communicator.
+        TypeError: ``module`` is not an ``nn.Module``, ``process_group`` is
+            not a Communicator, or the module has sparse embeddings or complex
+            parameters.
         ValueError: a bad argument (on every rank, naming the ranks), no
             communicator, or the model differs across ranks (every rank raises,
             naming the first difference and the ranks).
@@ -166,6 +167,14 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"DistributedDataParallel reduces dense gradients only, and "
                             f"{', '.join(sparse)} {'is' if len(sparse) == 1 else 'are'} built "
                             "with sparse=True: use sparse=False in the embedding")
+        complex_ = [n for n, p in named if p.is_complex()]
+        if complex_:  # the same on every rank too (the dtypes were compared)
+            # The buckets hold one real dtype each; the collectives refuse complex
+            # ones, which would surface only at the first backward, on the comm thread.
+            raise TypeError(f"DistributedDataParallel reduces real gradients, and "
+                            f"{', '.join(complex_[:3])} {'is' if len(complex_) == 1 else 'are'} "
+                            "complex: keep such a parameter as a real one with a last "
+                            "dimension of 2 (torch.view_as_complex in forward)")
         if init_sync:
             sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()))
         self._buffers_to_sync = [b for b in module.buffers()]
