@@ -630,3 +630,23 @@ def test_static_graph_with_a_never_used_parameter_matches_torch_ddp(world):
         ddp.close()
         del tddp
         destroy_torch_process_group(world)
+
+
+def test_a_dropped_wrapper_stops_its_thread_and_leaves_the_module_alone(comm):
+    """torch's DDP has no close(): a wrapper that is simply dropped must not keep its
+    communication thread, nor hooks that tie it to the module it wrapped."""
+    import gc
+
+    model, twin = mlp(3), mlp(3)
+    ddp = DDP(model, comm)
+    X, Y = global_batch(comm.size, 5)
+    loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
+    thread = ddp.reducer._thread
+    del ddp
+    gc.collect()
+    thread._thread.join(timeout=10)
+    assert not thread._thread.is_alive(), "the dropped wrapper's thread still runs"
+    for m in (model, twin):  # the bare module trains on its own again: local gradients
+        m.zero_grad()
+        loss_fn(m(shard(X, comm)), shard(Y, comm)).backward()
+    assert_grads(model, twin, "after the wrapper was dropped")

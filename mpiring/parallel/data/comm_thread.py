@@ -66,6 +66,11 @@ class CommThread:
         if self._error is not None:
             raise RuntimeError(f"communication thread failed: {self._error}") from self._error
 
+    def stop(self) -> None:
+        """Let the thread end after what was submitted, without waiting for it."""
+        self.closed = True
+        self._queue.put(None)
+
     def close(self) -> bool:
         """Stop the thread; whether it ended (within 10 s)."""
         self.closed = True

@@ -282,7 +282,10 @@ class DistributedDataParallel(nn.Module):
 
         ``ddp.module`` stays usable, and so does the wrapper under ``torch.no_grad()``;
         a forward with gradients through the wrapper raises RuntimeError (wrap the
-        module again to train).
+        module again to train). A wrapper dropped without ``close()`` stops its
+        thread and removes its hooks when garbage-collected, but keeps its
+        communicator (freeing one is a collective): close wrappers you build
+        many of, since MPI has a few thousand communicators.
 
         The trace's buffered tail is written out here (and at exit), so a run that
         ends normally keeps every event.

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,6 +137,11 @@ class Reducer(BucketLayout, EndOfBackward):
         self._comm_hook: tuple[Any, Callable] | None = None  # register_comm_hook
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                          for i, p in enumerate(self.params)]
+        # torch's DDP has no close(), so wrappers are often just dropped: then stop the
+        # thread and remove the hooks (both local). Freeing the communicator is a
+        # collective, which garbage collection cannot time alike on every rank: only
+        # close() frees it.
+        weakref.finalize(self, _release, self._thread, self._handles)
         self._build(order=None)
         if (overlap and comm.backend == "mpi" and not self.buckets[0].flat.is_cuda
                 and not os.environ.get("MPIRING_IDLE")):
@@ -260,9 +266,14 @@ class Reducer(BucketLayout, EndOfBackward):
     def _make_hook(self, i: int):
         # Eager under compiled autograd too: the hook copies into the bucket and may
         # hand it to the communication thread, which needs real memory.
+        # The parameters hold their hooks: a weak reference lets a dropped wrapper go.
+        ref = weakref.ref(self)
+
         @outside_compile
         def hook(p: torch.Tensor) -> None:
-            self._on_grad_ready(i, p)
+            reducer = ref()
+            if reducer is not None:
+                reducer._on_grad_ready(i, p)
         return hook
 
     def _on_grad_ready(self, i: int, p: torch.Tensor) -> None:
@@ -414,9 +425,16 @@ class Reducer(BucketLayout, EndOfBackward):
         """Remove the hooks and stop the communication thread."""
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles.clear()  # the finalizer's list too
         if self._thread.close():  # a thread still inside a collective keeps its communicator
             self._bucket_comm.free()  # the thread's duplicate: MPI has a few thousand
+
+
+def _release(thread: CommThread, handles: list) -> None:
+    """A dropped reducer's finalizer: remove its hooks, let its thread end."""
+    for h in handles:
+        h.remove()
+    thread.stop()
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
