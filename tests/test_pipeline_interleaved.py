@@ -238,3 +238,32 @@ def test_messages_between_a_pair_of_ranks_are_kept_apart_per_stage(comm):
     sched.free()
     for st in stages:
         st.free()
+
+
+def test_a_run_that_sends_late_and_receives_a_header_does_not_hang(comm):
+    # Rank 0 lists stage 0's sends late, in the run that also receives stage 2's first
+    # input: on the step that agrees shapes the header receives block, so the run's
+    # sends must be out first (rank 1 waits for stage 0's header before it sends).
+    from mpiring.parallel.pipeline.actions import parse_schedule
+    from mpiring.parallel.pipeline.runtime import PipelineSchedule
+
+    if comm.size != 2:
+        pytest.skip("a program for two ranks")
+    program = parse_schedule([
+        "0F0 0F1 0SEND_F0 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1 "
+        "2RECV_B0 2B0 2SEND_B0 2RECV_B1 2B1 2SEND_B1 0RECV_B0 0B0 0RECV_B1 0B1",
+        "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3RECV_F1 3F1 "
+        "3B0 3SEND_B0 3B1 3SEND_B1 1RECV_B0 1B0 1SEND_B0 1RECV_B1 1B1 1SEND_B1"])
+    full = mlp()
+    stages, refs = local_stages(comm, full, 2)
+    sched = PipelineSchedule(stages, 2, mse, actions=program)
+    for salt in (0, 1):
+        x, y = data(salt)
+        reference(full, x, y, 2, mse)
+        step(sched, stages, x, y)
+        for st, ref in zip(stages, refs):
+            for a, b in zip(st.module.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    sched.free()
+    for st in stages:
+        st.free()

@@ -383,6 +383,14 @@ class Transport:
         """
         comm = self.checked if self.fresh else self.fast
         recvs = []
+        if self.mpi:
+            # The run's sends first: an isend never blocks, and on a step that agrees
+            # shapes the header receives below do. With several stages per rank two
+            # ranks send each other activations (0 -> 1 for stage 1, 1 -> 0 for stage
+            # 2), so a header may come only once the peer has this run's send.
+            for a in run:
+                if a.kind not in (RECV_F, RECV_B) and (key := key_of(a)) in outgoing:
+                    self.send(a, outgoing.pop(key), sends)
         for a in run:  # headers first (first step only), so a group holds only the data
             if a.kind == RECV_F and (a.stage, a.mb) not in self.meta:
                 h = self.checked.recv(np.empty(HEADER, dtype=np.int64), a.peer % self.size,
