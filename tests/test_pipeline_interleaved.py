@@ -191,6 +191,10 @@ def test_stages_that_do_not_fit_are_refused_on_every_rank(comm):
         ScheduleInterleaved1F1B(stages[::-1], 2, mse)
     with pytest.raises(ValueError, match="one stage per rank, not 2"):
         Schedule1F1B(stages, 2, mse)
+    if comm.size > 1:  # one rank's list in the wrong order: every rank raises, naming it
+        mine = stages[::-1] if comm.rank == comm.size - 1 else stages
+        with pytest.raises(ValueError, match=rf"r{comm.size - 1}: this rank's stages are"):
+            ScheduleInterleaved1F1B(mine, 2, mse)
     for st in stages:
         st.free()
 
@@ -267,3 +271,20 @@ def test_a_run_that_sends_late_and_receives_a_header_does_not_hang(comm):
     sched.free()
     for st in stages:
         st.free()
+
+
+def test_stages_of_two_groups_of_processes_are_refused(world):
+    # Stages 0, 1 on A = {w0, w1}, {w2, w3} and 2, 3 on B = {w0, w3}, {w2, w1}: the same
+    # rank numbers, other processes. Every message would go over A, so stage 2 and 3
+    # would be fed by ranks they never agreed with: refused on every rank.
+    if world.size != 4:
+        pytest.skip("a 4-rank job split two ways")
+    a = world.split(world.rank // 2, key=world.rank)
+    b = world.split(0 if world.rank in (0, 3) else 1, key=world.rank % 2)
+    assert a.rank == b.rank
+    st_a = PipelineStage(nn.Linear(2, 2).double(), a.rank, 4, a)
+    st_b = PipelineStage(nn.Linear(2, 2).double(), 2 + b.rank, 4, b)
+    with pytest.raises(ValueError, match="built on different communicators"):
+        ScheduleInterleaved1F1B([st_a, st_b], 2, mse)
+    for x in (st_a, st_b, a, b):
+        x.free()

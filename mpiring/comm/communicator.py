@@ -101,6 +101,12 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         return self._act.name
 
     @property
+    def world_ranks(self) -> tuple[int, ...]:
+        """The world ranks of this communicator's ranks, in rank order."""
+        act = self._act
+        return tuple(act.world_ranks) if act.world_ranks is not None else tuple(range(act.size))
+
+    @property
     def timeout(self) -> float:
         """Seconds one blocking wait may last before the job is aborted with a stall
         report (0: no deadline). Set per communicator; default ``MPIRING_TIMEOUT``

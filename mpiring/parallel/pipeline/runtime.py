@@ -461,7 +461,8 @@ class PipelineSchedule:
 
 def _local_stages(stage) -> list[PipelineStage]:
     """This rank's stages, in order, from one ``PipelineStage`` or a list of them; a
-    ValueError naming the fix for a list that is not r, r + p, ... of one pipeline."""
+    ValueError naming the fix, on every rank (collective over the first stage's
+    communicator), for a list that is not r, r + p, ... of one pipeline."""
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     if not stages or not all(isinstance(st, PipelineStage) for st in stages):
         raise TypeError("give the schedule this rank's PipelineStage, or a list of them "
@@ -470,10 +471,24 @@ def _local_stages(stage) -> list[PipelineStage]:
     p, n = first.comm.size, first.num_stages
     want = list(range(first.comm.rank, n, p))
     got = [st.stage_index for st in stages]
+    err = ""
     if got != want or any(st.num_stages != n for st in stages):
-        raise ValueError(f"this rank's stages are {got} of {[st.num_stages for st in stages]}; "
-                         f"with {n} stages on {p} ranks, rank {first.comm.rank} holds stages "
-                         f"{want}: give all of them, in that order")
+        err = (f"this rank's stages are {got} of {[st.num_stages for st in stages]}; with {n} "
+               f"stages on {p} ranks, rank {first.comm.rank} holds stages {want}: give all of "
+               "them, in that order")
+    elif any(st.comm.world_ranks != first.comm.world_ranks for st in stages):
+        # Every message goes over the first stage's communicator: a stage checked
+        # against other processes would be fed by ranks it never agreed with.
+        err = ("this rank's stages were built on different communicators: build every "
+               "stage of the pipeline on the same one")
+    if p > 1:  # the others are about to agree the schedule: all raise, or none
+        # On the lowest stage's communicator: the same round on every rank, whatever
+        # order a rank gave its list in.
+        low = min(stages, key=lambda st: st.stage_index)
+        errors = low.comm.control.allgather_json(err)
+        err = "; ".join(f"r{r}: {e}" for r, e in enumerate(errors) if e)
+    if err:
+        raise ValueError(err)
     return stages
 
 
@@ -701,7 +716,8 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     each rank holds v stages, r, r + p, ..., and runs them 1F1B-fashion in rounds of p
     micro-batches; the bubble is (p-1)/(vm+p-1), v times smaller than 1F1B's, for v
     times the messages. MPI only (the sends of a rank's stages cross; see
-    ``schedules.interleaved_1f1b``).
+    ``schedules.interleaved_1f1b``). Give m a multiple of p: otherwise the rounds
+    are larger, and so is the warm-up's memory (for p < m < 2p, GPipe's m).
 
     ``stages``: this rank's ``PipelineStage`` list, in stage order (one stage: 1F1B).
     """
