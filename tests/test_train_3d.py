@@ -378,3 +378,21 @@ def test_the_job_holds_the_blocks_pp_layers_gives_it(world):
         assert held == (["0", "1"] if j.grid.pp_rank == 0 else [])
     finally:
         j.close()
+
+
+@pytest.mark.deadline(60)
+def test_an_interleaved_job_closes_every_stage_s_ddp(world):
+    # Two stages per rank, each its own DDP over the data axis: close() stops both
+    # threads and frees both bucket communicators (the job's own wrapper is neither).
+    from mpiring.comm.communicator import _Freed
+
+    if world.size % 4:
+        pytest.skip("pp = 2 with dp = 2")
+    j = job(world, pp=2, schedule="interleaved", vpp=2, microbatches=3, steps=1)
+    train(j)
+    ddps = [st.ddp for st in j.sched.stages]
+    assert len(ddps) == 2 and all(d is not None for d in ddps)
+    j.close()
+    for d in ddps:
+        assert isinstance(d.reducer._bucket_comm._be, _Freed)
+        assert not d.reducer._thread._thread.is_alive()

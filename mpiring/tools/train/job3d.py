@@ -293,6 +293,8 @@ class GridJob(TrainJob):
         if self.sched is not None:
             self.sched.free()  # collective: the pipeline's windows and communicators
             for st in self.sched.stages:
+                if st.ddp is not None and st.ddp is not self.wrapped:
+                    st.ddp.close()  # interleaved: a DDP per stage (the job's own: below)
                 st.free()
         if self.fsdp is not None:
             self.fsdp.close()
