@@ -40,3 +40,13 @@ def test_bench_pp_smoke(comm):
     assert "interleaved/1f1b bubble" in table and "interleaved meas/pred" in table
     with pytest.raises(ValueError, match="list 1f1b before it"):
         run_pp_bench(comm, preset="tiny", ms=(2,), modes=("zb-cap", "1f1b"))
+
+
+def test_the_interleaved_mode_needs_two_units_per_rank(comm):
+    # tiny has 4 units: 2 ranks x 2 stages fit, 3 do not (named, with the fix).
+    from mpiring.tools.bench.pp import interleaved_fits
+
+    assert interleaved_fits("tiny", 2) and not interleaved_fits("tiny", 3)
+    if comm.size == 3:
+        with pytest.raises(ValueError, match="leave it out of --modes"):
+            run_pp_bench(comm, preset="tiny", ms=(2,), modes=("1f1b", "interleaved"))

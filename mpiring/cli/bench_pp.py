@@ -21,10 +21,11 @@ from mpiring.cli import add_backend_arguments
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", help="GPT preset: small (default), tiny, comm")
     p.add_argument("--m", default="4,8,16", help="micro-batch counts, comma list (default 4,8,16)")
-    p.add_argument("--modes", default="gpipe,gpipe-recompute,1f1b,zb,zb-cap,interleaved,torch-1f1b",
+    p.add_argument("--modes", default=None,
                    help="comma list of gpipe, gpipe-recompute, 1f1b, zb, zb-cap (ZB-H1 held "
                         "to 1F1B's measured peak; after 1f1b), interleaved (2 stages per "
-                        "rank), torch-1f1b")
+                        "rank), torch-1f1b (default: all, interleaved where the preset has "
+                        "2 units per rank)")
     p.add_argument("--mb-rows", type=int, default=2, help="windows per micro-batch (default 2)")
     p.add_argument("-n", "--steps", type=int, default=5,
                    help="timed steps, the fastest kept (default 5)")
@@ -39,13 +40,27 @@ def run(args) -> int:
     import json
 
     import mpiring
-    from mpiring.tools.bench.pp import draw_run, format_pp_table, run_pp_bench
+    from mpiring.tools.bench.pp import (
+        MODES,
+        draw_run,
+        format_pp_table,
+        interleaved_fits,
+        run_pp_bench,
+    )
 
     if args.backend != "mpi":
         raise ValueError("bench-pp runs on the MPI backend (CPU); use --backend mpi")
     ms = [int(t) for t in args.m.split(",") if t.strip()]
-    modes = [t.strip() for t in args.modes.split(",") if t.strip()]
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
+    if args.modes is None:
+        modes = list(MODES)
+        if not interleaved_fits(args.preset, comm.size):
+            modes.remove("interleaved")
+            if comm.rank == 0:
+                print(f"# bench-pp: no interleaved row: {comm.size} ranks x 2 stages is more "
+                      f"than the {args.preset} GPT's units", file=sys.stderr)
+    else:
+        modes = [t.strip() for t in args.modes.split(",") if t.strip()]
     rows, drawn = run_pp_bench(comm, preset=args.preset, ms=ms, modes=modes, mb_rows=args.mb_rows,
                                steps=args.steps, warmup=args.warmup)
     if comm.rank == 0:

@@ -206,6 +206,11 @@ class _Torch:
                 "bubble": None, "predicted": None, "replay": None, "peak_act_mib": None}, None
 
 
+def interleaved_fits(preset: str, ranks: int) -> bool:
+    """Whether the preset's GPT has a unit for each of the interleaved mode's stages."""
+    return PRESETS[preset].n_layers + 2 >= INTERLEAVED_V * ranks
+
+
 def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_rows: int = 2,
                  steps: int = 5, warmup: int = 2) -> tuple[list[dict], dict]:
     """Every (m, mode) row, and the measured spans of each mpiring run (for drawing)."""
@@ -214,6 +219,11 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
         raise ValueError(f"unknown modes {bad}: use some of {', '.join(MODES)}")
     if "zb-cap" in modes and ("1f1b" not in modes or modes.index("1f1b") > modes.index("zb-cap")):
         raise ValueError("zb-cap holds ZB-H1 to 1F1B's measured peak: list 1f1b before it")
+    if "interleaved" in modes and not interleaved_fits(preset, comm.size):
+        raise ValueError(f"the interleaved mode cuts the GPT into {INTERLEAVED_V} stages per "
+                         f"rank, {INTERLEAVED_V * comm.size} here, more than the {preset} "
+                         f"preset's {PRESETS[preset].n_layers + 2} units: leave it out of "
+                         "--modes, or run on fewer ranks")
     cfg = PRESETS[preset]
     transfer = transfer_time(comm, (mb_rows, cfg.seq_len, cfg.d_model))
     group = None
