@@ -29,9 +29,10 @@ from mpiring.tools import pipeline_trace, timeline
 
 
 def write_trace(directory, name: str, p: int, m: int, *, steps: int = 2, replicas: int = 1,
-                offset: float = 100.0) -> list:
-    """Files as the runtime writes them, with the unit-cost simulation as the times."""
-    spans = simulate(build(name, p, m))
+                offset: float = 100.0, v: int = 1) -> list:
+    """Files as the runtime writes them, with the unit-cost simulation as the times
+    (``v`` stages per rank: the interleaved schedule)."""
+    spans = simulate(build(name, p, m, v))
     length = max(row[-1].end for row in spans) + 1.0  # a gap of one unit between steps
     for d in range(replicas):
         for i, row in enumerate(spans):
@@ -42,7 +43,8 @@ def write_trace(directory, name: str, p: int, m: int, *, steps: int = 2, replica
                     t = k * length - offset * rank  # each rank's clock has its own origin
                     recs.append({"type": "event", "rank": rank, "name": str(s.action),
                                  "cat": "pipeline", "t_start": t + s.start, "t_end": t + s.end,
-                                 "action": s.action.kind, "stage": i, "mb": s.action.mb,
+                                 "action": s.action.kind, "stage": s.action.stage,
+                                 "mb": s.action.mb,
                                  "schedule": name, "microbatches": m, "replica": d})
             with open(directory / f"rank{rank}.jsonl", "w") as fh:
                 fh.write("\n".join(json.dumps(r) for r in recs) + "\n")
@@ -64,6 +66,22 @@ def test_explain_draws_the_simulated_schedule_exactly(tmp_path, name, p, m):
     assert "pipeline step 1 of 2" in timeline.explain(timeline.load(str(tmp_path)), "pipeline", 1)
     with pytest.raises(ValueError, match="steps 1..2"):
         timeline.explain(timeline.load(str(tmp_path)), "pipeline", 3)
+
+
+def test_explain_reads_several_stages_per_rank(tmp_path):
+    # Interleaved: rank 0 runs 0F0 then 2F0, the same (kind, micro-batch) on another
+    # stage: still one step, 4 stages on 2 ranks, and the prediction is the formula.
+    spans = write_trace(tmp_path, "interleaved", 2, 4, v=2)
+    files = timeline.load(str(tmp_path))
+    found = pipeline_trace.steps(files)
+    assert [s.index for s in found] == [1, 2] and found[1].stages == 4
+    text = timeline.explain(files)
+    assert text.startswith("pipeline step 2 of 2: interleaved, 4 stages on 2 ranks, "
+                           "4 micro-batches")
+    lines = text.splitlines()
+    assert lines[1:3] == draw(spans, width=150).splitlines()
+    formula = (2 - 1) / (2 * 4 + 2 - 1)
+    assert "stages 0, 2 (r0): bubble" in text and f"predicted {formula:.1%}" in lines[3]
 
 
 def test_replicas_are_drawn_apart(tmp_path):

@@ -23,7 +23,7 @@ from typing import Any
 
 from mpiring.parallel.pipeline.actions import Action
 from mpiring.parallel.pipeline.diagram import draw
-from mpiring.parallel.pipeline.schedules import GENERATORS, build
+from mpiring.parallel.pipeline.schedules import GENERATORS, MULTI, build
 from mpiring.parallel.pipeline.validate import Span, bubble, predicted_bubble
 
 CATEGORY = "pipeline"
@@ -46,11 +46,17 @@ class Step:
         return bubble(self.spans)
 
     @property
+    def stages(self) -> int:
+        """The pipeline's stages (more than its ranks when a rank holds several)."""
+        return 1 + max((x.action.stage for row in self.spans for x in row), default=0)
+
+    @property
     def predicted(self) -> list[float] | None:
-        """The schedule's bubble per stage with this step's mean action times (None: custom)."""
-        if self.schedule not in GENERATORS:
+        """The schedule's bubble per rank with this step's mean action times (None: custom)."""
+        if self.schedule not in GENERATORS and self.schedule not in MULTI:
             return None
-        return predicted_bubble(build(self.schedule, len(self.spans), self.microbatches),
+        p = len(self.spans)
+        return predicted_bubble(build(self.schedule, p, self.microbatches, self.stages // p),
                                 self.spans)
 
 
@@ -62,9 +68,9 @@ def events(files) -> list[tuple[int, float, dict[str, Any]]]:
 
 def _split_steps(recs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     out: list[list[dict[str, Any]]] = []
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[int, str, int]] = set()
     for r in sorted(recs, key=lambda r: r["t_start"]):
-        key = (r["action"], r["mb"])
+        key = (int(r["stage"]), r["action"], r["mb"])  # a rank may hold several stages
         if not out or key in seen:  # an action repeats: the next step has begun
             out.append([])
             seen = set()
@@ -79,8 +85,9 @@ def steps(files) -> list[Step]:
     for rank, offset, rec in events(files):
         by_rank.setdefault(rank, (offset, []))[1].append(rec)
     pipelines: dict[int, dict[int, int]] = defaultdict(dict)  # replica -> stage -> rank
-    for rank, (_, recs) in by_rank.items():
-        pipelines[int(recs[0].get("replica", 0))][int(recs[0]["stage"])] = rank
+    for rank, (_, recs) in by_rank.items():  # a rank by its first stage (r of r, r + p, ...)
+        first = min(int(r["stage"]) for r in recs)
+        pipelines[int(recs[0].get("replica", 0))][first] = rank
     out: list[Step] = []
     for replica in sorted(pipelines):
         stages = pipelines[replica]
@@ -122,7 +129,9 @@ def explain(files, step: int | None = None, width: int = 150) -> str:
     for s in chosen:
         t0 = min(row[0].start for row in s.spans if row)
         t1 = max(row[-1].end for row in s.spans if row)
-        out.append(f"pipeline step {s.index} of {count}: {s.schedule}, {len(s.spans)} stages, "
+        p = len(s.spans)
+        where = f"{s.stages} stages" + (f" on {p} ranks" if s.stages > p else "")
+        out.append(f"pipeline step {s.index} of {count}: {s.schedule}, {where}, "
                    f"{s.microbatches} micro-batches (replica {s.replica}), "
                    f"{(t1 - t0) * 1e3:.1f} ms")
         out.append(draw(s.spans, width=width))
@@ -130,8 +139,10 @@ def explain(files, step: int | None = None, width: int = 150) -> str:
         for i, (rank, frac) in enumerate(zip(s.ranks, s.bubble)):
             busy = sum(x.end - x.start for x in s.spans[i])
             pred = f", predicted {predicted[i]:.1%}" if predicted else ""
-            out.append(f"  stage {i} (r{rank}): bubble {frac:.1%} ({(t1 - t0 - busy) * 1e3:.1f} ms "
-                       f"idle){pred}")
+            held = "stage" if s.stages == p else "stages"
+            mine = ", ".join(str(k) for k in range(i, s.stages, p))
+            out.append(f"  {held} {mine} (r{rank}): bubble {frac:.1%} "
+                       f"({(t1 - t0 - busy) * 1e3:.1f} ms idle){pred}")
         out.append("")
     out.append("predicted: the schedule simulated with this step's mean F, B and W times per "
                "stage. Another step: --collective pipeline --call N")
