@@ -288,3 +288,15 @@ def test_stages_of_two_groups_of_processes_are_refused(world):
         ScheduleInterleaved1F1B([st_a, st_b], 2, mse)
     for x in (st_a, st_b, a, b):
         x.free()
+
+
+def test_interleaved_gpt_stages_split_the_blocks_evenly():
+    # build_pipeline's interleaved stages: a block each for 4 blocks on 4 stages, the
+    # embeddings with the first and the head with the last (array_split of the 6 units
+    # would give 2, 2, 1, 1 units: a 2-block stage setting the pace of the rotation).
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=4, n_heads=2)
+    full = GPT(cfg)
+    kinds = [[type(u).__name__ for u in split_gpt(full, 4, s, blocks_evenly=True)[0]]
+             for s in range(4)]
+    assert kinds == [["Embed", "Block"], ["Block"], ["Block"], ["Block", "Head"]]
+    assert [len(split_gpt(full, 4, s)[0]) for s in range(4)] == [2, 2, 1, 1]

@@ -71,8 +71,13 @@ def units(model: GPT) -> list[nn.Module]:
     return [Embed(model.tok, model.pos), *model.blocks, Head(model.ln_f, model.head)]
 
 
-def split_gpt(model: GPT, num_stages: int, stage_index: int) -> tuple[nn.Sequential, list]:
+def split_gpt(model: GPT, num_stages: int, stage_index: int, *,
+              blocks_evenly: bool = False) -> tuple[nn.Sequential, list]:
     """Stage ``stage_index``'s part of ``model`` (a copy) and its tied parameters.
+
+    The units are split with array_split's bounds; ``blocks_evenly``: the blocks
+    instead, the embeddings with the first stage and the head with the last
+    (Megatron's split, for stages of equal work when there are many of them).
 
     Raises:
         ValueError: more stages than units (embeddings + blocks + head).
@@ -82,7 +87,12 @@ def split_gpt(model: GPT, num_stages: int, stage_index: int) -> tuple[nn.Sequent
         raise ValueError(f"{num_stages} stages for a GPT of {len(parts)} units (embeddings, "
                          f"{len(parts) - 2} blocks, head): use 1..{len(parts)} stages or more "
                          "layers")
-    lo, hi = chunk_bounds(len(parts), num_stages)[stage_index]
+    if blocks_evenly:
+        lo, hi = chunk_bounds(len(parts) - 2, num_stages)[stage_index]
+        lo, hi = (0 if stage_index == 0 else lo + 1,
+                  hi + (2 if stage_index == num_stages - 1 else 1))
+    else:
+        lo, hi = chunk_bounds(len(parts), num_stages)[stage_index]
     # deepcopy of the units together keeps the tie inside one stage (one stage: one weight).
     module = copy.deepcopy(nn.Sequential(*parts[lo:hi]))
     tied = []
@@ -118,7 +128,9 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     n = grid.pp_size * v
     stages, params = [], []
     for s in range(grid.pp_rank, n, grid.pp_size):
-        module, tied = split_gpt(full, n, s)
+        # Interleaving rotates through every stage: a 2-block stage beside a 1-block one
+        # would set the pace of all, so its stages split the blocks evenly.
+        module, tied = split_gpt(full, n, s, blocks_evenly=v > 1)
         if schedule == "pipedream":  # stages update on their own: the two copies go untied
             tied = []
         layers = module if grid.dp_size == 1 else DistributedDataParallel(module, comm=grid.dp)
