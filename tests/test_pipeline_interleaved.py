@@ -66,7 +66,7 @@ def step(sched, stages, x, y, losses=None):
 
 
 @pytest.mark.parametrize("v", (2, 3))
-@pytest.mark.parametrize("m", (1, 2, 3, 4, 8))
+@pytest.mark.parametrize("m", (1, 3, 8))  # fewer, not a multiple, and more than the ranks
 def test_interleaved_matches_unsplit_model(comm, v, m):
     full = mlp()
     stages, refs = local_stages(comm, full, v)
