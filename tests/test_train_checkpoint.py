@@ -136,6 +136,19 @@ def params(job) -> list[torch.Tensor]:
     return [p.detach().clone() for p in job.model.parameters()]
 
 
+def save_at_2_and_step_to_3(job, directory):
+    """Two steps with a checkpoint at step 2, then step 3; the job closed. Returns the
+    checkpointer, and step 3's parameters and losses (what a resume must reproduce)."""
+    saver = Checkpointer(directory, every=2, verbose=False)
+    for _ in range(2):
+        job.train_step()
+        saver.on_step_end(job)
+    job.train_step()
+    expected, expected_losses = params(job), list(job.losses)
+    job.close()
+    return saver, expected, expected_losses
+
+
 def test_sharded_optimizer_checkpoint_resumes_the_same_run(world, tmp_path, monkeypatch):
     """zero1 on every rank of the job: save at step 2, go on to 3; a new job resumed from
     step 2 takes the same step 3 bit for bit. A rank that cannot load: error everywhere."""
@@ -143,13 +156,7 @@ def test_sharded_optimizer_checkpoint_resumes_the_same_run(world, tmp_path, monk
 
     d = shared_dir(world, tmp_path)
     job = make_job(world, optimizer="zero1")
-    saver = Checkpointer(d, every=2, verbose=False)
-    for _ in range(2):
-        job.train_step()
-        saver.on_step_end(job)
-    job.train_step()
-    expected, expected_losses = params(job), list(job.losses)
-    job.close()
+    saver, expected, expected_losses = save_at_2_and_step_to_3(job, d)
     assert saver.saved and saver.saved[0][0] == 2
 
     resumed = make_job(world, optimizer="zero1")
@@ -195,13 +202,7 @@ def test_tp_dropout_streams_resume_the_same_run(world, subcomms, tmp_path, pp):
 
     d = wire.bcast_json(comm, str(tmp_path) if comm.rank == 0 else None)
     job = new_job()
-    saver = Checkpointer(d, every=2, verbose=False)
-    for _ in range(2):
-        job.train_step()
-        saver.on_step_end(job)
-    job.train_step()
-    expected, expected_losses = params(job), list(job.losses)
-    job.close()
+    saver, expected, expected_losses = save_at_2_and_step_to_3(job, d)
 
     resumed = new_job()
     Checkpointer(d, resume=True, verbose=False).on_start(resumed)
