@@ -143,7 +143,6 @@ class GridJob(TrainJob):
         self.microbatches = cfg.microbatches or cfg.pp
 
     def _wrap(self):
-        from mpiring.parallel.data.distributed import DistributedDataParallel
         from mpiring.parallel.pipeline import PipelineStage
         from mpiring.tools.models.gpt_tp import TensorParallelGPT
         from mpiring.tools.train.pipeline import SCHEDULES
@@ -170,10 +169,7 @@ class GridJob(TrainJob):
         # ZeRO-2 with a pipeline reduces in its own step, after the tied sum (see above).
         zero2_pipe = cfg.pp > 1 and cfg.optimizer == "zero2"
         if (cfg.pp == 1 or g.dp_size > 1) and not zero2_pipe:
-            wrapped = DistributedDataParallel(
-                stage, g.dp, bucket_cap_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                overlap=(cfg.mode == "ddp"), algo=cfg.algo,
-                gradient_as_bucket_view=cfg.grad_as_bucket_view)
+            wrapped = self._data_parallel(stage)
         self.optimizer = self._make_optimizer(
             stage.parameters(), ddp=wrapped if wrapped is not stage else None)
         if cfg.pp > 1:
@@ -185,10 +181,19 @@ class GridJob(TrainJob):
             self.sched = SCHEDULES[cfg.schedule](pipe, self.microbatches, self.loss_fn, **extra)
         return wrapped
 
+    def _data_parallel(self, module):
+        """``module`` in mpiring's DDP over the data axis, with the job's bucket options."""
+        from mpiring.parallel.data.distributed import DistributedDataParallel
+
+        cfg = self.cfg
+        return DistributedDataParallel(
+            module, self.grid.dp, bucket_cap_mb=cfg.bucket_mb,
+            first_bucket_mb=cfg.first_bucket_mb, overlap=(cfg.mode == "ddp"), algo=cfg.algo,
+            gradient_as_bucket_view=cfg.grad_as_bucket_view)
+
     def _wrap_interleaved(self):
         """vpp stages per rank (rank r: r, r + pp, ...), each its own DDP over the data
         axis; ``model`` holds them all, named as the full GPT's."""
-        from mpiring.parallel.data.distributed import DistributedDataParallel
         from mpiring.parallel.pipeline import PipelineStage, ScheduleInterleaved1F1B
 
         cfg, g = self.cfg, self.grid
@@ -203,10 +208,7 @@ class GridJob(TrainJob):
         self.fsdp = None
         pipes = []
         for s, chunk in zip(range(g.pp_rank, n, g.pp_size), chunks):
-            wrapped = chunk if g.dp_size == 1 else DistributedDataParallel(
-                chunk, g.dp, bucket_cap_mb=cfg.bucket_mb, first_bucket_mb=cfg.first_bucket_mb,
-                overlap=(cfg.mode == "ddp"), algo=cfg.algo,
-                gradient_as_bucket_view=cfg.grad_as_bucket_view)
+            wrapped = chunk if g.dp_size == 1 else self._data_parallel(chunk)
             pipes.append(PipelineStage(wrapped, s, n, g.pp, tied_parameters=chunk.tied))
         self.optimizer = self._make_optimizer(self.model.parameters())
         self.sched = ScheduleInterleaved1F1B(pipes, self.microbatches, self.loss_fn)
