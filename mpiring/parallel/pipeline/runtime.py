@@ -45,7 +45,7 @@ from mpiring.parallel.pipeline.actions import (
     groups,
 )
 from mpiring.parallel.pipeline.schedules import build, check_sizes, lower
-from mpiring.parallel.pipeline.stage import PipelineStage
+from mpiring.parallel.pipeline.stage import PipelineStage, tied_layout
 from mpiring.parallel.pipeline.transport import DTYPES, MAX_DIMS, Transport
 from mpiring.parallel.pipeline.validate import Span, check
 
@@ -461,7 +461,7 @@ class PipelineSchedule:
 
 def _local_stages(stage) -> list[PipelineStage]:
     """This rank's stages, in order, from one ``PipelineStage`` or a list of them; a
-    ValueError naming the fix, on every rank (collective over the first stage's
+    ValueError naming the fix, on every rank (collective over the lowest stage's
     communicator), for a list that is not r, r + p, ... of one pipeline."""
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     if not stages or not all(isinstance(st, PipelineStage) for st in stages):
@@ -508,8 +508,7 @@ class _TiedPair:
             return
         n = st.num_stages
         ends = [x for x in stages if x.stage_index in (0, n - 1) and x.tied_parameters]
-        mine = [[x.stage_index, [[*q.shape, str(q.dtype), bool(q.requires_grad)]
-                                 for q in x.tied_parameters]] for x in ends]
+        mine = [[x.stage_index, tied_layout(x.tied_parameters)] for x in ends]
         table = st.comm.control.allgather_json(mine) if st.comm.size > 1 else [mine]
         by_stage = {s: desc for rows in table for s, desc in rows}
         if by_stage and by_stage.get(0) != by_stage.get(n - 1):

@@ -63,7 +63,7 @@ class PipelineStage:
         tied = list(tied_parameters or [])
         own = {id(p) for p in submodule.parameters()}
         mine = {"stage": stage_index, "stages": num_stages,
-                "tied": [[*p.shape, str(p.dtype), bool(p.requires_grad)] for p in tied],
+                "tied": tied_layout(tied),
                 "foreign": sum(id(p) not in own for p in tied)}
         table = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
         _check_layout(table, comm.size)
@@ -307,6 +307,11 @@ def _gpu_of(module: nn.Module) -> torch.device | None:
     """The CUDA device of ``module``'s parameters, or None (a CPU stage)."""
     p = next(module.parameters(), None)
     return p.device if p is not None and p.device.type == "cuda" else None
+
+
+def tied_layout(params) -> list:
+    """What the two ends of a tie compare: each parameter's shape, dtype, requires_grad."""
+    return [[*p.shape, str(p.dtype), bool(p.requires_grad)] for p in params]
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
