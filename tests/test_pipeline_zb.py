@@ -81,7 +81,7 @@ def test_zero_bubble_gpt_matches_unsplit_model(comm, m):
 @pytest.mark.parametrize("cap", ["none", "half", "zero"])
 def test_a_limit_on_the_held_weight_gradients(comm, cap):
     # max_held_bytes: before each forward the queued W's beyond the limit run (the
-    # largest first); the gradients stay exact, the held bytes stay under the limit,
+    # least worth first); the gradients stay exact, the held bytes stay under the limit,
     # and a limit of 0 runs every W before the next forward.
     full, module, stage = _gpt_stage(comm)
     x, y = _batch(9, 7)
@@ -108,8 +108,10 @@ def test_a_limit_on_the_held_weight_gradients(comm, cap):
         ScheduleZeroBubble(stage, 4, lm_loss, max_held_bytes=-1)
 
 
-def test_the_linear_weight_gradients_wait_for_w(comm):
-    # One stage holds the whole GPT: embeddings, attention, LayerNorms, MLP, head.
+def _whole_gpt_after_b(comm):
+    """One stage holding the whole GPT (embeddings, attention, LayerNorms, MLP, head),
+    after one micro-batch's F and split B; with the unsplit twin, the batch and the
+    bytes the forward saved."""
     if comm.size > 1:
         pytest.skip("one stage: the program is F B W per micro-batch")
     torch.manual_seed(1)
@@ -121,6 +123,20 @@ def test_the_linear_weight_gradients_wait_for_w(comm):
     stage.forward(0, x, target=y, loss_fn=lm_loss)
     saved = stage.live_bytes
     stage.backward(0, None, split=True)
+    return full, mine, stage, (x, y), saved
+
+
+def _w_and_compare(full, mine, stage, batch) -> None:
+    """Micro-batch 0's W: nothing held after it, and the unsplit model's gradients."""
+    stage.weight(0)
+    assert stage.live_bytes == 0
+    lm_loss(full(batch[0]), batch[1]).backward()
+    for (name, p), q in zip(mine.named_parameters(), full.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_the_linear_weight_gradients_wait_for_w(comm):
+    full, mine, stage, batch, saved = _whole_gpt_after_b(comm)
     linear = {f"{n}.{k}" for n, m in mine.named_modules() if isinstance(m, nn.Linear)
               for k, _ in m.named_parameters(recurse=False)}
     after_b = {n for n, p in mine.named_parameters() if p.grad is not None}
@@ -130,11 +146,22 @@ def test_the_linear_weight_gradients_wait_for_w(comm):
     assert {n for n, _ in mine.named_parameters()} - linear <= after_b
     # What W keeps (each Linear's input and output gradient) is no more than the forward saved.
     assert 0 < stage.live_bytes <= saved
-    stage.weight(0)
-    assert stage.live_bytes == 0
-    lm_loss(full(x), y).backward()
-    for (name, p), q in zip(mine.named_parameters(), full.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+    _w_and_compare(full, mine, stage, batch)
+
+
+def test_a_limit_keeps_the_weight_gradients_worth_most(comm):
+    # Under max_held_bytes, the W items that run early (on the critical path) are those
+    # with the least work per byte they keep: here the projection, the head and the
+    # qkv layer go, and the MLP's two layers (in * out / (in + out) = 6.4 for d = 8)
+    # stay deferred; the largest-first order this replaced ran exactly those first.
+    full, mine, stage, batch, _ = _whole_gpt_after_b(comm)
+    queue = stage._wq[0]
+    mlp = [d for d in queue if d.tensors[0].shape[-1] * d.tensors[1].shape[-1] == 4 * 8 * 8]
+    assert len(mlp) == 2 * CFG.n_layers and len(queue) > len(mlp)
+    stage._hold_at_most(split_backward.held_bytes(mlp))
+    assert stage._wq[0] == mlp
+    assert stage.live_bytes == split_backward.held_bytes(mlp)
+    _w_and_compare(full, mine, stage, batch)
 
 
 @pytest.mark.parametrize("layer", ["linear", "linear-no-bias", "layer-norm", "embedding"])

@@ -690,11 +690,12 @@ class ScheduleZeroBubble(PipelineSchedule):
     alive (their layers' inputs and output gradients) through each forward,
     where a stage's activations peak: a memory limit in the spirit of the
     zero-bubble paper's. Before a forward, the queued W's beyond it run at once
-    (the oldest micro-batch's, the largest first; on the critical path, so the
-    bubble grows), the rest wait for their W. Between forwards (the cool-down's
-    B's) the queues may hold more, below the peak. For a stage whose micro-batches are larger than the first
-    stage's, ``1F1B's peak on the first stage - its own 1F1B peak`` keeps its
-    peak at 1F1B's (``bench-pp`` measures it). None: no limit.
+    (on the critical path, so the bubble grows: those with the least weight-gradient
+    work per byte they keep first), the rest wait for their W. Between forwards (the
+    cool-down's B's) the queues may hold more, below the peak. For a stage whose
+    micro-batches are larger than the first stage's, ``1F1B's peak on the first
+    stage - its own 1F1B peak`` keeps its peak at 1F1B's (``bench-pp`` measures it).
+    None: no limit.
     """
 
     name = "zb"

@@ -56,6 +56,18 @@ class Deferred:
         x, gy = self.tensors
         return gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
 
+    def worth(self) -> float:
+        """W's work per element it keeps: dW is rows x in x out multiply-adds, and X and
+        dY keep rows x (in + out) elements, so in * out / (in + out), whatever the rows.
+
+        A cap on the held bytes (``max_held_bytes``) runs the least worth first: per
+        byte kept, a d x d projection or a narrow head fills half the bubble time of
+        the 4d-wide MLP layers, which are also the largest items.
+        """
+        x, gy = self.tensors
+        n_in, n_out = x.shape[-1], gy.shape[-1]
+        return n_in * n_out / (n_in + n_out)
+
     def grads(self) -> tuple:
         """(dW, db), None for a parameter that is frozen or absent."""
         g2, x2 = self._flat()

@@ -259,23 +259,30 @@ class PipelineStage:
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
     def _hold_at_most(self, limit: int) -> None:
-        """Run deferred weight gradients now, the oldest micro-batch's and the largest
-        first, until the queued ones keep at most ``limit`` bytes (the rest wait for W).
+        """Run deferred weight gradients now until the queued ones keep at most ``limit``
+        bytes (the rest wait for W).
 
         Called before a forward: the stage's activations peak at the end of a forward
-        (and the start of the B after it), over what the queues keep then.
+        (and the start of the B after it), over what the queues keep then. The items that
+        run now are on the critical path, so the ones that would fill the least bubble
+        per byte go first (``Deferred.worth``; the oldest micro-batch's among equals).
         """
         held = {mb: split_backward.held_bytes(q) for mb, q in self._wq.items()}
-        for mb in sorted(self._wq):
+        if sum(held.values()) <= limit:
+            return
+        order = sorted((d.worth(), mb, i) for mb, q in self._wq.items() for i, d in enumerate(q))
+        done = {mb: set() for mb in self._wq}
+        for _, mb, i in order:
             if sum(held.values()) <= limit:
                 break
             queue = self._wq[mb]
-            # Largest first, sorted once: the loop then costs a pass over this queue
-            # per item run (a few dozen Linear layers), not one over every queue.
-            queue.sort(key=lambda d: split_backward.held_bytes([d]), reverse=True)
-            while queue and sum(held.values()) > limit:
-                queue.pop(0).run()
-                held[mb] = split_backward.held_bytes(queue)
+            queue[i].run()
+            done[mb].add(i)
+            held[mb] = split_backward.held_bytes(
+                [d for j, d in enumerate(queue) if j not in done[mb]])
+        for mb, ran in done.items():
+            if ran:
+                self._wq[mb] = [d for j, d in enumerate(self._wq[mb]) if j not in ran]
                 if self.count_activations:
                     self._grow(held[mb] - self._held[mb])
                     self._held[mb] = held[mb]
