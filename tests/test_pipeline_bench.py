@@ -19,11 +19,16 @@ def test_bench_pp_smoke(comm):
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
         assert 0 < r["ideal_ms"] < 2 * r["step_ms"]
         assert 0 <= r["bubble_busiest"] < 1 and 0 <= r["predicted_busiest"] < 1
+        # Idle time: the share of the step in milliseconds (the step: the spans' extent).
+        assert 0 <= r["idle_busiest_ms"] <= r["idle_ms"] < r["step_ms"]
+        assert 0 <= r["predicted_idle_busiest_ms"] <= r["predicted_idle_ms"] < r["ideal_ms"]
         assert r["peak_act_mib"] == max(r["peak_act_mib_per_stage"]) > 0
         assert len(r["peak_act_mib_per_stage"]) == comm.size
         assert (r["preset"], r["ranks"]) == ("tiny", comm.size) and r["mb_rows"] > 0
     assert rows[0]["x_1f1b"] == 1.0
     assert rows[1]["zb_over_1f1b_bubble"] == pytest.approx(rows[1]["bubble"] / rows[0]["bubble"])
+    assert rows[1]["zb_over_1f1b_idle_busiest"] == pytest.approx(
+        rows[1]["idle_busiest_ms"] / rows[0]["idle_busiest_ms"])
     spans = drawn[("zb", 2)]
     assert len(spans) == comm.size
     assert sorted(s.action.kind for s in spans[0]) == ["B", "B", "F", "F", "W", "W"]
@@ -31,8 +36,8 @@ def test_bench_pp_smoke(comm):
     # zb-cap: ZB-H1 held to 1F1B's measured peak, to the byte (of what is counted).
     assert rows[2]["peak_act_mib"] <= rows[0]["peak_act_mib"] + 1e-9
     table = format_pp_table(rows)
-    assert "zb" in table and "m=2: gpipe meas/pred" in table and "zb/1f1b bubble" in table
-    assert "zb-cap/1f1b bubble" in table
+    assert "zb" in table and "m=2: gpipe meas/pred" in table and "zb/1f1b idle time" in table
+    assert "zb-cap/1f1b idle time" in table
     # Interleaved: 2 stages per rank, each rank's spans its own stages' (r and r + p).
     il = drawn[("interleaved", 2)]
     assert {s.action.stage for s in il[comm.rank]} == {comm.rank, comm.rank + comm.size}

@@ -28,11 +28,17 @@ def _rows(m: int):
         {"mode": "gpipe-recompute", "step_ms": 13.0, "bubble": 0.3, "predicted": 0.3,
          "bubble_busiest": 0.2, "predicted_busiest": 0.2, "ideal_ms": 12.0, "peak_act_mib": 1.5, "peak_act_mib_per_stage": [1.0, 1.5], **common},
         {"mode": "1f1b", "step_ms": 9.0, "bubble": 0.20, "predicted": 0.16, "ideal_ms": 8.0,
-         "bubble_busiest": 0.10, "predicted_busiest": 0.08,
+         "bubble_busiest": 0.10, "predicted_busiest": 0.08, "idle_ms": 1.8,
+         "predicted_idle_ms": 1.28, "idle_busiest_ms": 0.9, "predicted_idle_busiest_ms": 0.64,
          "peak_act_mib": 2.0, "peak_act_mib_per_stage": [2.0, 0.75], **common},
         {"mode": "zb", "step_ms": 8.0, "bubble": 0.05, "predicted": 0.04, "ideal_ms": 7.5,
-         "bubble_busiest": 0.03, "predicted_busiest": 0.02,
+         "bubble_busiest": 0.03, "predicted_busiest": 0.02, "idle_ms": 0.4,
+         "predicted_idle_ms": 0.3, "idle_busiest_ms": 0.24, "predicted_idle_busiest_ms": 0.15,
          "peak_act_mib": 2.1, "peak_act_mib_per_stage": [2.0, 2.1], **common},
+        {"mode": "zb-cap", "step_ms": 8.5, "bubble": 0.08, "predicted": 0.07, "ideal_ms": 8.0,
+         "bubble_busiest": 0.05, "predicted_busiest": 0.04, "idle_ms": 0.68,
+         "predicted_idle_ms": 0.56, "idle_busiest_ms": 0.425, "predicted_idle_busiest_ms": 0.32,
+         "peak_act_mib": 2.0, "peak_act_mib_per_stage": [2.0, 1.9], **common},
         {"mode": "interleaved", "step_ms": 8.1, "bubble": 0.12, "predicted": 0.10,
          "ideal_ms": 7.8, "bubble_busiest": 0.06, "predicted_busiest": 0.05,
          "peak_act_mib": 2.5, "peak_act_mib_per_stage": [2.5, 1.0], **common},
@@ -46,11 +52,20 @@ def test_goals_are_the_ratios_of_the_rows():
     table = "\n".join(page.goals(_rows(4)))
     assert "| GPipe bubble, measured / predicted (goal <= 1.10) | 1.20 |" in table
     assert "| 1F1B bubble, measured / predicted (goal <= 1.10) | 1.25 |" in table
-    assert "| ZB-H1 / 1F1B bubble, measured (goal <= 0.5) | 0.25 |" in table
-    assert "| ZB-H1 / 1F1B bubble, the schedules' prediction | 0.25 |" in table
-    assert "| ZB-H1 / 1F1B bubble of the busiest stage, measured (goal <= 0.5) | 0.30 |" in table
-    assert "| ZB-H1 / 1F1B bubble of the busiest stage, predicted | 0.25 |" in table
+    # ZB-H1 in idle time: 0.24 / 0.9 ms, where the shares of the steps give 0.03 / 0.10.
+    assert "| ZB-H1 / 1F1B idle time of the busiest stage, measured (goal <= 0.5) | 0.27 |" \
+        in table
+    assert "| the same, the schedules' prediction | 0.23 |" in table
+    assert "| ZB-H1 / 1F1B idle time of the worst rank, measured (predicted) | 0.22 (0.23) |" \
+        in table
     assert "| peak activations MiB, ZB-H1 / 1F1B (max over stages) | 2.10 / 2.00 |" in table
+    assert ("| ZB-H1 within 1F1B's peak (zb-cap) / 1F1B idle time of the busiest stage, "
+            "measured (goal <= 0.5) | 0.47 |") in table
+    assert "| the same, the schedules' prediction | 0.50 |" in table
+    assert "| zb-cap / 1F1B idle time of the worst rank, measured | 0.38 |" in table
+    assert "| peak activations MiB, zb-cap / 1F1B (max over stages) | 2.00 / 2.00 |" in table
+    assert ("| as shares of each step: ZB-H1 / 1F1B and zb-cap / 1F1B bubble, busiest stage "
+            "| 0.30 / 0.50 |") in table
     assert "| 1F1B step / torch Schedule1F1B step (goal <= 0.9) | 0.75 |" in table
     assert "| torch step / 1F1B's simulated compute bound | 1.50 |" in table
     # Recomputation: one micro-batch (GPipe's peak / m) plus m stage inputs, per stage;

@@ -14,6 +14,11 @@ rank), the same step on every rank.
   predicted_busiest): the same share for the stage with the most compute,
   whose idle time is what the schedule adds to the step (a lighter stage
   also idles for the uneven split, in every schedule alike).
+* idle (JSON idle_ms, idle_busiest_ms and their predicted_ twins): the same
+  in milliseconds. ZB-H1 against 1F1B is a ratio of these: at the same m
+  both do the same work, and the bubble the zero-bubble paper cuts to a
+  third, (p-1)(F+B-W) against (p-1)(F+B+W), is a time; a share of the step
+  divides ZB-H1's by its own shorter step, which counts its gain against it.
 * predicted: the validator's simulation of the same schedule with each
   stage's measured mean F, B and W times, and each message taking the
   measured per-transfer time (the fastest of 40 ping-pongs of the activation
@@ -50,6 +55,7 @@ from mpiring.parallel.pipeline.transport import wait_all
 from mpiring.parallel.pipeline.validate import (
     Span,
     bubble,
+    idle_time,
     measured_costs,
     predicted_bubble,
     simulate,
@@ -161,6 +167,7 @@ class _Mpiring:
         # The stage with the most compute: the step cannot be shorter than its work, so its
         # idle share is what the schedule costs; a lighter stage's extra idle is the split's.
         busiest = max(range(len(spans)), key=lambda r: sum(x.end - x.start for x in spans[r]))
+        idle, idle_ideal = idle_time(spans), idle_time(ideal)
         return {"mode": self.mode, "m": m, "step_ms": 1e3 * seconds,
                 "ideal_ms": 1e3 * (max(r[-1].end for r in ideal if r) -
                                    min(r[0].start for r in ideal if r)),
@@ -168,6 +175,9 @@ class _Mpiring:
                 "predicted": max(predicted_bubble(acts, spans, transfer=transfer)),
                 "bubble_busiest": bubble(spans)[busiest],
                 "predicted_busiest": bubble(ideal)[busiest],
+                "idle_ms": 1e3 * max(idle), "predicted_idle_ms": 1e3 * max(idle_ideal),
+                "idle_busiest_ms": 1e3 * idle[busiest],
+                "predicted_idle_busiest_ms": 1e3 * idle_ideal[busiest],
                 "replay": max(predicted_bubble(acts, spans, transfer=transfer, replay=True)),
                 "transfer_us": 1e6 * transfer,
                 "msg_us": None if (d := message_delay(spans)) is None else 1e6 * d,
@@ -281,9 +291,12 @@ def _ratios(rows: list[dict]) -> None:
     for zb in ("zb", "zb-cap"):
         if base is not None and zb in by and base["bubble"]:
             by[zb]["zb_over_1f1b_bubble"] = by[zb]["bubble"] / base["bubble"]
+            by[zb]["zb_over_1f1b_idle"] = by[zb]["idle_ms"] / base["idle_ms"]
             if base["bubble_busiest"]:
                 by[zb]["zb_over_1f1b_busiest"] = (by[zb]["bubble_busiest"] /
                                                   base["bubble_busiest"])
+                by[zb]["zb_over_1f1b_idle_busiest"] = (by[zb]["idle_busiest_ms"] /
+                                                       base["idle_busiest_ms"])
     if base is not None and base["bubble"] and "interleaved" in by:
         il = by["interleaved"]
         il["il_over_1f1b_bubble"] = il["bubble"] / base["bubble"]
@@ -331,10 +344,13 @@ def format_pp_table(rows: list[dict]) -> str:
                 continue
             peaks = "/".join(f"{v:.2f}" for v in by[zb]["peak_act_mib_per_stage"])
             base = "/".join(f"{v:.2f}" for v in by["1f1b"]["peak_act_mib_per_stage"])
-            busy = by[zb].get("zb_over_1f1b_busiest")
-            parts.append(f"{zb}/1f1b bubble {by[zb]['zb_over_1f1b_bubble']:.2f}"
-                         + (f", busiest stage {busy:.2f}" if busy is not None else "")
-                         + f" (peak act per stage {zb} {peaks}, 1f1b {base} MiB)")
+            z = by[zb]
+            busy = ("" if z.get("zb_over_1f1b_busiest") is None else
+                    f", busiest stage {z['zb_over_1f1b_idle_busiest']:.2f} "
+                    f"(share {z['zb_over_1f1b_busiest']:.2f})")
+            parts.append(f"{zb}/1f1b idle time {z['zb_over_1f1b_idle']:.2f} (share of the "
+                         f"step {z['zb_over_1f1b_bubble']:.2f}){busy}"
+                         f" (peak act per stage {zb} {peaks}, 1f1b {base} MiB)")
         if "il_over_1f1b_bubble" in by.get("interleaved", {}):
             il = by["interleaved"]
             parts.append(f"interleaved/1f1b bubble {il['il_over_1f1b_bubble']:.2f} (predicted "
