@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # docs/pipeline-bench.md from one run: bench-pp on 2 ranks (one thread each) for the
 # small and the tiny GPT, their JSON and output in out/pipeline/, then the page written
-# from them (scripts/pipeline_page.py). About a minute and a half on 2 cores (sets up .venv on first use).
+# from them (scripts/pipeline_page.py). About two minutes on 2 cores (sets up .venv on first use).
 #   scripts/pipeline_bench.sh               # writes docs/pipeline-bench.md
 #   QUICK=1 scripts/pipeline_bench.sh       # a smoke run: the page stays in out/pipeline/
 # Measure on a quiet machine if you can: other jobs on the same cores move every number.
@@ -13,7 +13,7 @@ unset MPIRING_TRACE MPIRING_LOG MPIRING_CHECK MPIRING_IDLE
 if [ "${QUICK:-0}" = 1 ]; then
     PAGE="$OUT/pipeline-bench.md"; SMALL=(--m 2 -n 1 -w 0); TINY=(--m 2 -n 1 -w 0)
 else
-    PAGE=docs/pipeline-bench.md; SMALL=(-n 8); TINY=(-n 10 -w 3)
+    PAGE=docs/pipeline-bench.md; SMALL=(-n 12); TINY=(-n 12 -w 3)
 fi
 COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 git diff --quiet HEAD -- mpiring scripts 2>/dev/null || COMMIT="$COMMIT with local changes"
