@@ -381,9 +381,10 @@ def test_the_job_holds_the_blocks_pp_layers_gives_it(world):
 
 
 @pytest.mark.deadline(60)
-def test_an_interleaved_job_closes_every_stage_s_ddp(world):
-    # Two stages per rank, each its own DDP over the data axis: close() stops both
-    # threads and frees both bucket communicators (the job's own wrapper is neither).
+def test_an_interleaved_job_reports_and_closes_every_stage_s_ddp(world):
+    # Two stages per rank, each its own DDP over the data axis: the step's exposed
+    # communication is the two waits together, and close() stops both threads and
+    # frees both bucket communicators (the job's own wrapper is neither).
     from mpiring.comm.communicator import _Freed
 
     if world.size % 4:
@@ -392,6 +393,7 @@ def test_an_interleaved_job_closes_every_stage_s_ddp(world):
     train(j)
     ddps = [st.ddp for st in j.sched.stages]
     assert len(ddps) == 2 and all(d is not None for d in ddps)
+    assert j.exposed_comm == [sum(d.reducer.exposed_comm_s for d in ddps)]
     j.close()
     for d in ddps:
         assert isinstance(d.reducer._bucket_comm._be, _Freed)

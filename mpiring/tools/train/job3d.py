@@ -240,6 +240,15 @@ class GridJob(TrainJob):
         value = train_step(self.sched, self.optimizer, x, y, grad_clip=self.cfg.grad_clip)
         return math.nan if value is None else value
 
+    def _exposed_comm_s(self) -> float | None:
+        """Interleaved: each stage's DDP waits on its own reductions, in its own last
+        backward; the step's exposed time is their sum."""
+        stages = self.sched.stages if self.sched is not None else []
+        if len(stages) < 2:
+            return super()._exposed_comm_s()
+        waits = [st.ddp.reducer.exposed_comm_s for st in stages if st.ddp is not None]
+        return sum(waits) if waits else None
+
     def global_mean(self, values) -> list[float]:
         """The mean over the data-parallel replicas of the last stage's values (collective)."""
         arr = np.asarray(values, dtype=np.float64).copy()

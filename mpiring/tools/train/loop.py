@@ -345,9 +345,9 @@ class TrainJob:
         self.step += 1
         self.losses.append(value)
         self.step_times.append(t1 - t0)
-        reducer = self._our_reducer()
-        if reducer is not None:
-            self.exposed_comm.append(reducer.exposed_comm_s)
+        exposed = self._exposed_comm_s()
+        if exposed is not None:
+            self.exposed_comm.append(exposed)
         self.comm.tracer.event("train.step", "train", t0, t1, step=self.step, loss=value)
         return value
 
@@ -396,6 +396,11 @@ class TrainJob:
         if self.comm.size > 1:
             self.comm.all_reduce(total, op="sum", algo="native")
         return float(total[0] / total[1]) if total[1] else math.nan
+
+    def _exposed_comm_s(self) -> float | None:
+        """Seconds the step's synced backward waited on its reductions (None: no mpiring DDP)."""
+        reducer = self._our_reducer()
+        return None if reducer is None else reducer.exposed_comm_s
 
     def _our_reducer(self):
         from mpiring.parallel.data.reducer import Reducer
