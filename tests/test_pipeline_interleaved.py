@@ -65,13 +65,11 @@ def step(sched, stages, x, y, losses=None):
                       losses=losses if last else None)
 
 
-@pytest.mark.parametrize("v", (2, 3))
-@pytest.mark.parametrize("m", (1, 3, 8))  # fewer, not a multiple, and more than the ranks
-def test_interleaved_matches_unsplit_model(comm, v, m):
-    full = mlp()
-    stages, refs = local_stages(comm, full, v)
-    sched = ScheduleInterleaved1F1B(stages, m, mse)
-    for salt in (0, 1):  # the second step reuses the agreed shapes (and shared slots)
+def against_the_unsplit_model(sched, stages, refs, full, m: int) -> None:
+    """Two steps (the second on the agreed shapes and shared slots) and an eval() of
+    ``sched`` on this rank's ``stages``: the unsplit ``full``'s losses, output and each
+    slice's (``refs``) gradients; then the schedule and stages freed."""
+    for salt in (0, 1):
         x, y = data(salt)
         ref_losses = reference(full, x, y, m, mse)
         losses: list = []
@@ -94,6 +92,14 @@ def test_interleaved_matches_unsplit_model(comm, v, m):
     sched.free()
     for st in stages:
         st.free()
+
+
+@pytest.mark.parametrize("v", (2, 3))
+@pytest.mark.parametrize("m", (1, 3, 8))  # fewer, not a multiple, and more than the ranks
+def test_interleaved_matches_unsplit_model(comm, v, m):
+    full = mlp()
+    stages, refs = local_stages(comm, full, v)
+    against_the_unsplit_model(ScheduleInterleaved1F1B(stages, m, mse), stages, refs, full, m)
 
 
 def test_each_stage_runs_its_share_in_megatron_order(comm):

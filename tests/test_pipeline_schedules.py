@@ -15,6 +15,7 @@ from mpiring.parallel.pipeline.schedules import (
     compute_only,
     dump_csv,
     load_csv,
+    stage_ranks,
 )
 from mpiring.parallel.pipeline.validate import (
     ScheduleError,
@@ -296,3 +297,50 @@ def test_the_docs_draw_what_the_code_draws():
     text = diagram.draw_schedule(build("interleaved", 2, 4, 2), f=1, b=1, w=1, chars_per_unit=5)
     for line in text.splitlines():
         assert line in doc, line
+
+
+# --- ZB-V: two stages per rank, in a V ---------------------------------------------
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5, 6))
+def test_zbv_is_valid_and_complete_for_every_micro_batch_count(p):
+    ranks = stage_ranks(p, 2 * p, "v")
+    assert ranks == list(range(p)) + list(reversed(range(p)))
+    for m in range(1, 25):
+        sched = build("zbv", p, m, 2)
+        check(sched, m, 2 * p, rendezvous=False, ranks=ranks)
+        for r, prog in enumerate(sched):
+            assert {a.stage for a in prog} == {r, 2 * p - 1 - r}
+            for s in (r, 2 * p - 1 - r):
+                comp = [a for a in compute_only(prog) if a.stage == s]
+                for kind in "FBW":  # every B split, its W after it
+                    assert sorted(a.mb for a in comp if a.kind == kind) == list(range(m))
+            # 1F1B's stage-0 count: p micro-batches of a stage twice as large.
+            assert in_flight(prog) <= 2 * p
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5))
+@pytest.mark.parametrize("m", (1, 2, 3, 5, 8, 16))
+def test_zbv_idles_only_for_the_lead(p, m):
+    # Equal F, B, W per stage (a stage is half a rank's share): the last rank waits p-1
+    # forwards for its first input and, with m >= 2p, nothing else; ZB-H1 on stages
+    # twice the size idles (p-1)(F+B-W), twice that; 1F1B (p-1)(F+B+W), six times.
+    zbv = idle_time(simulate(build("zbv", p, m, 2), unit_costs(1, 1, 1)))
+    zb = idle_time(simulate(build("zb", p, m), unit_costs(2, 2, 2)))
+    ofb = idle_time(simulate(build("1f1b", p, m), unit_costs(2, 2, 2)))
+    for a, b in zip(zbv, zb):
+        assert a <= b + 1e-9
+    if m >= 2 * p:
+        assert zbv == pytest.approx([p - 1] * p)
+        assert max(zb) == pytest.approx(2 * (p - 1)) and max(ofb) == pytest.approx(6 * (p - 1))
+
+
+def test_zbv_needs_two_stages_per_rank_and_the_v():
+    with pytest.raises(ValueError, match="ZB-V places 2 stages per rank, not 3"):
+        build("zbv", 2, 4, 3)
+    with pytest.raises(ValueError, match="the V placement holds 2 stages per rank"):
+        stage_ranks(2, 6, "v")
+    # The loop placement's ranks refuse the V's programs (rank 0 runs stage 3 there).
+    with pytest.raises(ScheduleError, match="stage 3 runs on rank 1, not 0"):
+        check(build("zbv", 2, 4, 2), 4, 4, rendezvous=False)
+    # The turn on rank p-1 is a hand-over: no rendezvous wait for its own receive.
+    check(build("zbv", 1, 3, 2), 3, 2, ranks=[0, 0])

@@ -44,7 +44,7 @@ from mpiring.parallel.pipeline.actions import (
     format_schedule,
     groups,
 )
-from mpiring.parallel.pipeline.schedules import build, check_sizes, lower
+from mpiring.parallel.pipeline.schedules import build, check_sizes, lower, stage_ranks
 from mpiring.parallel.pipeline.stage import PipelineStage, tied_layout
 from mpiring.parallel.pipeline.transport import DTYPES, MAX_DIMS, Transport
 from mpiring.parallel.pipeline.validate import Span, check
@@ -73,7 +73,7 @@ class PipelineSchedule:
     def __init__(self, stage: PipelineStage | list[PipelineStage], n_microbatches: int,
                  loss_fn=None, *, actions: list[list[Action]] | None = None,
                  scale_grads: bool = True):
-        stages = _local_stages(stage)
+        stages = _local_stages(stage, self.placement)
         stage = stages[0]
         check_sizes(stage.num_stages, n_microbatches)
         # ``stage``: this rank's (first) stage, as torch's single-stage schedules have it.
@@ -81,6 +81,7 @@ class PipelineSchedule:
         self.stages = stages
         self._at = {st.stage_index: st for st in stages}
         ranks, self.num_stages = stage.comm.size, stage.num_stages
+        self.ranks = stage_ranks(ranks, self.num_stages, self.placement)  # checked above
         if actions is None:
             actions = build(self.name, ranks, n_microbatches, len(stages))
         mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None,
@@ -94,7 +95,7 @@ class PipelineSchedule:
         if len(actions) != ranks:  # the same list on every rank (checked above)
             raise ValueError(f"{type(self).__name__}: actions holds {len(actions)} programs for "
                              f"{ranks} ranks: give one per rank")
-        if not table[-1][3]:
+        if not table[self.ranks[-1]][3]:
             raise ValueError(f"{type(self).__name__}: give loss_fn on the last stage")
         if any(row[4] for row in table) and not self.allows_ddp:
             raise ValueError(f"{type(self).__name__} steps each stage's optimizer after every "
@@ -110,7 +111,8 @@ class PipelineSchedule:
                              "use --backend mpi, or one stage per rank")
         # ScheduleError on every rank alike. One stage per rank: portable to NCCL too
         # (the rendezvous model); several: MPI's, the only backend that runs them.
-        self.simulated = check(actions, n_microbatches, self.num_stages, rendezvous=not multi)
+        self.simulated = check(actions, n_microbatches, self.num_stages, rendezvous=not multi,
+                               ranks=self.ranks)
         if any(row[5] and any(a.kind == W for a in actions[r]) for r, row in enumerate(table)):
             raise ValueError(f"{type(self).__name__}: {data_parallel.FSDP_SPLIT}")
         self.actions = actions
@@ -140,7 +142,7 @@ class PipelineSchedule:
             str(st.stage_index) for st in stages)
         self._tied = _TiedPair(stages, multi)
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
-        self.transport = Transport(stage.comm)  # collective (a dup), as the gather above
+        self.transport = Transport(stage.comm, self.ranks)  # collective (a dup), as above
         # NCCL: a send goes in its group, with the receive (no send posted early).
         eager = _eager_sends(program) if self.transport.mpi else {}
         self._train = _Plan(program, groups(program), eager, self.transport)
@@ -198,7 +200,7 @@ class PipelineSchedule:
             # (on several stages per rank, the loop back to rank 0 waits for the round).
             program = lower([Action(st.stage_index, F, k) for st in self.stages
                              for k in range(m)], self.num_stages)
-            transport = Transport(self.stage.comm)  # collective: every rank's first eval()
+            transport = Transport(self.stage.comm, self.ranks)  # collective: every first eval()
             if self._closed:  # closed before: no new window either (collective, as close())
                 transport.close()
             eager = _eager_sends(program) if transport.mpi else {}
@@ -338,10 +340,11 @@ class PipelineSchedule:
             texts = comm.control.allgather_json(err) if comm.size > 1 else [err]
             raise ValueError(f"{what}: " + "; ".join(f"r{r}: {t}" for r, t in enumerate(texts)
                                                      if t))
-        if table[-1, 2] != -2 and table[0, 1] != table[-1, 2]:
-            raise ValueError(f"{what}: the input has {table[0, 1]} rows on the first stage but "
-                             f"the target {table[-1, 2]} on the last; give them the same batch")
-        signature = table[0, 3:].tolist()
+        head, tail = table[self.ranks[0]], table[self.ranks[-1]]  # the first and last stage's
+        if tail[2] != -2 and head[1] != tail[2]:
+            raise ValueError(f"{what}: the input has {head[1]} rows on the first stage but "
+                             f"the target {tail[2]} on the last; give them the same batch")
+        signature = head[3:].tolist()
         if signature != plan.signature:  # a new input shape: agree the activations again
             plan.signature = signature
             plan.transport.renegotiate()
@@ -419,7 +422,7 @@ class PipelineSchedule:
         (per floating-point part, for a tuple)."""
         buf = self._recv.pop(("B", stage, mb))
         out = self._at[stage]._out[mb]
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) or isinstance(buf, tuple):  # a tuple: handed over
             return buf
         return packing.unpack(buf, packing.grad_layout(_layout(out)))
 
@@ -438,6 +441,11 @@ class PipelineSchedule:
         Returns the compute action's end (before the send: posting it is not compute).
         """
         t1 = time.perf_counter()
+        to = a.stage + 1 if a.kind == F else a.stage - 1
+        if to in self._at:  # this rank's own next stage (ZB-V's turn): handed over as it is
+            self._recv[(a.kind, to, a.mb)] = (packing.unpack(t.data, t.layout)
+                                              if isinstance(t, packing.Packed) else t)
+            return t1
         key = (a.kind, a.stage, a.mb)
         send = self._plan.eager.get(key)
         if send is not None:
@@ -454,33 +462,39 @@ class PipelineSchedule:
     stash = False
     allows_ddp = True
     max_held_bytes: int | None = None  # ScheduleZeroBubble's memory limit
+    placement = "loop"  # the stages' ranks (schedules.stage_ranks)
 
     def after_backward(self, mb: int) -> None:
         """Called after each micro-batch's B (PipeDream updates the weights here)."""
 
 
-def _local_stages(stage) -> list[PipelineStage]:
+def _local_stages(stage, placement: str = "loop") -> list[PipelineStage]:
     """This rank's stages, in order, from one ``PipelineStage`` or a list of them; a
     ValueError naming the fix, on every rank (collective over the lowest stage's
-    communicator), for a list that is not r, r + p, ... of one pipeline."""
+    communicator), for a list that is not the placement's (r, r + p, ...; or ZB-V's
+    r, 2p-1-r) of one pipeline."""
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     if not stages or not all(isinstance(st, PipelineStage) for st in stages):
         raise TypeError("give the schedule this rank's PipelineStage, or a list of them "
                         "(one per stage the rank holds)")
     first = stages[0]
     p, n = first.comm.size, first.num_stages
-    want = list(range(first.comm.rank, n, p))
     got = [st.stage_index for st in stages]
     err = ""
-    if got != want or any(st.num_stages != n for st in stages):
-        err = (f"this rank's stages are {got} of {[st.num_stages for st in stages]}; with {n} "
-               f"stages on {p} ranks, rank {first.comm.rank} holds stages {want}: give all of "
-               "them, in that order")
-    elif any(st.comm.world_ranks != first.comm.world_ranks for st in stages):
-        # Every message goes over the first stage's communicator: a stage checked
-        # against other processes would be fed by ranks it never agreed with.
-        err = ("this rank's stages were built on different communicators: build every "
-               "stage of the pipeline on the same one")
+    try:
+        want = [s for s, r in enumerate(stage_ranks(p, n, placement)) if r == first.comm.rank]
+    except ValueError as exc:  # ZB-V's V on a pipeline of other than 2 stages per rank
+        err = f"{exc}: build 2 stages per rank, of num_stages={2 * p}"
+    else:
+        if got != want or any(st.num_stages != n for st in stages):
+            err = (f"this rank's stages are {got} of {[st.num_stages for st in stages]}; with "
+                   f"{n} stages on {p} ranks, rank {first.comm.rank} holds stages {want}: give "
+                   "all of them, in that order")
+        elif any(st.comm.world_ranks != first.comm.world_ranks for st in stages):
+            # Every message goes over the first stage's communicator: a stage checked
+            # against other processes would be fed by ranks it never agreed with.
+            err = ("this rank's stages were built on different communicators: build every "
+                   "stage of the pipeline on the same one")
     if p > 1:  # the others are about to agree the schedule: all raise, or none
         # On the lowest stage's communicator: the same round on every rank, whatever
         # order a rank gave its list in.
@@ -517,9 +531,10 @@ class _TiedPair:
                              "give the same tied parameters, in order, on both")
         if not by_stage:
             return
-        if len(ends) == 2:  # both ends on this rank
-            self.local = (ends[0].tied_parameters, ends[1].tied_parameters)
-            return
+        if any(len(rows) == 2 for rows in table):  # both ends on one rank (ZB-V's rank 0)
+            if len(ends) == 2:  # this one
+                self.local = (ends[0].tied_parameters, ends[1].tied_parameters)
+            return  # no pair to make, on any rank
         self.comm = st.comm.split(0 if ends else None, key=st.comm.rank)
         self.params = ends[0].tied_parameters if ends else []
 
@@ -726,4 +741,24 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
 
     def __init__(self, stages: list[PipelineStage] | PipelineStage, n_microbatches: int,
                  loss_fn=None, *, scale_grads: bool = True):
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads)
+
+
+class ScheduleZBVZeroBubble(PipelineSchedule):
+    """ZB-V (the zero-bubble paper's V schedule; torch's class of the same name): 2p
+    stages in a V, rank r holding stages r and 2p-1-r, the backward split into B and
+    W as in ``ScheduleZeroBubble``. With equal F, B and W times and m >= 2p the only
+    idle is the lead (p-1 stage forwards on rank p-1), at 1F1B's peak count of
+    micro-batches in flight. The last stage's activations turn round on rank p-1
+    without a message; rank 0 holds the input and the loss (and both ends of a tied
+    embedding). MPI only, as the interleaved schedule (see ``schedules.zb_v``).
+
+    ``stages``: this rank's two ``PipelineStage`` objects, in stage order (r, 2p-1-r).
+    """
+
+    name = "zbv"
+    placement = "v"
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None, *,
+                 scale_grads: bool = True):
         super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads)

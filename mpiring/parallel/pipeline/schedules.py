@@ -18,10 +18,14 @@ executes. p = number of stages, m = number of micro-batches, i = this stage::
     Interleaved 1F1B  v stages per rank (rank r holds stages r, r + p, ...):
             Megatron's virtual pipeline, micro-batches in rounds of p through each
             of the rank's stages in turn; bubble (p-1)/(vm+p-1)  (m a multiple of p)
+    ZB-V    two stages per rank in a V (rank r holds r and 2p-1-r, so rank 0 holds
+            both ends), the backward split as in ZB-H1; idle only the lead, p-1
+            stage forwards, with equal times and m >= 2p   2p stages, 1F1B's stage-0 count
 
 With equal stage times the GPipe and 1F1B bubble is (p-1)/(m+p-1) of the step.
 A schedule's programs are per rank; with one stage per rank (every schedule
-but the interleaved one) rank i runs stage i.
+but the interleaved one and ZB-V) rank i runs stage i. ``stage_ranks`` gives
+each stage's rank for a placement: "loop" (r, r + p, ...) or "v" (ZB-V's).
 """
 
 from __future__ import annotations
@@ -108,9 +112,89 @@ def interleaved_1f1b(p: int, m: int, r: int, v: int) -> list[Action]:
     return out + bwd[len(fwd) - warm:]
 
 
+def zb_v(p: int, m: int, r: int, v: int = 2) -> list[Action]:
+    """ZB-V (the zero-bubble paper's V schedule, torch's ScheduleZBVZeroBubble) on rank r.
+
+    The model is cut into 2p stages placed in a V: rank r holds stage r (its
+    chunk 0, on the way down) and stage 2p-1-r (chunk 1, on the way back), so the
+    last stage's activations turn round on rank p-1 without a message, and rank 0
+    holds both ends (the loss and the input). Each backward is split into B and W.
+
+    Warm-up: rank r runs 2(p-r)-1 chunk-0 forwards while the first micro-batch goes
+    down and back up to it, then alternates chunk 1 and chunk 0 forwards, then
+    starts chunk 1's backwards. Steady state: F0, B0+W0 (once chunk 1's gradient
+    came round), F1, B1+W1. Cool-down: the backwards left, every W held back to
+    the end, where the rank would wait for the gradients coming down. With equal
+    F, B and W times and m >= 2p the only idle is the lead: rank p-1 waits p-1
+    stage forwards for its first input (tested), half of ZB-H1's (p-1)(F+B-W) on
+    stages twice the size. At most 2p stage micro-batches in flight on a rank,
+    1F1B's stage-0 count (p micro-batches of a stage twice as large; tested).
+    """
+    if v != 2:
+        raise ValueError(f"ZB-V places 2 stages per rank, not {v}: give stages_per_rank=2")
+    down, up = r, 2 * p - 1 - r
+    out: list[Action] = []
+    done = {F: [0, 0], B: [0, 0]}  # per kind: chunk 0's and chunk 1's count so far
+
+    def run(kind: str, chunk: int, weights: bool = True) -> None:
+        k = done[kind][chunk]
+        stage = down if chunk == 0 else up
+        out.append(Action(stage, kind, k))
+        if kind == B and weights:
+            out.append(Action(stage, W, k))
+        done[kind][chunk] += 1
+
+    def can(kind: str, chunk: int) -> bool:
+        if kind == F:
+            return done[F][chunk] < m
+        # A backward needs its forward; chunk 0's also needs chunk 1's backward before it
+        # (the gradient comes down through the V's other arm first).
+        return done[B][chunk] < done[F][chunk] and (chunk == 1 or done[B][0] < done[B][1])
+
+    for _ in range(min(m, 2 * (p - r) - 1)):
+        run(F, 0)
+    for _ in range(r):
+        for chunk in (1, 0):
+            if can(F, chunk):
+                run(F, chunk)
+    for _ in range(p - r):
+        for kind in (F, B):
+            if can(kind, 1):
+                run(kind, 1)
+    while done[F][0] < m or done[F][1] < m:
+        for kind, chunk in ((F, 0), (B, 0), (F, 1), (B, 1)):
+            if can(kind, chunk):
+                run(kind, chunk)
+    held = []
+    while done[B][0] < m or done[B][1] < m:
+        for chunk in (1, 0):
+            if done[B][chunk] < m:
+                held.append(Action(down if chunk == 0 else up, W, done[B][chunk]))
+                run(B, chunk, weights=False)
+    return out + held
+
+
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zb_h1, "pipedream": one_f_one_b}
 #: Schedules that run several stages per rank (``build``'s ``stages_per_rank``).
-MULTI = {"interleaved": interleaved_1f1b}
+MULTI = {"interleaved": interleaved_1f1b, "zbv": zb_v}
+#: Where a multi-stage schedule places its stages (``stage_ranks``); the others: "loop".
+PLACEMENT = {"zbv": "v"}
+
+
+def stage_ranks(p: int, n: int, placement: str = "loop") -> list[int]:
+    """The rank of each of ``n`` stages on ``p`` ranks.
+
+    "loop": stage s on rank s % p (one stage per rank: s; interleaved: r, r + p, ...).
+    "v": ZB-V's, 2p stages, rank r holding r and 2p-1-r.
+    """
+    if placement == "loop":
+        return [s % p for s in range(n)]
+    if placement == "v":
+        if n != 2 * p:
+            raise ValueError(f"the V placement holds 2 stages per rank: {2 * p} stages on "
+                             f"{p} ranks, not {n}")
+        return [s if s < p else 2 * p - 1 - s for s in range(n)]
+    raise ValueError(f"unknown placement {placement!r}: use 'loop' or 'v'")
 
 
 def lower(compute: list[Action], p: int) -> list[Action]:

@@ -40,7 +40,8 @@ class PipelineStage:
             (``data_parallel``); the stage runs the wrapped layers itself.
         stage_index: this stage's number, 0 .. num_stages - 1: ``comm.rank``, or
             with several stages per rank (``ScheduleInterleaved1F1B``) one of
-            ``comm.rank + k * comm.size``.
+            ``comm.rank + k * comm.size`` (``ScheduleZBVZeroBubble``: ``comm.rank``
+            and ``2 * comm.size - 1 - comm.rank``).
         num_stages: the number of stages: ``comm.size``, or a multiple of it
             (every rank builds its k-th stage at the same point, k = 0, 1, ...).
         comm: the pipeline's communicator (one rank per stage, in order; rank r
@@ -330,10 +331,14 @@ def _check_layout(table: list[dict], size: int) -> None:
     errors = []
     n = table[0]["stages"]
     rnd = table[0]["stage"] // size if isinstance(table[0]["stage"], int) else 0
+    # A round of stages goes up the ranks (rank r: rnd * size + r), or the second, on
+    # ZB-V's way back up the V, down them (rank r: 2 * size - 1 - r).
+    down = size > 1 and rnd == 1 and table[0]["stage"] == 2 * size - 1
     for r, row in enumerate(table):
+        want = (rnd + 1) * size - 1 - r if down else rnd * size + r
         if row["stages"] != n or n % size or n < size:
             errors.append(f"r{r} gave num_stages={row['stages']} on a {size}-rank communicator")
-        elif row["stage"] != rnd * size + r or not 0 <= row["stage"] < n:
+        elif row["stage"] != want or not 0 <= row["stage"] < n:
             errors.append(f"r{r} gave stage_index={row['stage']}")
     ends = [r for r, row in enumerate(table) if row["stage"] in (0, n - 1)]
     if not errors and n == size > 1 and table[0]["tied"] != table[-1]["tied"]:
@@ -352,4 +357,5 @@ def _check_layout(table: list[dict], size: int) -> None:
                          "pipeline's communicator stage_index=comm.rank, num_stages=comm.size "
                          "(or, with v stages per rank, its k-th stage_index=comm.rank + "
                          "k * comm.size of num_stages=v * comm.size, built on every rank "
-                         "together), and the tied parameters on the first and last stage only")
+                         "together; ZB-V's second: 2 * comm.size - 1 - comm.rank), and the "
+                         "tied parameters on the first and last stage only")

@@ -201,9 +201,12 @@ class Transport:
     at the same point (a schedule's constructor, and its first ``eval()``).
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm, ranks: list[int] | None = None):
         self.checked = comm
-        self.size = comm.size  # stage s runs on rank s % size (one stage per rank: s)
+        self.size, self.me = comm.size, comm.rank
+        # Stage s's rank: s % size (one stage per rank: s; interleaved: r, r + size, ...),
+        # or ``ranks[s]`` (``schedules.stage_ranks``: ZB-V's V).
+        self.rank_of = (lambda s: s % self.size) if ranks is None else list(ranks).__getitem__
         self.fast = comm.dup()
         self.fast.check = False  # shapes agreed by the header: the descriptors only repeat them
         self.mpi = comm.backend == "mpi"
@@ -263,6 +266,7 @@ class Transport:
         known), or its slots' arrivals (shared memory)."""
         self.posted = {}
         self.steps += 1  # the same on every rank: every step() comes here once
+        program = [a for a in program if a.is_comm and self.remote(a)]
         if self.shared_on:
             for a in program:
                 if a.kind in (RECV_F, RECV_B):
@@ -271,7 +275,7 @@ class Transport:
                     key = key_of(a)
                     buf = self.shared.buffer(key).detach()
                     self.posted[key] = (buf, self.shared.arrival(
-                        key, a.peer % self.size, self.steps, tag_of(a)))
+                        key, self.rank_of(a.peer), self.steps, tag_of(a)))
             return
         if self.fresh or not self.mpi:
             return
@@ -288,8 +292,13 @@ class Transport:
             prepared = self.prepared_recvs.get(key)
             if prepared is None or prepared.buffer is not buf:
                 prepared = self.prepared_recvs[key] = self.fast.prepare_recv(
-                    buf, a.peer % self.size, tag_of(a))
+                    buf, self.rank_of(a.peer), tag_of(a))
             self.posted[key] = (buf, prepared.post())
+
+    def remote(self, a: Action) -> bool:
+        """Whether send or receive ``a`` crosses to another rank (else the runtime hands
+        the tensor over between two of this rank's stages)."""
+        return self.rank_of(a.peer) != self.me
 
     def end_step(self) -> None:
         if self.fresh and self.use_shared:  # every rank, after the same first step
@@ -319,7 +328,7 @@ class Transport:
 
     def send(self, a: Action, t: torch.Tensor | packing.Packed, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
-        tag, peer = tag_of(a), a.peer % self.size
+        tag, peer = tag_of(a), self.rank_of(a.peer)
         layout = t.layout if isinstance(t, packing.Packed) else None
         message = t.data if layout is not None else t
         key = key_of(a)
@@ -381,6 +390,9 @@ class Transport:
                 dtype).
             sends: the send requests, waited for by the caller at the end of the step.
         """
+        run = [a for a in run if self.remote(a)]
+        if not run:  # hand-overs between this rank's own stages only
+            return
         comm = self.checked if self.fresh else self.fast
         recvs = []
         if self.mpi:
@@ -393,7 +405,7 @@ class Transport:
                     self.send(a, outgoing.pop(key), sends)
         for a in run:  # headers first (first step only), so a group holds only the data
             if a.kind == RECV_F and (a.stage, a.mb) not in self.meta:
-                h = self.checked.recv(np.empty(HEADER, dtype=np.int64), a.peer % self.size,
+                h = self.checked.recv(np.empty(HEADER, dtype=np.int64), self.rank_of(a.peer),
                                       tag_of(a) - TAG_ACT + TAG_META)
                 self.meta[(a.stage, a.mb)] = from_header(h)
         grouped = comm.group() if comm.backend == "nccl" else contextlib.nullcontext()
@@ -406,11 +418,11 @@ class Transport:
                     recvs.append(req)
                 elif a.kind == RECV_F:
                     buf = incoming[key] = self._buffer(key, *self.meta[(a.stage, a.mb)][:2])
-                    recvs.append(comm.irecv(buf, a.peer % self.size, tag_of(a)))
+                    recvs.append(comm.irecv(buf, self.rank_of(a.peer), tag_of(a)))
                 elif a.kind == RECV_B:
                     out = grad_like(a.stage, a.mb)
                     buf = incoming[key] = self._buffer(key, out.shape, out.dtype)
-                    recvs.append(comm.irecv(buf, a.peer % self.size, tag_of(a)))
+                    recvs.append(comm.irecv(buf, self.rank_of(a.peer), tag_of(a)))
                 elif key in outgoing:
                     self.send(a, outgoing.pop(key), sends)
         if self.mpi:

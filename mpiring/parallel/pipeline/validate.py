@@ -57,22 +57,29 @@ def num_stages(schedule: list[list[Action]]) -> int:
     return max(len(schedule), 1 + max((a.stage for prog in schedule for a in prog), default=0))
 
 
-def check_order(schedule: list[list[Action]], m: int, stages: int | None = None) -> None:
+def check_order(schedule: list[list[Action]], m: int, stages: int | None = None,
+                ranks: list[int] | None = None) -> None:
     """Per rank: F, then B, then (optionally) W for every micro-batch, data before use.
 
-    ``stages``: the number of stages (default: ``num_stages``); rank r runs stages
-    r, r + p, ... of them (one each with as many stages as ranks).
+    ``stages``: the number of stages (default: ``num_stages``). ``ranks``: each
+    stage's rank (``schedules.stage_ranks``); default: rank r runs stages r, r + p,
+    ... (one each with as many stages as ranks).
     """
     p = len(schedule)
     n = num_stages(schedule) if stages is None else stages
-    if n % p:
-        raise ScheduleError(f"{n} stages on {p} ranks: each rank runs the same number of "
-                            f"stages (rank r: r, r + {p}, ...); give a multiple of {p}")
+    if ranks is None:
+        if n % p:
+            raise ScheduleError(f"{n} stages on {p} ranks: each rank runs the same number of "
+                                f"stages (rank r: r, r + {p}, ...); give a multiple of {p}")
+        ranks = [s % p for s in range(n)]
+    elif len(ranks) != n or any(not 0 <= x < p for x in ranks):
+        raise ScheduleError(f"ranks={ranks}: give the rank (0..{p - 1}) of each of {n} stages")
     for r, program in enumerate(schedule):
         done: set[tuple[int, str, int]] = set()
         for pos, a in enumerate(program):
-            if a.stage % p != r or a.stage >= n:
-                where = f"rank {a.stage % p}" if a.stage < n else f"no rank (stages 0..{n - 1})"
+            if a.stage >= n or ranks[a.stage] != r:
+                where = (f"rank {ranks[a.stage]}" if a.stage < n
+                         else f"no rank (stages 0..{n - 1})")
                 raise _fail(r, pos, a, f"stage {a.stage} runs on {where}, not {r}")
             if a.mb >= m:
                 raise _fail(r, pos, a, f"micro-batch {a.mb} out of range: the step has {m}")
@@ -87,7 +94,7 @@ def check_order(schedule: list[list[Action]], m: int, stages: int | None = None)
                 if (s, k, a.mb) not in done:
                     raise _fail(r, pos, a, f"needs {s}{k}{a.mb} earlier on this rank")
             done.add((s, a.kind, a.mb))
-        for s in range(r, n, p):
+        for s in (s for s in range(n) if ranks[s] == r):
             for k in range(m):
                 want = [F, B] + ([SEND_F] if s < n - 1 else []) + ([SEND_B] if s > 0 else [])
                 missing = [f"{s}{x}{k}" for x in want if (s, x, k) not in done]
@@ -131,6 +138,9 @@ def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float]
     sends: dict[tuple, list] = defaultdict(list)
     recvs: dict[tuple, list] = defaultdict(list)
     posted: dict[int, list[tuple[dict, tuple, int, float]]] = {}  # rank -> its group's entries
+    # A message between two stages of one rank (ZB-V's turn) is a hand-over: no
+    # transfer, and no rendezvous (its receive comes later in the same program).
+    rank_of = {a.stage: r for r, prog in enumerate(schedule) for a in prog}
 
     def post(r: int, group: list[Action]) -> None:
         entries = []
@@ -139,11 +149,12 @@ def simulate(schedule: list[list[Action]], cost: Callable[[Action, bool], float]
             key = (a.stage, a.peer, a.channel) if send else (a.peer, a.stage, a.channel)
             table = sends if send else recvs
             table[key].append((a, clock[r]))
-            if rendezvous or not send:
+            local = rank_of.get(a.peer) == r
+            if (rendezvous and not local) or not send:
                 # A receive is done ``transfer`` after its send; a rendezvous send
                 # only needs its receive posted.
                 entries.append((recvs if send else sends, key, len(table[key]) - 1,
-                                0.0 if send else transfer))
+                                0.0 if send or local else transfer))
         posted[r] = entries
 
     def matched(r: int) -> float | None:
@@ -200,17 +211,18 @@ def _check_pairs(sends: dict, recvs: dict) -> None:
 
 
 def check(schedule: list[list[Action]], m: int, stages: int | None = None, *,
-          rendezvous: bool = True) -> list[list[Span]]:
+          rendezvous: bool = True, ranks: list[int] | None = None) -> list[list[Span]]:
     """Every check, under both send models; returns the unit-cost simulation (MPI's).
 
-    ``stages``: the number of stages, when a rank runs several (``check_order``).
+    ``stages``: the number of stages, when a rank runs several, and ``ranks``
+    each one's rank, when not r, r + p, ... (``check_order``).
     ``rendezvous=False``: the MPI model only (a schedule that runs on MPI alone,
     such as the interleaved one: its sends cross, and only MPI's isend lets them).
 
     Raises:
         ScheduleError: naming the first action that cannot run, and why.
     """
-    check_order(schedule, m, stages)
+    check_order(schedule, m, stages, ranks)
     if rendezvous:
         simulate(schedule, rendezvous=True)
     return simulate(schedule)

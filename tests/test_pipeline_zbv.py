@@ -1,0 +1,92 @@
+"""ZB-V (two stages per rank in a V) against the unsplit model, float64, K = 1..4.
+
+Rank r of K holds stages r and 2K-1-r of a model cut into 2K stages: the
+activations turn round on rank K-1 without a message, and rank 0 holds both
+ends. The reference is the unsplit model run by one process on the same
+micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import test_pipeline_interleaved as il
+import torch
+
+from mpiring.parallel.pipeline import (
+    PipelineStage,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
+from mpiring.tools.train.pipeline import split_gpt
+
+
+def v_stages(comm, full):
+    """This rank's two stages (copies) of ``full`` cut into 2K, and their slices."""
+    n = 2 * comm.size
+    cuts = il.bounds(len(full), n)
+    mine = [comm.rank, n - 1 - comm.rank]
+    parts = [copy.deepcopy(full[slice(*cuts[s])]) for s in mine]
+    stages = [PipelineStage(part, s, n, comm) for part, s in zip(parts, mine)]
+    return stages, [full[slice(*cuts[s])] for s in mine]
+
+
+def _free(sched, stages) -> None:
+    sched.free()
+    for st in stages:
+        st.free()
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))  # fewer than the ranks, odd, and more than 2K
+def test_zbv_matches_unsplit_model(comm, m):
+    full = il.mlp()
+    stages, refs = v_stages(comm, full)
+    # Rank 0 holds both ends: the input, the loss and the merged output.
+    assert (stages[0].is_first, stages[-1].is_last) == (comm.rank == 0, comm.rank == 0)
+    sched = ScheduleZBVZeroBubble(stages, m, il.mse)
+    assert {a.kind for a in sched.actions[comm.rank]} >= {"F", "B", "W"}
+    il.against_the_unsplit_model(sched, stages, refs, full, m)
+
+
+def test_zbv_gpt_with_tied_embedding_and_clip(comm):
+    # The embedding (stage 0) and the head (stage 2K - 1) are both on rank 0: their
+    # gradients are added there, with no pair to make; the clip counts the tie once.
+    n = 2 * comm.size
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=n - 1, n_heads=2)
+    torch.manual_seed(3)
+    full = GPT(cfg).double()
+    stages = []
+    for s in (comm.rank, n - 1 - comm.rank):
+        module, tied = split_gpt(full, n, s)
+        stages.append(PipelineStage(module, s, n, comm, tied_parameters=tied))
+    sched = ScheduleZBVZeroBubble(stages, 4, lm_loss)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randint(0, 11, (7, 5), generator=g), torch.randint(0, 11, (7, 5), generator=g)
+    ref_losses = il.reference(full, x, y, 4, lm_loss)
+    losses: list = []
+    il.step(sched, stages, x, y, losses)
+    if comm.rank == 0:
+        assert [float(t) for t in losses] == pytest.approx(ref_losses, rel=1e-12)
+        for w in (stages[0].module[0].tok.weight, stages[1].module[-1].head.weight):
+            torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12)
+    want = torch.nn.utils.clip_grad_norm_(full.parameters(), 0.05)
+    assert float(sched.clip_grad_norm_(0.05)) == pytest.approx(float(want), rel=1e-10)
+    _free(sched, stages)
+
+
+def test_a_loop_placement_is_refused_by_zbv_and_a_v_by_interleaved(comm):
+    if comm.size == 1:
+        pytest.skip("one rank: the loop and the V are the same stages, 0 and 1")
+    full = il.mlp()
+    loop, _ = il.local_stages(comm, full, 2)
+    with pytest.raises(ValueError, match=r"rank \d holds stages \[\d, \d\]: give all of them"):
+        ScheduleZBVZeroBubble(loop, 4, il.mse)
+    for st in loop:
+        st.free()
+    vee, _ = v_stages(comm, full)
+    with pytest.raises(ValueError, match=r"rank \d holds stages \[\d, \d\]: give all of them"):
+        ScheduleInterleaved1F1B(vee, 4, il.mse)
+    for st in vee:
+        st.free()
