@@ -147,7 +147,7 @@ def test_validation_loss_matches_the_one_process_model(world, opts):
 
 def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
     """(tp, pp) exercising ``opts`` at k ranks: dp > 1 for the data axis, pp > 1 for a schedule."""
-    if opts.get("schedule") == "interleaved" or "pp_layers" in opts:  # counts for pp = 2
+    if opts.get("schedule") in ("interleaved", "zbv") or "pp_layers" in opts:  # pp = 2 fits
         return (1, 2) if k % 2 == 0 else None
     if "schedule" in opts:
         return (1, 2) if k % 2 == 0 else (1, k) if 1 < k <= 4 else None
@@ -168,10 +168,11 @@ def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
                                   dict(optimizer="zero2", schedule="zb", microbatches=3),
                                   dict(schedule="interleaved", vpp=2, microbatches=3),
                                   dict(schedule="1f1b", pp_layers=(2, 0)),
-                                  dict(schedule="interleaved", vpp=2, pp_layers=(0, 1, 1, 0))],
+                                  dict(schedule="interleaved", vpp=2, pp_layers=(0, 1, 1, 0)),
+                                  dict(schedule="zbv", vpp=2, microbatches=3)],
                          ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp", "fsdp-1f1b",
                               "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3", "interleaved-m3",
-                              "uneven-2-0", "interleaved-uneven"])
+                              "uneven-2-0", "interleaved-uneven", "zbv-m3"])
 def test_data_axis_and_schedules_match_the_twin(world, opts):
     picked = _layout_for(world.size, opts)
     if picked is None:
@@ -215,6 +216,8 @@ def _moves(world: int) -> list[tuple[dict, dict]]:
         moves.append((dict(pp=2, optimizer="zero2"), plain if world > 2 else dict(tp=2)))
         # Two stages per rank, saved by the full GPT's names: back to one per rank.
         moves.append((dict(pp=2, schedule="interleaved", vpp=2), dict(pp=2)))
+        moves.append((dict(pp=2, schedule="zbv", vpp=2), dict(pp=2, schedule="interleaved",
+                                                            vpp=2)))
         moves.append((dict(pp=2, pp_layers=(2, 0)), dict(pp=2, pp_layers=(0, 2))))
     return moves
 
@@ -338,6 +341,8 @@ def test_bad_layouts_are_refused_on_every_rank(world):
     _refused(world, "several stages per rank run with --schedule interleaved", pp=2, vpp=2)
     _refused(world, "interleaved runs on pp > 1 with DDP on the data axis", pp=2, vpp=2,
              schedule="interleaved", fsdp=True)
+    _refused(world, "--schedule zbv: the V holds 2 stages per rank", pp=2, vpp=3, schedule="zbv")
+    _refused(world, "several stages per rank run with .* or zbv", pp=2, schedule="zbv")
     if k % 2 == 0:
         _refused(world, r"pp=6 stages for a GPT of 4 units.*\(pp=2 x vpp=3\)", pp=2,
                  vpp=3, schedule="interleaved")

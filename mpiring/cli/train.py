@@ -79,8 +79,10 @@ def add_arguments(p) -> None:
                         "inside each, data parallel over world / (tp * pp) (default 1)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and AdamW state over the data axis (ZeRO-3)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream", "interleaved"),
-                   default="1f1b", help="pipeline schedule with --pp > 1 (default 1f1b)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream", "interleaved",
+                                          "zbv"),
+                   default="1f1b", help="pipeline schedule with --pp > 1 (default 1f1b; "
+                                        "zbv: zero bubble, 2 stages per rank in a V)")
     p.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
                    help="blocks per stage, comma list summing to the model's (the embeddings "
                         "go with the first stage, the head with the last), e.g. 3,1 for a "
@@ -88,7 +90,7 @@ def add_arguments(p) -> None:
                         "of the pp x vpp (default: the units split evenly)")
     p.add_argument("--vpp", type=positive_int, default=None,
                    help="stages per rank with --schedule interleaved (Megatron's virtual "
-                        "pipeline size; default 2)")
+                        "pipeline size; default 2); zbv holds 2")
     p.add_argument("--microbatches", type=positive_int, default=None,
                    help="micro-batches per step with --pp > 1 (default: pp); must divide the "
                         "windows per replica")
@@ -132,7 +134,7 @@ def config_from_args(args):
         powersgd_rank=args.powersgd_rank, hook_start=args.hook_start,
         tp=args.tp, sequence_parallel=args.sequence_parallel, pp=args.pp, fsdp=args.fsdp,
         schedule=args.schedule, microbatches=args.microbatches, global_batch=args.global_batch,
-        vpp=args.vpp or (2 if args.schedule == "interleaved" else 1),
+        vpp=args.vpp or (2 if args.schedule in ("interleaved", "zbv") else 1),
         pp_layers=args.pp_layers,
         grad_clip=args.grad_clip)
 

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 from mpiring.core.chunking import chunk_bounds
 from mpiring.parallel.grid import ProcessGrid
+from mpiring.parallel.pipeline.schedules import stage_ranks
 from mpiring.parallel.tensor import (
     all_gather_forward_reduce_scatter_backward,
     all_reduce_in_backward,
@@ -112,10 +113,12 @@ def stage_bounds(n_layers: int, pp: int, layers=None) -> list[tuple[int, int]]:
     return list(chunk_bounds(units, pp))
 
 
-def stage_of(name: str, n_layers: int, pp: int, vpp: int = 1, layers=None) -> int:
+def stage_of(name: str, n_layers: int, pp: int, vpp: int = 1, layers=None,
+             placement: str = "loop") -> int:
     """The pipeline rank holding the full GPT's parameter ``name`` (the tied weight: rank 0),
-    with ``vpp`` stages per rank (rank r holds stages r, r + pp, ...) and the stages'
-    block counts ``layers`` (``stage_bounds``)."""
+    with ``vpp`` stages per rank (rank r holds stages r, r + pp, ...; ZB-V's "v"
+    placement: r and 2 pp - 1 - r) and the stages' block counts ``layers``
+    (``stage_bounds``)."""
     if name.startswith(("tok.", "pos.", "head.")):
         unit = 0
     elif name.startswith("blocks."):
@@ -123,7 +126,8 @@ def stage_of(name: str, n_layers: int, pp: int, vpp: int = 1, layers=None) -> in
     else:  # ln_f
         unit = n_layers + 1
     bounds = stage_bounds(n_layers, pp * vpp, layers)
-    return next(s for s, (lo, hi) in enumerate(bounds) if lo <= unit < hi) % pp
+    stage = next(s for s, (lo, hi) in enumerate(bounds) if lo <= unit < hi)
+    return stage_ranks(pp, pp * vpp, placement)[stage]
 
 
 class _Weight(nn.Module):
@@ -216,7 +220,7 @@ class GPTStage(nn.Module):
 
 
 class GPTStages(nn.Module):
-    """A rank's several stages (interleaved 1F1B) as one module: the chunks' own modules
+    """A rank's several stages (interleaved 1F1B, ZB-V) as one module: the chunks' own modules
     under the full GPT's names, for the optimizer, checkpoints and evaluation's
     bookkeeping; the schedule runs the chunks (``chunks``, in stage order).
     """
@@ -231,12 +235,14 @@ class GPTStages(nn.Module):
         self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
         if self.last:
             self.ln_f = chunks[-1].ln_f
-            if not self.first:
+            # The last chunk's own copy of the tied weight, also beside the embedding
+            # (ZB-V's rank 0 holds both ends): the optimizer must step it too.
+            if hasattr(chunks[-1], "head"):
                 self.head = chunks[-1].head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("GPTStages holds a rank's stages of an interleaved pipeline, run "
-                           "by its schedule (ScheduleInterleaved1F1B): call sched.step()")
+        raise RuntimeError("GPTStages holds a rank's stages of a multi-stage pipeline, run "
+                           "by its schedule (interleaved or ZB-V): call sched.step()")
 
     def num_params(self) -> int:
         """This rank's trainable parameters."""

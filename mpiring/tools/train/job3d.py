@@ -60,13 +60,17 @@ def validate_grid_config(cfg) -> None:
         raise ValueError(f"unknown schedule {cfg.schedule!r}: use one of {', '.join(SCHEDULES)}")
     if isinstance(cfg.vpp, bool) or not isinstance(cfg.vpp, int) or cfg.vpp < 1:
         raise ValueError(f"vpp={cfg.vpp!r}: give the stages per rank, a positive integer")
-    if (cfg.vpp > 1) != (cfg.schedule == "interleaved"):
+    multi = cfg.schedule in ("interleaved", "zbv")
+    if (cfg.vpp > 1) != multi:
         raise ValueError(f"vpp={cfg.vpp} with --schedule {cfg.schedule}: several stages per "
-                         "rank run with --schedule interleaved, and it needs --vpp 2 or more")
-    if cfg.schedule == "interleaved" and (cfg.pp == 1 or cfg.fsdp or cfg.optimizer != "adamw"):
-        raise ValueError("--schedule interleaved runs on pp > 1 with DDP on the data axis and "
-                         "the optimizer adamw (not fsdp, zero1 or zero2): each rank's stages "
-                         "are replicated and stepped as one model")
+                         "rank run with --schedule interleaved (--vpp 2 or more) or zbv")
+    if cfg.schedule == "zbv" and cfg.vpp != 2:
+        raise ValueError(f"vpp={cfg.vpp} with --schedule zbv: the V holds 2 stages per rank; "
+                         "leave --vpp out")
+    if multi and (cfg.pp == 1 or cfg.fsdp or cfg.optimizer != "adamw"):
+        raise ValueError(f"--schedule {cfg.schedule} runs on pp > 1 with DDP on the data axis "
+                         "and the optimizer adamw (not fsdp, zero1 or zero2): each rank's "
+                         "stages are replicated and stepped as one model")
     if cfg.pp_layers is not None and cfg.pp == 1:
         raise ValueError(f"pp_layers={list(cfg.pp_layers)} splits the blocks over pipeline "
                          "stages: use it with pp > 1")
@@ -192,26 +196,29 @@ class GridJob(TrainJob):
             gradient_as_bucket_view=cfg.grad_as_bucket_view)
 
     def _wrap_interleaved(self):
-        """vpp stages per rank (rank r: r, r + pp, ...), each its own DDP over the data
-        axis; ``model`` holds them all, named as the full GPT's."""
-        from mpiring.parallel.pipeline import PipelineStage, ScheduleInterleaved1F1B
+        """vpp stages per rank (interleaved: r, r + pp, ...; zbv: r, 2 pp - 1 - r), each
+        its own DDP over the data axis; ``model`` holds them all, named as the full GPT's."""
+        from mpiring.parallel.pipeline import PipelineStage
+        from mpiring.parallel.pipeline.schedules import PLACEMENT, stage_ranks
+        from mpiring.tools.train.pipeline import SCHEDULES
 
         cfg, g = self.cfg, self.grid
         n = cfg.pp * cfg.vpp
         bounds = stage_bounds(self.tp_model.cfg.n_layers, n, cfg.pp_layers)
-        chunks = [GPTStage(self.tp_model, *bounds[s])
-                  for s in range(g.pp_rank, n, g.pp_size)]
+        ranks = stage_ranks(g.pp_size, n, PLACEMENT.get(cfg.schedule, "loop"))
+        mine = [s for s in range(n) if ranks[s] == g.pp_rank]
+        chunks = [GPTStage(self.tp_model, *bounds[s]) for s in mine]
         self.model = GPTStages(chunks)
         self.tp_comm = g.tp
         self.stage_names = [name for name, _ in self.model.named_parameters()]
         self.loss_fn = self.tp_model.loss
         self.fsdp = None
         pipes = []
-        for s, chunk in zip(range(g.pp_rank, n, g.pp_size), chunks):
+        for s, chunk in zip(mine, chunks):
             wrapped = chunk if g.dp_size == 1 else self._data_parallel(chunk)
             pipes.append(PipelineStage(wrapped, s, n, g.pp, tied_parameters=chunk.tied))
         self.optimizer = self._make_optimizer(self.model.parameters())
-        self.sched = ScheduleInterleaved1F1B(pipes, self.microbatches, self.loss_fn)
+        self.sched = SCHEDULES[cfg.schedule](pipes, self.microbatches, self.loss_fn)
         return self.model
 
     def _wrap_fsdp(self, stage):
@@ -252,7 +259,8 @@ class GridJob(TrainJob):
     def global_mean(self, values) -> list[float]:
         """The mean over the data-parallel replicas of the last stage's values (collective)."""
         arr = np.asarray(values, dtype=np.float64).copy()
-        if not self.grid.knows_loss:
+        # The rank of the last stage (pp's last, or ZB-V's first), once per TP group.
+        if not (self.model.last and self.grid.tp_rank == 0):
             arr[:] = 0.0  # ranks off the last stage hold no loss (NaN)
         if self.comm.size > 1 and arr.size:
             self.comm.all_reduce(arr, op="sum", algo="native")

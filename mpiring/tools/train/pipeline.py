@@ -35,13 +35,18 @@ from mpiring.parallel.pipeline import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     SchedulePipeDream,
+    ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
 )
 from mpiring.parallel.pipeline.data_parallel import stage_grid
+from mpiring.parallel.pipeline.schedules import PLACEMENT, stage_ranks
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
-             "pipedream": SchedulePipeDream, "interleaved": ScheduleInterleaved1F1B}
+             "pipedream": SchedulePipeDream, "interleaved": ScheduleInterleaved1F1B,
+             "zbv": ScheduleZBVZeroBubble}
+#: Schedules of several stages per rank (``build_pipeline``'s ``stages_per_rank``).
+MULTI_STAGE = ("interleaved", "zbv")
 
 
 class Embed(nn.Module):
@@ -111,7 +116,8 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     Every rank builds the whole model from ``seed`` (so the stages start from one
     model) and keeps its part. ``pp`` ranks along the pipeline (default: every rank
     of ``comm``), each holding ``stages_per_rank`` stages (more than one:
-    "interleaved", rank r holding stages r, r + pp, ...); the world / pp replicas
+    "interleaved", rank r holding stages r, r + pp, ...; "zbv", 2: r and
+    2 pp - 1 - r); the world / pp replicas
     of each stage reduce with DDP. Returns ``(stage, sched, optimizer)``, where
     ``stage`` is the rank's list of stages with ``stages_per_rank > 1`` (all of them
     are ``sched.stages``); ``sched.grid`` holds the groups (``stage_grid``).
@@ -119,15 +125,18 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     v = stages_per_rank
-    if v != 1 and schedule != "interleaved":
+    if v != 1 and schedule not in MULTI_STAGE:
         raise ValueError(f"stages_per_rank={v} with schedule {schedule!r}: several stages per "
-                         "rank run with 'interleaved'")
+                         f"rank run with {' or '.join(map(repr, MULTI_STAGE))}")
+    if schedule == "zbv" and v != 2:
+        raise ValueError(f"zbv places 2 stages per rank: give stages_per_rank=2, not {v}")
     grid = stage_grid(comm, comm.size if pp is None else pp)
     torch.manual_seed(seed)
     full = GPT(cfg).to(dtype)
     n = grid.pp_size * v
     stages, params = [], []
-    for s in range(grid.pp_rank, n, grid.pp_size):
+    ranks = stage_ranks(grid.pp_size, n, PLACEMENT.get(schedule, "loop"))
+    for s in (s for s in range(n) if ranks[s] == grid.pp_rank):
         # Interleaving rotates through every stage: a 2-block stage beside a 1-block one
         # would set the pace of all, so its stages split the blocks evenly.
         module, tied = split_gpt(full, n, s, blocks_evenly=v > 1)

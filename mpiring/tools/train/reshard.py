@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from mpiring.parallel.pipeline.schedules import PLACEMENT
 from mpiring.tools.train.grid3d import stage_of
 
 _TIED = {"head.weight": "tok.weight"}
@@ -143,8 +144,9 @@ def grid_full_state(job) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     cfg = job.model_cfg
     params, ostate, groups = _local(job)
     pp, vpp = job.grid.pp_size, job.cfg.vpp
+    placement = PLACEMENT.get(job.cfg.schedule, "loop")
     per_stage = {s: [n for n in job.param_names
-                     if stage_of(n, cfg.n_layers, pp, vpp, job.cfg.pp_layers) == s]
+                     if stage_of(n, cfg.n_layers, pp, vpp, job.cfg.pp_layers, placement) == s]
                  for s in range(pp)}
     dtype = next(iter(params.values())).dtype
     full = _assemble(job, per_stage, params, dtype)
