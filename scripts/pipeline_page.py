@@ -6,8 +6,8 @@ The goals of the pipeline work, each computed from the rows of that one run:
 bubble measured against the schedule's prediction (GPipe, 1F1B), ZB-H1's
 bubble and peak activations against 1F1B's, 1F1B's step against torch's
 Schedule1F1B (and torch's against the schedule's compute bound), GPipe with
-recomputation's memory against its model, interleaved 1F1B's bubble against
-1F1B's. Then the bench's own tables and a
+recomputation's memory against its model, interleaved 1F1B's bubble and ZB-V's
+idle time and peak against 1F1B's. Then the bench's own tables and a
 measured step drawn to scale, as printed.
 """
 
@@ -90,6 +90,16 @@ def goals(rows: list[dict]) -> list[str]:
                    f"({by['interleaved', m]['predicted'] / by['1f1b', m]['predicted']:.2f})")
     line("interleaved / 1F1B step",
          lambda m: f"{by['interleaved', m]['step_ms'] / by['1f1b', m]['step_ms']:.2f}")
+
+    line("ZB-V (2 stages per rank in a V) / 1F1B idle time of the busiest stage, measured "
+         "(predicted)",
+         lambda m: f"{idle('zbv', 'idle_busiest_ms')(m)} "
+                   f"({idle('zbv', 'predicted_idle_busiest_ms')(m)})")
+    line("ZB-V / 1F1B idle time of the worst rank, measured", idle("zbv", "idle_ms"))
+    line("peak activations MiB, ZB-V / 1F1B (max over ranks)",
+         lambda m: f"{by['zbv', m]['peak_act_mib']:.2f} / {by['1f1b', m]['peak_act_mib']:.2f}")
+    line("ZB-V / 1F1B step",
+         lambda m: f"{by['zbv', m]['step_ms'] / by['1f1b', m]['step_ms']:.2f}")
 
     def recompute_mem(m):
         r, g = by["gpipe-recompute", m], by["gpipe", m]

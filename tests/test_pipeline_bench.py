@@ -11,9 +11,9 @@ def test_bench_pp_smoke(comm):
     if comm.size > 2:
         pytest.skip("the bench's layout is 2 stages; the runtime's tests cover more")
     rows, drawn = run_pp_bench(comm, preset="tiny", ms=(2,),
-                               modes=("1f1b", "zb", "zb-cap", "gpipe", "interleaved"), steps=2,
-                               warmup=0)
-    assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe", "interleaved"]
+                               modes=("1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv"),
+                               steps=2, warmup=0)
+    assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv"]
     for r in rows:
         assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
@@ -43,6 +43,13 @@ def test_bench_pp_smoke(comm):
     assert {s.action.stage for s in il[comm.rank]} == {comm.rank, comm.rank + comm.size}
     assert rows[4]["il_over_1f1b_bubble"] == pytest.approx(rows[4]["bubble"] / rows[0]["bubble"])
     assert "interleaved/1f1b bubble" in table and "interleaved meas/pred" in table
+    # ZB-V: rank r holds stages r and 2p-1-r (rank 0 both ends).
+    vee = drawn[("zbv", 2)]
+    assert {s.action.stage for s in vee[comm.rank]} == {comm.rank, 2 * comm.size - 1 - comm.rank}
+    assert {s.action.kind for s in vee[comm.rank]} == {"F", "B", "W"}
+    assert rows[5]["zbv_over_1f1b_idle_busiest"] == pytest.approx(
+        rows[5]["idle_busiest_ms"] / rows[0]["idle_busiest_ms"])
+    assert "zbv/1f1b idle time" in table and "zbv meas/pred" in table
     with pytest.raises(ValueError, match="list 1f1b before it"):
         run_pp_bench(comm, preset="tiny", ms=(2,), modes=("zb-cap", "1f1b"))
 
@@ -53,5 +60,6 @@ def test_the_interleaved_mode_needs_two_units_per_rank(comm):
 
     assert interleaved_fits("tiny", 2) and not interleaved_fits("tiny", 3)
     if comm.size == 3:
-        with pytest.raises(ValueError, match="leave it out of --modes"):
-            run_pp_bench(comm, preset="tiny", ms=(2,), modes=("1f1b", "interleaved"))
+        for mode in ("interleaved", "zbv"):
+            with pytest.raises(ValueError, match="leave them out of --modes"):
+                run_pp_bench(comm, preset="tiny", ms=(2,), modes=("1f1b", mode))

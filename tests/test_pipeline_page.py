@@ -42,6 +42,10 @@ def _rows(m: int):
         {"mode": "interleaved", "step_ms": 8.1, "bubble": 0.12, "predicted": 0.10,
          "ideal_ms": 7.8, "bubble_busiest": 0.06, "predicted_busiest": 0.05,
          "peak_act_mib": 2.5, "peak_act_mib_per_stage": [2.5, 1.0], **common},
+        {"mode": "zbv", "step_ms": 7.2, "bubble": 0.04, "predicted": 0.03, "ideal_ms": 7.0,
+         "bubble_busiest": 0.02, "predicted_busiest": 0.01, "idle_ms": 0.45,
+         "predicted_idle_ms": 0.32, "idle_busiest_ms": 0.18, "predicted_idle_busiest_ms": 0.08,
+         "peak_act_mib": 2.2, "peak_act_mib_per_stage": [2.2, 2.0], **common},
         {"mode": "torch-1f1b", "step_ms": 12.0, "bubble": None, "predicted": None,
          "peak_act_mib": None, **common},
     ]
@@ -78,6 +82,11 @@ def test_goals_are_the_ratios_of_the_rows():
     assert "| interleaved 1F1B (2 stages per rank) bubble, measured / predicted | 1.20 |" in table
     assert "| interleaved / 1F1B bubble, measured (predicted) | 0.60 (0.62) |" in table
     assert "| interleaved / 1F1B step | 0.90 |" in table
+    assert ("| ZB-V (2 stages per rank in a V) / 1F1B idle time of the busiest stage, measured "
+            "(predicted) | 0.20 (0.12) |") in table
+    assert "| ZB-V / 1F1B idle time of the worst rank, measured | 0.25 |" in table
+    assert "| peak activations MiB, ZB-V / 1F1B (max over ranks) | 2.20 / 2.00 |" in table
+    assert "| ZB-V / 1F1B step | 0.80 |" in table
 
 
 def test_a_missing_mode_leaves_a_dash(tmp_path):

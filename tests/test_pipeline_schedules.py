@@ -294,9 +294,10 @@ def test_diagram_marks_each_stage_of_a_rank():
 def test_the_docs_draw_what_the_code_draws():
     import pathlib
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "pipeline.md").read_text()
-    text = diagram.draw_schedule(build("interleaved", 2, 4, 2), f=1, b=1, w=1, chars_per_unit=5)
-    for line in text.splitlines():
-        assert line in doc, line
+    for name in ("interleaved", "zbv"):
+        text = diagram.draw_schedule(build(name, 2, 4, 2), f=1, b=1, w=1, chars_per_unit=5)
+        for line in text.splitlines():
+            assert line in doc, line
 
 
 # --- ZB-V: two stages per rank, in a V ---------------------------------------------

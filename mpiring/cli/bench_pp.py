@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default=None,
                    help="comma list of gpipe, gpipe-recompute, 1f1b, zb, zb-cap (ZB-H1 held "
                         "to 1F1B's measured peak; after 1f1b), interleaved (2 stages per "
-                        "rank), torch-1f1b (default: all, interleaved where the preset has "
+                        "rank), zbv (ZB-V: 2 per rank in a V), torch-1f1b (default: all, "
+                        "interleaved and zbv where the preset has "
                         "2 units per rank)")
     p.add_argument("--mb-rows", type=int, default=2, help="windows per micro-batch (default 2)")
     p.add_argument("-n", "--steps", type=int, default=5,
@@ -56,9 +57,10 @@ def run(args) -> int:
         modes = list(MODES)
         if not interleaved_fits(args.preset, comm.size):
             modes.remove("interleaved")
+            modes.remove("zbv")
             if comm.rank == 0:
-                print(f"# bench-pp: no interleaved row: {comm.size} ranks x 2 stages is more "
-                      f"than the {args.preset} GPT's units", file=sys.stderr)
+                print(f"# bench-pp: no interleaved and zbv rows: {comm.size} ranks x 2 "
+                      f"stages is more than the {args.preset} GPT's units", file=sys.stderr)
     else:
         modes = [t.strip() for t in args.modes.split(",") if t.strip()]
     rows, drawn = run_pp_bench(comm, preset=args.preset, ms=ms, modes=modes, mb_rows=args.mb_rows,

@@ -26,6 +26,8 @@ rank), the same step on every rank.
 * replay: the same simulation with each action's own measured time instead
   of the stage's mean (what a runtime with no overhead would have done with
   exactly these compute times).
+* zbv: ZB-V, the same 2 stages per rank placed in a V (rank r holding r and
+  2p-1-r), the backward split: its idle time and peak against 1F1B's.
 * interleaved: Megatron's interleaved 1F1B with 2 stages per rank (the same
   units cut into twice as many stages, rank r holding r and r + p): its bubble
   against 1F1B's on the same ranks (the stages differ, the work does not).
@@ -63,7 +65,9 @@ from mpiring.parallel.pipeline.validate import (
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
-MODES = ("gpipe", "gpipe-recompute", "1f1b", "zb", "zb-cap", "interleaved", "torch-1f1b")
+MODES = ("gpipe", "gpipe-recompute", "1f1b", "zb", "zb-cap", "interleaved", "zbv", "torch-1f1b")
+#: The modes of several stages per rank (INTERLEAVED_V each; ZB-V's V holds 2).
+MULTI_MODES = ("interleaved", "zbv")
 #: Stages per rank of the "interleaved" mode (Megatron's virtual pipeline size).
 INTERLEAVED_V = 2
 
@@ -137,7 +141,7 @@ def transfer_time(comm, shape, dtype=torch.float32, rounds: int = 40) -> float:
 class _Mpiring:
     def __init__(self, comm, cfg, mode: str, m: int):
         name = "gpipe" if mode.startswith("gpipe") else "zb" if mode == "zb-cap" else mode
-        v = INTERLEAVED_V if mode == "interleaved" else 1
+        v = INTERLEAVED_V if mode in MULTI_MODES else 1
         _, self.sched, _ = build_pipeline(comm, cfg, name, m, stages_per_rank=v,
                                           recompute=mode == "gpipe-recompute")
         self.stages = self.sched.stages
@@ -229,11 +233,11 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
         raise ValueError(f"unknown modes {bad}: use some of {', '.join(MODES)}")
     if "zb-cap" in modes and ("1f1b" not in modes or modes.index("1f1b") > modes.index("zb-cap")):
         raise ValueError("zb-cap holds ZB-H1 to 1F1B's measured peak: list 1f1b before it")
-    if "interleaved" in modes and not interleaved_fits(preset, comm.size):
-        raise ValueError(f"the interleaved mode cuts the GPT into {INTERLEAVED_V} stages per "
-                         f"rank, {INTERLEAVED_V * comm.size} here, more than the {preset} "
-                         f"preset's {PRESETS[preset].n_layers + 2} units: leave it out of "
-                         "--modes, or run on fewer ranks")
+    if set(MULTI_MODES) & set(modes) and not interleaved_fits(preset, comm.size):
+        raise ValueError(f"the interleaved and zbv modes cut the GPT into {INTERLEAVED_V} "
+                         f"stages per rank, {INTERLEAVED_V * comm.size} here, more than the "
+                         f"{preset} preset's {PRESETS[preset].n_layers + 2} units: leave them "
+                         "out of --modes, or run on fewer ranks")
     cfg = PRESETS[preset]
     transfer = transfer_time(comm, (mb_rows, cfg.seq_len, cfg.d_model))
     group = None
@@ -297,6 +301,13 @@ def _ratios(rows: list[dict]) -> None:
                                                   base["bubble_busiest"])
                 by[zb]["zb_over_1f1b_idle_busiest"] = (by[zb]["idle_busiest_ms"] /
                                                        base["idle_busiest_ms"])
+    if base is not None and "zbv" in by and base["idle_busiest_ms"]:
+        v = by["zbv"]
+        v["zbv_over_1f1b_idle"] = v["idle_ms"] / base["idle_ms"]
+        v["zbv_over_1f1b_idle_busiest"] = v["idle_busiest_ms"] / base["idle_busiest_ms"]
+        v["zbv_over_1f1b_predicted_busiest"] = (v["predicted_idle_busiest_ms"] /
+                                                base["predicted_idle_busiest_ms"]
+                                                if base["predicted_idle_busiest_ms"] else None)
     if base is not None and base["bubble"] and "interleaved" in by:
         il = by["interleaved"]
         il["il_over_1f1b_bubble"] = il["bubble"] / base["bubble"]
@@ -336,7 +347,7 @@ def format_pp_table(rows: list[dict]) -> str:
     for m in sorted({r["m"] for r in rows}):
         by = {r["mode"]: r for r in rows if r["m"] == m}
         parts = []
-        for mode in ("gpipe", "1f1b", "interleaved"):
+        for mode in ("gpipe", "1f1b", "interleaved", "zbv"):
             if mode in by:
                 parts.append(f"{mode} meas/pred {ratio(by[mode]['bubble'], by[mode]['predicted'])}")
         for zb in ("zb", "zb-cap"):
@@ -355,6 +366,11 @@ def format_pp_table(rows: list[dict]) -> str:
             il = by["interleaved"]
             parts.append(f"interleaved/1f1b bubble {il['il_over_1f1b_bubble']:.2f} (predicted "
                          f"{ratio(il['predicted'], by['1f1b']['predicted'])})")
+        if "zbv_over_1f1b_idle" in by.get("zbv", {}):
+            v = by["zbv"]
+            peaks = "/".join(f"{x:.2f}" for x in v["peak_act_mib_per_stage"])
+            parts.append(f"zbv/1f1b idle time {v['zbv_over_1f1b_idle']:.2f}, busiest stage "
+                         f"{v['zbv_over_1f1b_idle_busiest']:.2f} (peak act per rank {peaks} MiB)")
         if "over_torch" in by.get("1f1b", {}):
             parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f} (torch step / 1f1b's "
                          f"simulated compute bound {by['1f1b']['torch_over_ideal']:.2f})")
