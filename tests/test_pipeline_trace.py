@@ -84,6 +84,14 @@ def test_explain_reads_several_stages_per_rank(tmp_path):
     assert "stages 0, 2 (r0): bubble" in text and f"predicted {formula:.1%}" in lines[3]
 
 
+def test_explain_names_the_stages_of_a_v(tmp_path):
+    # ZB-V: rank 0 holds stages 0 and 3 (both ends), rank 1 stages 1 and 2.
+    write_trace(tmp_path, "zbv", 2, 4, v=2)
+    text = timeline.explain(timeline.load(str(tmp_path)))
+    assert text.startswith("pipeline step 2 of 2: zbv, 4 stages on 2 ranks")
+    assert "stages 0, 3 (r0): bubble" in text and "stages 1, 2 (r1): bubble" in text
+
+
 def test_replicas_are_drawn_apart(tmp_path):
     write_trace(tmp_path, "1f1b", 2, 4, replicas=2)
     files = timeline.load(str(tmp_path))

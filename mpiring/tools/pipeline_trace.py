@@ -140,7 +140,8 @@ def explain(files, step: int | None = None, width: int = 150) -> str:
             busy = sum(x.end - x.start for x in s.spans[i])
             pred = f", predicted {predicted[i]:.1%}" if predicted else ""
             held = "stage" if s.stages == p else "stages"
-            mine = ", ".join(str(k) for k in range(i, s.stages, p))
+            # The stages the rank ran (r, r + p, ...; ZB-V's r and 2p-1-r).
+            mine = ", ".join(str(k) for k in sorted({x.action.stage for x in s.spans[i]}))
             out.append(f"  {held} {mine} (r{rank}): bubble {frac:.1%} "
                        f"({(t1 - t0 - busy) * 1e3:.1f} ms idle){pred}")
         out.append("")
