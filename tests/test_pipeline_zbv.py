@@ -15,9 +15,13 @@ import test_pipeline_interleaved as il
 import torch
 
 from mpiring.parallel.pipeline import (
+    PipelineSchedule,
     PipelineStage,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
+    build,
+    dump_csv,
+    load_csv,
 )
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 from mpiring.tools.train.pipeline import split_gpt
@@ -33,10 +37,14 @@ def v_stages(comm, full):
     return stages, [full[slice(*cuts[s])] for s in mine]
 
 
-def _free(sched, stages) -> None:
-    sched.free()
+def _free_stages(stages) -> None:
     for st in stages:
         st.free()
+
+
+def _free(sched, stages) -> None:
+    sched.free()
+    _free_stages(stages)
 
 
 @pytest.mark.parametrize("m", (1, 3, 8))  # fewer than the ranks, odd, and more than 2K
@@ -83,10 +91,26 @@ def test_a_loop_placement_is_refused_by_zbv_and_a_v_by_interleaved(comm):
     loop, _ = il.local_stages(comm, full, 2)
     with pytest.raises(ValueError, match=r"rank \d holds stages \[\d, \d\]: give all of them"):
         ScheduleZBVZeroBubble(loop, 4, il.mse)
-    for st in loop:
-        st.free()
+    _free_stages(loop)
     vee, _ = v_stages(comm, full)
     with pytest.raises(ValueError, match=r"rank \d holds stages \[\d, \d\]: give all of them"):
         ScheduleInterleaved1F1B(vee, 4, il.mse)
-    for st in vee:
-        st.free()
+    _free_stages(vee)
+
+
+def test_a_zbv_program_from_csv_runs_with_its_placement(comm, tmp_path):
+    # A ZB-V program written out and read back (torch's CSV) runs as a custom schedule
+    # once told its placement; with the default (the loop) the V's stages are refused.
+    path = tmp_path / f"zbv{comm.rank}.csv"  # one file per rank: no rank reads a half-written one
+    dump_csv(build("zbv", comm.size, 3, 2), path)
+    full = il.mlp()
+    stages, refs = v_stages(comm, full)
+    sched = PipelineSchedule(stages, 3, il.mse, actions=load_csv(path), placement="v")
+    il.against_the_unsplit_model(sched, stages, refs, full, 3)
+    if comm.size > 1:
+        stages, _ = v_stages(comm, full)
+        with pytest.raises(ValueError, match=r"holds stages \[\d, \d\]: give all of them"):
+            PipelineSchedule(stages, 3, il.mse, actions=load_csv(path))
+        _free_stages(stages)
+    with pytest.raises(ValueError, match="placement='x': use 'loop' or 'v'"):
+        PipelineSchedule(stages, 3, il.mse, actions=load_csv(path), placement="x")

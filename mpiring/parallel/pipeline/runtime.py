@@ -66,13 +66,20 @@ class PipelineSchedule:
         actions: every rank's program (``schedules.build`` or hand-written).
         scale_grads: gradients of the mean of the micro-batch losses (torch's
             ``scale_grads=True``); False: of their sum.
+        placement: where ``actions`` put the stages (``schedules.stage_ranks``):
+            "loop" (rank r: r, r + p, ...; the default) or "v" (a ZB-V program's
+            r and 2p-1-r); the schedule classes set their own.
     """
 
     name = "custom"
 
     def __init__(self, stage: PipelineStage | list[PipelineStage], n_microbatches: int,
                  loss_fn=None, *, actions: list[list[Action]] | None = None,
-                 scale_grads: bool = True):
+                 scale_grads: bool = True, placement: str | None = None):
+        if placement is not None:
+            if placement not in ("loop", "v"):
+                raise ValueError(f"placement={placement!r}: use 'loop' or 'v'")
+            self.placement = placement  # this schedule's, over the class's
         stages = _local_stages(stage, self.placement)
         stage = stages[0]
         check_sizes(stage.num_stages, n_microbatches)

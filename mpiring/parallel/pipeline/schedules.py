@@ -271,8 +271,9 @@ def load_csv(path: str | os.PathLike) -> list[list[Action]]:
     """Every rank's program from CSV (``dump_csv``'s, or torch's ``_dump_csv``; empty
     cells, torch's idle slots, are skipped). A file of compute actions only gets its
     sends and receives added (``lower``), as torch's ``compute_only`` format does.
-    Give the result to ``PipelineSchedule(stage, m, loss_fn, actions=...)``: it is
-    checked on every rank before anything runs.
+    Give the result to ``PipelineSchedule(stage, m, loss_fn, actions=...)``
+    (``placement="v"`` for a ZB-V program): it is checked on every rank before
+    anything runs.
 
     Raises:
         ValueError: a cell that is not an action, naming its row and column.
