@@ -62,14 +62,16 @@ def goals(rows: list[dict]) -> list[str]:
         return lambda m: f"{by[mode, m][key] / by['1f1b', m][key]:.2f}"
     line("ZB-H1 / 1F1B idle time of the busiest stage, measured (goal <= 0.5)",
          idle("zb", "idle_busiest_ms"))
-    line("the same, the schedules' prediction", idle("zb", "predicted_idle_busiest_ms"))
+    line("ZB-H1, the same, the schedules' prediction",
+         idle("zb", "predicted_idle_busiest_ms"))
     line("ZB-H1 / 1F1B idle time of the worst rank, measured (predicted)",
          lambda m: f"{idle('zb', 'idle_ms')(m)} ({idle('zb', 'predicted_idle_ms')(m)})")
     line("peak activations MiB, ZB-H1 / 1F1B (max over stages)",
          lambda m: f"{by['zb', m]['peak_act_mib']:.2f} / {by['1f1b', m]['peak_act_mib']:.2f}")
     line("ZB-H1 within 1F1B's peak (zb-cap) / 1F1B idle time of the busiest stage, "
          "measured (goal <= 0.5)", idle("zb-cap", "idle_busiest_ms"))
-    line("the same, the schedules' prediction", idle("zb-cap", "predicted_idle_busiest_ms"))
+    line("zb-cap, the same, the schedules' prediction",
+         idle("zb-cap", "predicted_idle_busiest_ms"))
     line("zb-cap / 1F1B idle time of the worst rank, measured",
          idle("zb-cap", "idle_ms"))
     line("peak activations MiB, zb-cap / 1F1B (max over stages)",

@@ -59,13 +59,13 @@ def test_goals_are_the_ratios_of_the_rows():
     # ZB-H1 in idle time: 0.24 / 0.9 ms, where the shares of the steps give 0.03 / 0.10.
     assert "| ZB-H1 / 1F1B idle time of the busiest stage, measured (goal <= 0.5) | 0.27 |" \
         in table
-    assert "| the same, the schedules' prediction | 0.23 |" in table
+    assert "| ZB-H1, the same, the schedules' prediction | 0.23 |" in table
     assert "| ZB-H1 / 1F1B idle time of the worst rank, measured (predicted) | 0.22 (0.23) |" \
         in table
     assert "| peak activations MiB, ZB-H1 / 1F1B (max over stages) | 2.10 / 2.00 |" in table
     assert ("| ZB-H1 within 1F1B's peak (zb-cap) / 1F1B idle time of the busiest stage, "
             "measured (goal <= 0.5) | 0.47 |") in table
-    assert "| the same, the schedules' prediction | 0.50 |" in table
+    assert "| zb-cap, the same, the schedules' prediction | 0.50 |" in table
     assert "| zb-cap / 1F1B idle time of the worst rank, measured | 0.38 |" in table
     assert "| peak activations MiB, zb-cap / 1F1B (max over stages) | 2.00 / 2.00 |" in table
     assert ("| as shares of each step: ZB-H1 / 1F1B and zb-cap / 1F1B bubble, busiest stage "

@@ -61,12 +61,12 @@ def validate_grid_config(cfg) -> None:
     if isinstance(cfg.vpp, bool) or not isinstance(cfg.vpp, int) or cfg.vpp < 1:
         raise ValueError(f"vpp={cfg.vpp!r}: give the stages per rank, a positive integer")
     multi = cfg.schedule in ("interleaved", "zbv")
+    if cfg.schedule == "zbv" and cfg.vpp != 2:
+        raise ValueError(f"vpp={cfg.vpp} with --schedule zbv: the V holds 2 stages per rank; "
+                         "leave --vpp out (TrainConfig: vpp=2)")
     if (cfg.vpp > 1) != multi:
         raise ValueError(f"vpp={cfg.vpp} with --schedule {cfg.schedule}: several stages per "
                          "rank run with --schedule interleaved (--vpp 2 or more) or zbv")
-    if cfg.schedule == "zbv" and cfg.vpp != 2:
-        raise ValueError(f"vpp={cfg.vpp} with --schedule zbv: the V holds 2 stages per rank; "
-                         "leave --vpp out")
     if multi and (cfg.pp == 1 or cfg.fsdp or cfg.optimizer != "adamw"):
         raise ValueError(f"--schedule {cfg.schedule} runs on pp > 1 with DDP on the data axis "
                          "and the optimizer adamw (not fsdp, zero1 or zero2): each rank's "
