@@ -53,6 +53,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "deadline(seconds): per-test deadline under MPI")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line("markers", "one_rank: a pure test (no communication, the same "
+                            "on every rank): rank 0 runs it, the others wait without spinning")
     _arm_stack_dumps()
     if RANK != 0:
         # Rank 0 speaks for the job; the others report only their own failures.
@@ -152,6 +154,29 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         timer.cancel()
         faulthandler.cancel_dump_traceback_later()
+
+
+def _pure(item) -> bool:
+    return SIZE > 1 and item.get_closest_marker("one_rank") is not None
+
+
+def pytest_runtest_setup(item):
+    # Four copies of a pure test on two cores take twice as long as one, and find nothing
+    # the one does not.
+    if _pure(item) and RANK != 0:
+        pytest.skip("a pure test: rank 0 runs it")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _pure(item):
+        # The others wait for rank 0 here, sleeping between polls: a blocking MPI call
+        # in the next test would spin on the cores rank 0 is computing on. (Under the
+        # test's deadline: a rank 0 that hangs ends the job as any test does.)
+        req = WORLD.Ibarrier()
+        if RANK == 0:  # the last to come: the others are waiting already
+            req.Wait()
+        while not req.Test():
+            time.sleep(0.002)
 
 
 def pytest_sessionfinish(session, exitstatus):

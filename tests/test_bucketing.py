@@ -14,6 +14,8 @@ from mpiring.parallel.data.bucketing import (
     order_from_observed,
 )
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 
 def test_reverse_order_small_first_bucket_then_cap():
     # 6 parameters of 1, 2, 3, 4, 5, 6 MiB in registration order.

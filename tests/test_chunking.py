@@ -12,6 +12,8 @@ from mpiring.core.chunking import (
     ring_position,
 )
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 7])
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 6, 7, 100, 1001])

@@ -7,6 +7,8 @@ import pytest
 
 from mpiring.core import costmodel as cm
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 AB = cm.AlphaBeta(alpha=20e-6, beta=5e9)
 SIZES = [8 * 4**i for i in range(12)]  # 8 B .. 32 MiB
 

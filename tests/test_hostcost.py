@@ -5,6 +5,8 @@ import pytest
 from mpiring.core import hostcost as hc
 from mpiring.core import stepmodel as sm
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 
 def test_a_linear_is_three_gemms_in_autograds_layouts():
     fwd, dx, dw = hc.linear_gemms(5, 3, 7)

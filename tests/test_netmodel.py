@@ -7,6 +7,8 @@ import pytest
 from mpiring.core import netmodel as nm
 from mpiring.core.costmodel import AlphaBeta, ring_all_reduce, ring_reduce_scatter
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 NVL = AlphaBeta(3e-6, 240e9)
 NIC = AlphaBeta(7e-6, 22e9)
 FAB = nm.Fabric(NVL, NIC, gpus_per_node=8, nics_per_node=4)

@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

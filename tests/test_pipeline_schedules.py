@@ -28,6 +28,8 @@ from mpiring.parallel.pipeline.validate import (
     unit_costs,
 )
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 STAGES = (1, 2, 3, 4, 5)
 MICRO = (1, 2, 3, 4, 8, 16)
 

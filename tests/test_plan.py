@@ -10,6 +10,8 @@ from mpiring.tools.plan import presets as pr
 from mpiring.tools.plan import validate as v
 from mpiring.tools.plan.search import search
 
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
+
 GPT_1T = pr.MEGATRON_TABLE[-1].model()
 
 

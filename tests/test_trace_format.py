@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from mpiring.runtime.trace import NULL_CALL, Tracer, fmt_bytes, fmt_step, read_trace
+
+pytestmark = pytest.mark.one_rank  # pure: rank 0 runs them (tests/mpi_harness.py)
 
 
 def test_fmt_bytes():
