@@ -21,33 +21,32 @@ def _page_module():
     return mod
 
 
+def _mode(mode, step_ms, bubble, predicted, ideal_ms, busiest, predicted_busiest, peaks,
+          idle=(), **common):
+    """One mode's row; ``idle``: (idle_ms, predicted_idle_ms, idle_busiest_ms,
+    predicted_idle_busiest_ms), where the page reads them."""
+    row = {"mode": mode, "step_ms": step_ms, "bubble": bubble, "predicted": predicted,
+           "ideal_ms": ideal_ms, "bubble_busiest": busiest, "predicted_busiest": predicted_busiest,
+           "peak_act_mib": max(peaks), "peak_act_mib_per_stage": list(peaks), **common}
+    row.update(zip(("idle_ms", "predicted_idle_ms", "idle_busiest_ms",
+                    "predicted_idle_busiest_ms"), idle))
+    return row
+
+
 def _rows(m: int):
     common = {"m": m, "preset": "tiny", "mb_rows": 2, "ranks": 2}
     return [
-        {"mode": "gpipe", "step_ms": 10.0, "bubble": 0.30, "predicted": 0.25, "ideal_ms": 9.0,
-         "bubble_busiest": 0.2, "predicted_busiest": 0.2,
-         "peak_act_mib": 4.0, "peak_act_mib_per_stage": [4.0, 3.0], **common},
-        {"mode": "gpipe-recompute", "step_ms": 13.0, "bubble": 0.3, "predicted": 0.3,
-         "bubble_busiest": 0.2, "predicted_busiest": 0.2, "ideal_ms": 12.0, "peak_act_mib": 1.5, "peak_act_mib_per_stage": [1.0, 1.5], **common},
-        {"mode": "1f1b", "step_ms": 9.0, "bubble": 0.20, "predicted": 0.16, "ideal_ms": 8.0,
-         "bubble_busiest": 0.10, "predicted_busiest": 0.08, "idle_ms": 1.8,
-         "predicted_idle_ms": 1.28, "idle_busiest_ms": 0.9, "predicted_idle_busiest_ms": 0.64,
-         "peak_act_mib": 2.0, "peak_act_mib_per_stage": [2.0, 0.75], **common},
-        {"mode": "zb", "step_ms": 8.0, "bubble": 0.05, "predicted": 0.04, "ideal_ms": 7.5,
-         "bubble_busiest": 0.03, "predicted_busiest": 0.02, "idle_ms": 0.4,
-         "predicted_idle_ms": 0.3, "idle_busiest_ms": 0.24, "predicted_idle_busiest_ms": 0.15,
-         "peak_act_mib": 2.1, "peak_act_mib_per_stage": [2.0, 2.1], **common},
-        {"mode": "zb-cap", "step_ms": 8.5, "bubble": 0.08, "predicted": 0.07, "ideal_ms": 8.0,
-         "bubble_busiest": 0.05, "predicted_busiest": 0.04, "idle_ms": 0.68,
-         "predicted_idle_ms": 0.56, "idle_busiest_ms": 0.425, "predicted_idle_busiest_ms": 0.32,
-         "peak_act_mib": 2.0, "peak_act_mib_per_stage": [2.0, 1.9], **common},
-        {"mode": "interleaved", "step_ms": 8.1, "bubble": 0.12, "predicted": 0.10,
-         "ideal_ms": 7.8, "bubble_busiest": 0.06, "predicted_busiest": 0.05,
-         "peak_act_mib": 2.5, "peak_act_mib_per_stage": [2.5, 1.0], **common},
-        {"mode": "zbv", "step_ms": 7.2, "bubble": 0.04, "predicted": 0.03, "ideal_ms": 7.0,
-         "bubble_busiest": 0.02, "predicted_busiest": 0.01, "idle_ms": 0.45,
-         "predicted_idle_ms": 0.32, "idle_busiest_ms": 0.18, "predicted_idle_busiest_ms": 0.08,
-         "peak_act_mib": 2.2, "peak_act_mib_per_stage": [2.2, 2.0], **common},
+        _mode("gpipe", 10.0, 0.30, 0.25, 9.0, 0.2, 0.2, (4.0, 3.0), **common),
+        _mode("gpipe-recompute", 13.0, 0.3, 0.3, 12.0, 0.2, 0.2, (1.0, 1.5), **common),
+        _mode("1f1b", 9.0, 0.20, 0.16, 8.0, 0.10, 0.08, (2.0, 0.75),
+              idle=(1.8, 1.28, 0.9, 0.64), **common),
+        _mode("zb", 8.0, 0.05, 0.04, 7.5, 0.03, 0.02, (2.0, 2.1),
+              idle=(0.4, 0.3, 0.24, 0.15), **common),
+        _mode("zb-cap", 8.5, 0.08, 0.07, 8.0, 0.05, 0.04, (2.0, 1.9),
+              idle=(0.68, 0.56, 0.425, 0.32), **common),
+        _mode("interleaved", 8.1, 0.12, 0.10, 7.8, 0.06, 0.05, (2.5, 1.0), **common),
+        _mode("zbv", 7.2, 0.04, 0.03, 7.0, 0.02, 0.01, (2.2, 2.0),
+              idle=(0.45, 0.32, 0.18, 0.08), **common),
         {"mode": "torch-1f1b", "step_ms": 12.0, "bubble": None, "predicted": None,
          "peak_act_mib": None, **common},
     ]
