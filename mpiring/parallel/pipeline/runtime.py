@@ -44,7 +44,13 @@ from mpiring.parallel.pipeline.actions import (
     format_schedule,
     groups,
 )
-from mpiring.parallel.pipeline.schedules import build, check_sizes, lower, stage_ranks
+from mpiring.parallel.pipeline.schedules import (
+    build,
+    check_sizes,
+    lower,
+    stage_ranks,
+    stages_of,
+)
 from mpiring.parallel.pipeline.stage import PipelineStage, tied_layout
 from mpiring.parallel.pipeline.transport import DTYPES, MAX_DIMS, Transport
 from mpiring.parallel.pipeline.validate import Span, check
@@ -489,7 +495,7 @@ def _local_stages(stage, placement: str = "loop") -> list[PipelineStage]:
     got = [st.stage_index for st in stages]
     err = ""
     try:
-        want = [s for s, r in enumerate(stage_ranks(p, n, placement)) if r == first.comm.rank]
+        want = stages_of(first.comm.rank, p, n, placement)
     except ValueError as exc:  # ZB-V's V on a pipeline of other than 2 stages per rank
         err = f"{exc}: build 2 stages per rank, of num_stages={2 * p}"
     else:

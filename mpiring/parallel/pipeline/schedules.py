@@ -197,6 +197,11 @@ def stage_ranks(p: int, n: int, placement: str = "loop") -> list[int]:
     raise ValueError(f"unknown placement {placement!r}: use 'loop' or 'v'")
 
 
+def stages_of(rank: int, p: int, n: int, placement: str = "loop") -> list[int]:
+    """The stages ``rank`` holds, in order (``stage_ranks``)."""
+    return [s for s, r in enumerate(stage_ranks(p, n, placement)) if r == rank]
+
+
 def lower(compute: list[Action], p: int) -> list[Action]:
     """Add the communication to one rank's compute actions (``p``: the number of stages).
 

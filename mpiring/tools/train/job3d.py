@@ -199,14 +199,13 @@ class GridJob(TrainJob):
         """vpp stages per rank (interleaved: r, r + pp, ...; zbv: r, 2 pp - 1 - r), each
         its own DDP over the data axis; ``model`` holds them all, named as the full GPT's."""
         from mpiring.parallel.pipeline import PipelineStage
-        from mpiring.parallel.pipeline.schedules import PLACEMENT, stage_ranks
+        from mpiring.parallel.pipeline.schedules import PLACEMENT, stages_of
         from mpiring.tools.train.pipeline import SCHEDULES
 
         cfg, g = self.cfg, self.grid
         n = cfg.pp * cfg.vpp
         bounds = stage_bounds(self.tp_model.cfg.n_layers, n, cfg.pp_layers)
-        ranks = stage_ranks(g.pp_size, n, PLACEMENT.get(cfg.schedule, "loop"))
-        mine = [s for s in range(n) if ranks[s] == g.pp_rank]
+        mine = stages_of(g.pp_rank, g.pp_size, n, PLACEMENT.get(cfg.schedule, "loop"))
         chunks = [GPTStage(self.tp_model, *bounds[s]) for s in mine]
         self.model = GPTStages(chunks)
         self.tp_comm = g.tp

@@ -39,7 +39,7 @@ from mpiring.parallel.pipeline import (
     ScheduleZeroBubble,
 )
 from mpiring.parallel.pipeline.data_parallel import stage_grid
-from mpiring.parallel.pipeline.schedules import PLACEMENT, stage_ranks
+from mpiring.parallel.pipeline.schedules import PLACEMENT, stages_of
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
@@ -135,8 +135,7 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     full = GPT(cfg).to(dtype)
     n = grid.pp_size * v
     stages, params = [], []
-    ranks = stage_ranks(grid.pp_size, n, PLACEMENT.get(schedule, "loop"))
-    for s in (s for s in range(n) if ranks[s] == grid.pp_rank):
+    for s in stages_of(grid.pp_rank, grid.pp_size, n, PLACEMENT.get(schedule, "loop")):
         # Interleaving rotates through every stage: a 2-block stage beside a 1-block one
         # would set the pace of all, so its stages split the blocks evenly.
         module, tied = split_gpt(full, n, s, blocks_evenly=v > 1)
