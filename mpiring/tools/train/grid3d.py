@@ -60,11 +60,6 @@ class Grid:
         """``(dp, tp, pp)``: the order the docs and tests name layouts in."""
         return self.dp_size, self.tp_size, self.pp_size
 
-    @property
-    def knows_loss(self) -> bool:
-        """The loss is computed on the last stage, the same on every rank of its TP group."""
-        return self.pp_rank == self.pp_size - 1 and self.tp_rank == 0
-
 
 def make_grid(comm, tp: int, pp: int) -> Grid:
     """The grid of ``comm`` (collective).
