@@ -53,6 +53,14 @@ def test_every_wait_starts_with_a_tight_poll(comm, monkeypatch):
     # one that found it: no sleep may come between them.
     sleeps = []
     monkeypatch.setattr(transport.time, "sleep", lambda s: sleeps.append(s))
+    # A clock of 1 us per reading: on a loaded machine a rank descheduled between two
+    # polls would pass FIRST_S on the real one, which says nothing about the loop.
+    clock = [0.0]
+
+    def tick() -> float:
+        clock[0] += 1e-6
+        return clock[0]
+    monkeypatch.setattr(transport.time, "perf_counter", tick)
     transport.wait_all([FakeRequest(5)], sleep_s=transport.SLEEP_S, expect_s=1.0)
     assert sleeps == []
     # Past FIRST_S, with the message not due yet (expect_s), the wait sleeps between polls.
