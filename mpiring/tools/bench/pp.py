@@ -292,22 +292,20 @@ def _ratios(rows: list[dict]) -> None:
     for r in rows:
         if base is not None:
             r["x_1f1b"] = r["step_ms"] / base["step_ms"]
+    def idle_against_1f1b(r: dict, prefix: str) -> None:
+        """The worst rank's and the busiest stage's idle time over 1F1B's."""
+        r[f"{prefix}_over_1f1b_idle"] = r["idle_ms"] / base["idle_ms"]
+        if base["idle_busiest_ms"]:
+            r[f"{prefix}_over_1f1b_idle_busiest"] = r["idle_busiest_ms"] / base["idle_busiest_ms"]
     for zb in ("zb", "zb-cap"):
         if base is not None and zb in by and base["bubble"]:
             by[zb]["zb_over_1f1b_bubble"] = by[zb]["bubble"] / base["bubble"]
-            by[zb]["zb_over_1f1b_idle"] = by[zb]["idle_ms"] / base["idle_ms"]
             if base["bubble_busiest"]:
                 by[zb]["zb_over_1f1b_busiest"] = (by[zb]["bubble_busiest"] /
                                                   base["bubble_busiest"])
-                by[zb]["zb_over_1f1b_idle_busiest"] = (by[zb]["idle_busiest_ms"] /
-                                                       base["idle_busiest_ms"])
+            idle_against_1f1b(by[zb], "zb")
     if base is not None and "zbv" in by and base["idle_busiest_ms"]:
-        v = by["zbv"]
-        v["zbv_over_1f1b_idle"] = v["idle_ms"] / base["idle_ms"]
-        v["zbv_over_1f1b_idle_busiest"] = v["idle_busiest_ms"] / base["idle_busiest_ms"]
-        v["zbv_over_1f1b_predicted_busiest"] = (v["predicted_idle_busiest_ms"] /
-                                                base["predicted_idle_busiest_ms"]
-                                                if base["predicted_idle_busiest_ms"] else None)
+        idle_against_1f1b(by["zbv"], "zbv")
     if base is not None and base["bubble"] and "interleaved" in by:
         il = by["interleaved"]
         il["il_over_1f1b_bubble"] = il["bubble"] / base["bubble"]
