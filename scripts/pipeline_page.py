@@ -84,6 +84,9 @@ def goals(rows: list[dict]) -> list[str]:
          lambda m: f"{by['1f1b', m]['step_ms'] / by['torch-1f1b', m]['step_ms']:.2f}")
     line("torch step / 1F1B's simulated compute bound",
          lambda m: f"{by['torch-1f1b', m]['step_ms'] / by['1f1b', m]['ideal_ms']:.2f}")
+    line("1F1B, weight gradients added in the GEMM / by autograd: step (compute bound)",
+         lambda m: f"{by['1f1b', m]['step_ms'] / by['1f1b-autograd', m]['step_ms']:.2f} "
+                   f"({by['1f1b', m]['ideal_ms'] / by['1f1b-autograd', m]['ideal_ms']:.2f})")
 
     line("interleaved 1F1B (2 stages per rank) bubble, measured / predicted",
          lambda m: f"{by['interleaved', m]['bubble'] / by['interleaved', m]['predicted']:.2f}")

@@ -11,9 +11,11 @@ def test_bench_pp_smoke(comm):
     if comm.size > 2:
         pytest.skip("the bench's layout is 2 stages; the runtime's tests cover more")
     rows, drawn = run_pp_bench(comm, preset="tiny", ms=(2,),
-                               modes=("1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv"),
+                               modes=("1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv",
+                                      "1f1b-autograd"),
                                steps=2, warmup=0)
-    assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv"]
+    assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv",
+                                         "1f1b-autograd"]
     for r in rows:
         assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)

@@ -40,6 +40,7 @@ def _rows(m: int):
         _mode("gpipe-recompute", 13.0, 0.3, 0.3, 12.0, 0.2, 0.2, (1.0, 1.5), **common),
         _mode("1f1b", 9.0, 0.20, 0.16, 8.0, 0.10, 0.08, (2.0, 0.75),
               idle=(1.8, 1.28, 0.9, 0.64), **common),
+        _mode("1f1b-autograd", 9.6, 0.2, 0.16, 8.4, 0.1, 0.08, (2.0, 0.75), **common),
         _mode("zb", 8.0, 0.05, 0.04, 7.5, 0.03, 0.02, (2.0, 2.1),
               idle=(0.4, 0.3, 0.24, 0.15), **common),
         _mode("zb-cap", 8.5, 0.08, 0.07, 8.0, 0.05, 0.04, (2.0, 1.9),
@@ -73,6 +74,8 @@ def test_goals_are_the_ratios_of_the_rows():
             "| 0.30 / 0.50 |") in table
     assert "| 1F1B step / torch Schedule1F1B step (goal <= 0.9) | 0.75 |" in table
     assert "| torch step / 1F1B's simulated compute bound | 1.50 |" in table
+    assert ("| 1F1B, weight gradients added in the GEMM / by autograd: step (compute bound) "
+            "| 0.94 (0.95) |") in table
     # Recomputation: one micro-batch (GPipe's peak / m) plus m stage inputs, per stage;
     # tiny: 2 rows x 32 tokens, int64 ids on stage 0, 64 float32 after.
     one_input = [2 * 32 * 8 / 2**20, 2 * 32 * 4 * 64 / 2**20]

@@ -22,7 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", default="small", help="GPT preset: small (default), tiny, comm")
     p.add_argument("--m", default="4,8,16", help="micro-batch counts, comma list (default 4,8,16)")
     p.add_argument("--modes", default=None,
-                   help="comma list of gpipe, gpipe-recompute, 1f1b, zb, zb-cap (ZB-H1 held "
+                   help="comma list of gpipe, gpipe-recompute, 1f1b, 1f1b-autograd (weight "
+                        "gradients accumulated by autograd), zb, zb-cap (ZB-H1 held "
                         "to 1F1B's measured peak; after 1f1b), interleaved (2 stages per "
                         "rank), zbv (ZB-V: 2 per rank in a V), torch-1f1b (default: all, "
                         "interleaved and zbv where the preset has "

@@ -134,7 +134,9 @@ class PipelineSchedule:
         self._last_b, self._last_w, self._sync_in_b, self._sync_in_w = {}, {}, {}, {}
         for st in stages:
             s = st.stage_index
-            if any(a.kind == W and a.stage == s for a in program):
+            # Every stage but an FSDP one (refused above with W's): an unsplit B adds the
+            # Linear weights' gradients into .grad in the same GEMM.
+            if not data_parallel.is_fsdp(st.ddp):
                 st.split_backward()
             backwards = [i for i, a in enumerate(program) if a.kind == B and a.stage == s]
             weights = [i for i, a in enumerate(program) if a.kind == W and a.stage == s]

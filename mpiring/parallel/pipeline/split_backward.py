@@ -19,6 +19,14 @@ their weight gradients, and those of any other layer, stay in B.
 
 Each queued item keeps the tensors W needs (``Deferred.tensors``: X and dY), so
 that the stage can count the bytes a micro-batch holds between its B and its W.
+
+A backward that is not split (1F1B's, GPipe's, and every B of a schedule
+without W) goes through the same layer with ``fuse`` set: dW = dY^T X is one
+GEMM that adds into ``.grad`` (``addmm_``), where autograd would allocate dW
+and add it to ``.grad`` in a second pass over the weights (AccumulateGrad).
+A parameter whose gradient a hook would see or change (``register_hook``, a
+post-accumulate hook that is not the stage's own DDP's) takes autograd's
+path, as does one whose dtype differs from its activations' (autocast).
 """
 
 from __future__ import annotations
@@ -31,10 +39,19 @@ from torch.nn import functional as F
 
 
 class WeightGradSink:
-    """Where deferred weight gradients go: ``queue`` is None (compute them now) or a list."""
+    """Where deferred weight gradients go: ``queue`` is None (compute them now) or a list.
+
+    ``fuse`` (with no queue): add dW into ``.grad`` inside the layer's backward, one
+    GEMM, instead of returning it to autograd. ``inert_hooks``: how many
+    post-accumulate hooks per parameter do nothing in such a backward (the stage's
+    DDP's, disarmed: its reducer is armed only for the backward that syncs, which
+    never fuses).
+    """
 
     def __init__(self) -> None:
         self.queue: list | None = None
+        self.fuse = False
+        self.inert_hooks = 0
 
 
 def _trained(p) -> bool:
@@ -67,6 +84,16 @@ class Deferred:
         x, gy = self.tensors
         n_in, n_out = x.shape[-1], gy.shape[-1]
         return n_in * n_out / (n_in + n_out)
+
+    def fusable(self, inert_hooks: int) -> bool:
+        """Whether ``run()`` may stand in for autograd's accumulation: no hook would miss a
+        gradient or change one, and dW has the parameter's dtype."""
+        x, gy = self.tensors
+        for p in self.params:
+            if _trained(p) and (p.dtype != gy.dtype or p.dtype != x.dtype or p._backward_hooks
+                                or len(p._post_accumulate_grad_hooks or ()) > inert_hooks):
+                return False
+        return True
 
     def grads(self) -> tuple:
         """(dW, db), None for a parameter that is frozen or absent."""
@@ -111,6 +138,9 @@ class DeferredLinear(torch.autograd.Function):
         item = Deferred(*ctx.params, x, gy)
         queue = ctx.sink.queue
         if queue is None:  # an unsplit backward: the weight gradients now
+            if ctx.sink.fuse and item.fusable(ctx.sink.inert_hooks):
+                item.run()
+                return gx, None, None, None
             return (gx, *item.grads(), None)
         if any(_trained(p) for p in ctx.params):  # else nothing to defer
             queue.append(item)
@@ -118,6 +148,10 @@ class DeferredLinear(torch.autograd.Function):
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):
+        # Autocast casts inside F.linear and saves the cast copies for its backward; the
+        # deferring Function would save the uncast ones. Autograd's layer, unsplit.
+        return F.linear(x, self.weight, self.bias)
     return DeferredLinear.apply(x, self.weight, self.bias, self._mpiring_wsink)
 
 

@@ -86,6 +86,9 @@ class PipelineStage:
             self.tied_comm = self.comm.split(0 if stage_index in ends else None, key=stage_index)
         self._sink: split_backward.WeightGradSink | None = None
         self.count_activations = count_activations
+        #: An unsplit B adds each Linear's weight gradient into ``.grad`` with one GEMM
+        #: (``split_backward``); False: autograd's accumulation, as without a pipeline.
+        self.fuse_weight_grads = True
         self.reset()
 
     # --- per-step state -------------------------------------------------------
@@ -111,9 +114,13 @@ class PipelineStage:
         self.comm.free()
 
     def split_backward(self) -> None:
-        """Let B leave the weight gradients to W (idempotent; see ``split_backward``)."""
+        """Route the stage's Linear layers through ``split_backward`` (idempotent): B may
+        leave their weight gradients to W, and an unsplit B adds them into ``.grad`` with
+        one GEMM each. Not for an FSDP stage, whose flat gradient W cannot feed."""
         if self._sink is None:
             self._sink = split_backward.install(self.module)
+            # The DDP's hook on each parameter does nothing unless its reducer is armed.
+            self._sink.inert_hooks = 0 if self.ddp is None else 1
 
     # --- F --------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, *, recompute: bool = False,
@@ -232,6 +239,9 @@ class PipelineStage:
             self._sink.queue = self._wq.setdefault(mb, []) if split else None
         if sync and self.ddp is not None:
             data_parallel.arm(self.ddp, out)
+        elif self._sink is not None:
+            # The armed backward keeps autograd's accumulation: its hooks fill the buckets.
+            self._sink.fuse = self.fuse_weight_grads
         # An output that needs no gradient (a frozen first stage, an integer output)
         # has no backward: nothing before it learns.
         try:
@@ -245,7 +255,7 @@ class PipelineStage:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         finally:
             if self._sink is not None:
-                self._sink.queue = None
+                self._sink.queue, self._sink.fuse = None, False
         self._release(mb)
         if split and self.count_activations:  # autograd freed the graph; W's X and dY stay
             self._held[mb] = split_backward.held_bytes(self._wq.get(mb, []))

@@ -28,6 +28,9 @@ rank), the same step on every rank.
   exactly these compute times).
 * zbv: ZB-V, the same 2 stages per rank placed in a V (rank r holding r and
   2p-1-r), the backward split: its idle time and peak against 1F1B's.
+* 1f1b-autograd: 1F1B with autograd's accumulation of the Linear weights'
+  gradients (``stage.fuse_weight_grads = False``), against 1F1B's one GEMM
+  into ``.grad`` per layer and micro-batch.
 * interleaved: Megatron's interleaved 1F1B with 2 stages per rank (the same
   units cut into twice as many stages, rank r holding r and r + p): its bubble
   against 1F1B's on the same ranks (the stages differ, the work does not).
@@ -65,7 +68,8 @@ from mpiring.parallel.pipeline.validate import (
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
-MODES = ("gpipe", "gpipe-recompute", "1f1b", "zb", "zb-cap", "interleaved", "zbv", "torch-1f1b")
+MODES = ("gpipe", "gpipe-recompute", "1f1b", "1f1b-autograd", "zb", "zb-cap", "interleaved", "zbv",
+         "torch-1f1b")
 #: The modes of several stages per rank (INTERLEAVED_V each; ZB-V's V holds 2).
 MULTI_MODES = ("interleaved", "zbv")
 #: Stages per rank of the "interleaved" mode (Megatron's virtual pipeline size).
@@ -140,11 +144,14 @@ def transfer_time(comm, shape, dtype=torch.float32, rounds: int = 40) -> float:
 
 class _Mpiring:
     def __init__(self, comm, cfg, mode: str, m: int):
-        name = "gpipe" if mode.startswith("gpipe") else "zb" if mode == "zb-cap" else mode
+        name = ("gpipe" if mode.startswith("gpipe") else "zb" if mode == "zb-cap" else
+                "1f1b" if mode == "1f1b-autograd" else mode)
         v = INTERLEAVED_V if mode in MULTI_MODES else 1
         _, self.sched, _ = build_pipeline(comm, cfg, name, m, stages_per_rank=v,
                                           recompute=mode == "gpipe-recompute")
         self.stages = self.sched.stages
+        for st in self.stages:  # 1f1b-autograd: B hands the weight gradients to autograd
+            st.fuse_weight_grads = mode != "1f1b-autograd"
         self.mode, self.times, self.timelines, self.peak = mode, [], [], 0
 
     def step(self, x, y, timed: bool, count: bool = False) -> None:
