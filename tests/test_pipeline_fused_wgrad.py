@@ -137,6 +137,7 @@ def test_autocast_keeps_autograds_linear():
     plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     routed = copy.deepcopy(plain)
     sink = sb.install(routed)
+    sink.active = True  # as a stage's forward sets it: autocast alone turns it away
     x = torch.randn(6, 4)
     for fuse in (False, True):
         grads = []

@@ -176,6 +176,7 @@ def test_split_layer_variants(comm, layer):
     ref = make().double()
     mod = copy.deepcopy(ref)
     sink = split_backward.install(mod)
+    sink.active = True  # as a stage's forward sets it
     is_emb = layer == "embedding"
     x = torch.tensor([[1, 2, 3], [2, 8, 0]]) if is_emb else torch.randn(2, 3, 6, dtype=torch.float64)
     xr = x if is_emb else x.clone().requires_grad_()
@@ -200,6 +201,7 @@ def _split_and_compare(ref: nn.Module, x: torch.Tensor) -> tuple[list, nn.Module
     weights W deferred, and the copy."""
     mod = copy.deepcopy(ref)
     sink = split_backward.install(mod)
+    sink.active = True  # as a stage's forward sets it
     (ref(x) ** 2).sum().backward()
     sink.queue = queue = []
     out = mod(x)

@@ -372,7 +372,7 @@ class PipelineSchedule:
             out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
                                    target=self._ts[a.mb] if st.is_last else None,
                                    loss_fn=self.loss_fn, scale=self.scale,
-                                   max_held=self.max_held_bytes)
+                                   max_held=self.max_held_bytes, split=(s, a.mb) in self._split)
             if st.is_last:
                 self._outs[a.mb], self._losses[a.mb] = _detached(out), loss.detach()
             else:

@@ -52,6 +52,9 @@ class WeightGradSink:
         self.queue: list | None = None
         self.fuse = False
         self.inert_hooks = 0
+        # The layers take the deferring path only in the forwards that ask for it (the
+        # stage's): elsewhere they are plain nn.Linear, without the Function's steps.
+        self.active = False
 
 
 def _trained(p) -> bool:
@@ -148,11 +151,12 @@ class DeferredLinear(torch.autograd.Function):
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_autocast_enabled(x.device.type):
-        # Autocast casts inside F.linear and saves the cast copies for its backward; the
-        # deferring Function would save the uncast ones. Autograd's layer, unsplit.
+    sink = self._mpiring_wsink
+    # Autocast casts inside F.linear and saves the cast copies for its backward; the
+    # deferring Function would save the uncast ones: autograd's layer, unsplit.
+    if not sink.active or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, self.weight, self.bias)
-    return DeferredLinear.apply(x, self.weight, self.bias, self._mpiring_wsink)
+    return DeferredLinear.apply(x, self.weight, self.bias, sink)
 
 
 def _plain_linear(m: nn.Module) -> bool:

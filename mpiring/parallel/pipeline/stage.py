@@ -21,6 +21,8 @@ every tensor autograd saves, a few percent of a small model's forward.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -125,12 +127,13 @@ class PipelineStage:
     # --- F --------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, *, recompute: bool = False,
                 stash: bool = False, target=None, loss_fn=None, scale: float = 1.0,
-                max_held: int | None = None):
+                max_held: int | None = None, split: bool = False):
         """Run micro-batch ``mb``'s forward; returns the output (the loss on the last stage).
 
         ``x``: a tensor, or the parts of a packed boundary (a tuple: the module's
         positional arguments). ``max_held``: the most bytes the queued weight
         gradients may keep through this forward (``ScheduleZeroBubble``'s limit).
+        ``split``: this micro-batch's backward will leave the weight gradients to W.
         """
         if max_held is not None and self._wq:
             self._hold_at_most(max_held)
@@ -165,13 +168,29 @@ class PipelineStage:
             def run():  # the loss's saved tensors (the log-softmax) count as activations too
                 y = self._call(args, params)
                 return y, (loss_fn(y, target) if last else None)
-            (out, loss), self._held[mb] = self._counted(run)
+            with self._routed(split):
+                (out, loss), self._held[mb] = self._counted(run)
         self._grow(self._held.get(mb, 0))  # recomputation without counting holds none
         if last:
             self._out[mb] = loss * scale
             return out, loss
         self._out[mb] = out
         return out, None
+
+    @contextlib.contextmanager
+    def _routed(self, split: bool):
+        """A forward whose Linear layers go through ``split_backward``'s when its backward
+        defers to W or adds into ``.grad`` in the GEMM (``fuse_weight_grads``); else
+        they are autograd's own (``split_backward.install``)."""
+        sink = self._sink
+        if sink is None:
+            yield
+            return
+        sink.active = split or self.fuse_weight_grads
+        try:
+            yield
+        finally:
+            sink.active = False
 
     def _call(self, args: tuple, params):
         return self.module(*args) if params is None else functional_call(self.module, params, args)
@@ -232,7 +251,8 @@ class PipelineStage:
                 def run():
                     y = self.module(*args)
                     return loss_fn(y, target) * scale if self.is_last else y
-                out, extra = self._counted(run)
+                with self._routed(split):
+                    out, extra = self._counted(run)
                 self._grow(extra)
                 self._grow(-extra)  # freed by the backward below
         if self._sink is not None:
