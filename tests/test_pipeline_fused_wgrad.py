@@ -74,6 +74,7 @@ def _run(comm, make, m: int, *, fuse: bool, hooks=None):
 @pytest.mark.parametrize("make", [Schedule1F1B, ScheduleGPipe], ids=["1f1b", "gpipe"])
 @pytest.mark.parametrize("m", (1, 3))  # 3: uneven micro-batches (4, 3, 3)
 def test_the_fused_gemm_is_the_path_and_equals_autograd(comm, monkeypatch, make, m):
+    monkeypatch.setattr(sb, "FUSE_MIN_WEIGHTS", 0)  # these layers are small: route them all
     runs = []
     real_run = sb.Deferred.run
     monkeypatch.setattr(sb.Deferred, "run", lambda self: (runs.append(1), real_run(self)))
@@ -85,6 +86,20 @@ def test_the_fused_gemm_is_the_path_and_equals_autograd(comm, monkeypatch, make,
         linears = len(got) // 2  # weight and bias each
         # One GEMM per Linear and micro-batch when fused; none when autograd accumulates.
         assert len(runs) == (linears * m if fuse else 0), (fuse, len(runs))
+
+
+def test_only_layers_with_enough_weights_are_fused(comm, monkeypatch):
+    # Weights per Linear: 21, 35, 30, 24, 8. At 30, the second and third are fused.
+    monkeypatch.setattr(sb, "FUSE_MIN_WEIGHTS", 30)
+    m, runs = 3, []
+    real_run = sb.Deferred.run
+    monkeypatch.setattr(sb.Deferred, "run",
+                        lambda self: (runs.append(self.params[0].numel()), real_run(self)))
+    got, want, _ = _run(comm, Schedule1F1B, m, fuse=True)
+    for p, q in zip(got, want):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    mine = [p.numel() for p in got[::2]]  # this stage's weights
+    assert sorted(runs) == sorted(n for n in mine for _ in range(m) if n >= 30), (runs, mine)
 
 
 def _hooked(part: nn.Module) -> dict[str, int]:
@@ -103,6 +118,7 @@ def _hooked(part: nn.Module) -> dict[str, int]:
 
 
 def test_parameters_with_hooks_keep_autograds_accumulation(comm, monkeypatch):
+    monkeypatch.setattr(sb, "FUSE_MIN_WEIGHTS", 0)
     m = 4
     runs = []
     real_run = sb.Deferred.run
@@ -137,7 +153,7 @@ def test_autocast_keeps_autograds_linear():
     plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
     routed = copy.deepcopy(plain)
     sink = sb.install(routed)
-    sink.active = True  # as a stage's forward sets it: autocast alone turns it away
+    sink.route = 0  # as a stage's forward sets it: autocast alone turns it away
     x = torch.randn(6, 4)
     for fuse in (False, True):
         grads = []

@@ -189,7 +189,7 @@ def test_zero_bubble_defers_the_weight_gradients(comm):
     stage.split_backward()
     x = data()[0]
     out, loss = stage.forward(0, x, target=torch.zeros(ROWS, 7, dtype=torch.float64),
-                              loss_fn=mse)
+                              loss_fn=mse, split=True)
     stage.backward(0, None, split=True)
     assert part[0].weight.grad is None
     stage.weight(0)

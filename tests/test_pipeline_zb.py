@@ -120,7 +120,11 @@ def _whole_gpt_after_b(comm):
     stage = PipelineStage(mine, 0, 1, comm, count_activations=True)
     stage.split_backward()
     x, y = _batch(4, 3)
-    stage.forward(0, x, target=y, loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="pass split=True to forward"):
+        stage.forward(0, x, target=y, loss_fn=lm_loss)
+        stage.backward(0, None, split=True)
+    stage.reset()
+    stage.forward(0, x, target=y, loss_fn=lm_loss, split=True)
     saved = stage.live_bytes
     stage.backward(0, None, split=True)
     return full, mine, stage, (x, y), saved
@@ -176,7 +180,7 @@ def test_split_layer_variants(comm, layer):
     ref = make().double()
     mod = copy.deepcopy(ref)
     sink = split_backward.install(mod)
-    sink.active = True  # as a stage's forward sets it
+    sink.route = 0  # as a stage's forward sets it
     is_emb = layer == "embedding"
     x = torch.tensor([[1, 2, 3], [2, 8, 0]]) if is_emb else torch.randn(2, 3, 6, dtype=torch.float64)
     xr = x if is_emb else x.clone().requires_grad_()
@@ -201,7 +205,7 @@ def _split_and_compare(ref: nn.Module, x: torch.Tensor) -> tuple[list, nn.Module
     weights W deferred, and the copy."""
     mod = copy.deepcopy(ref)
     sink = split_backward.install(mod)
-    sink.active = True  # as a stage's forward sets it
+    sink.route = 0  # as a stage's forward sets it
     (ref(x) ** 2).sum().backward()
     sink.queue = queue = []
     out = mod(x)

@@ -37,6 +37,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+#: The fewest weights for which an unsplit backward adds dW into ``.grad`` in the GEMM.
+#: Below it the deferring Function's own steps (a Python forward, context and backward
+#: per call) cost more than the allocation and the pass over dW that they save; a
+#: split backward defers every Linear whatever its size.
+FUSE_MIN_WEIGHTS = 1 << 17
+
 
 class WeightGradSink:
     """Where deferred weight gradients go: ``queue`` is None (compute them now) or a list.
@@ -53,8 +59,9 @@ class WeightGradSink:
         self.fuse = False
         self.inert_hooks = 0
         # The layers take the deferring path only in the forwards that ask for it (the
-        # stage's): elsewhere they are plain nn.Linear, without the Function's steps.
-        self.active = False
+        # stage's), and then those with at least ``route`` weights: elsewhere they are
+        # plain nn.Linear, without the Function's steps. None: no layer.
+        self.route: int | None = None
 
 
 def _trained(p) -> bool:
@@ -151,12 +158,13 @@ class DeferredLinear(torch.autograd.Function):
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    sink = self._mpiring_wsink
+    route = self._mpiring_wsink.route
     # Autocast casts inside F.linear and saves the cast copies for its backward; the
     # deferring Function would save the uncast ones: autograd's layer, unsplit.
-    if not sink.active or torch.is_autocast_enabled(x.device.type):
+    if route is None or self.weight.numel() < route or \
+            torch.is_autocast_enabled(x.device.type):
         return F.linear(x, self.weight, self.bias)
-    return DeferredLinear.apply(x, self.weight, self.bias, sink)
+    return DeferredLinear.apply(x, self.weight, self.bias, self._mpiring_wsink)
 
 
 def _plain_linear(m: nn.Module) -> bool:

@@ -101,6 +101,7 @@ class PipelineStage:
         self._rng: dict[int, tuple] = {}  # recompute: (CPU, GPU, TP streams) RNG states
         self._stash: dict[int, dict[str, torch.Tensor]] = {}
         self._wq: dict[int, list] = {}
+        self._split_fwd: set[int] = set()  # micro-batches whose forward routed for W
         self._loss_args: dict[int, tuple] = {}
         self._held: dict[int, int] = {}
         self.live_bytes = 0
@@ -170,6 +171,8 @@ class PipelineStage:
                 return y, (loss_fn(y, target) if last else None)
             with self._routed(split):
                 (out, loss), self._held[mb] = self._counted(run)
+            if split:
+                self._split_fwd.add(mb)
         self._grow(self._held.get(mb, 0))  # recomputation without counting holds none
         if last:
             self._out[mb] = loss * scale
@@ -179,18 +182,19 @@ class PipelineStage:
 
     @contextlib.contextmanager
     def _routed(self, split: bool):
-        """A forward whose Linear layers go through ``split_backward``'s when its backward
-        defers to W or adds into ``.grad`` in the GEMM (``fuse_weight_grads``); else
-        they are autograd's own (``split_backward.install``)."""
+        """A forward whose Linear layers go through ``split_backward``'s: all of them when its
+        backward defers to W, the large ones when it adds into ``.grad`` in the GEMM
+        (``fuse_weight_grads``; ``split_backward.FUSE_MIN_WEIGHTS``); else none."""
         sink = self._sink
         if sink is None:
             yield
             return
-        sink.active = split or self.fuse_weight_grads
+        sink.route = (0 if split else
+                      split_backward.FUSE_MIN_WEIGHTS if self.fuse_weight_grads else None)
         try:
             yield
         finally:
-            sink.active = False
+            sink.route = None
 
     def _call(self, args: tuple, params):
         return self.module(*args) if params is None else functional_call(self.module, params, args)
@@ -233,6 +237,11 @@ class PipelineStage:
         Returns the gradient for the previous stage (None on the first stage): a
         tensor, or for a tuple input one per floating-point part.
         """
+        if split and mb not in self._rng and mb not in self._split_fwd:
+            # Its Linear layers ran as autograd's: B would compute their weight gradients.
+            raise ValueError(f"backward(split=True) of micro-batch {mb}, whose forward was not "
+                             "split: pass split=True to forward() too")
+        self._split_fwd.discard(mb)
         inp, out = self._inp.pop(mb), self._out.pop(mb)
         if mb in self._rng:  # recompute: the forward again, with the same random numbers
             args = inp if isinstance(inp, tuple) else (inp,)
