@@ -3,11 +3,13 @@
 The graph logic of ``mpiring.runtime.desync`` on hand-made notices (a cycle
 across communicators fires; a ring in one call, a slow rank, a withdrawn or
 stale notice do not), then nested jobs (tests/reliability_cases/desync.py)
-with the default 300 s deadline: a plain cross-communicator deadlock on 2 and
-3 ranks, a caught DDP backward failure followed by the buffer broadcast or a
-user all_reduce, no_sync() on one rank followed by a user all_reduce, and two
-that must end normally (a rank late by twice the probe time; a third rank late
-while two others wait on it in different communicators).
+with the default 300 s deadline and a probe time of 2 s: a plain
+cross-communicator deadlock on 2 and 3 ranks, a caught DDP backward failure
+followed by the buffer broadcast or a user all_reduce, no_sync() on one rank
+followed by a user all_reduce, and two that must end normally, at the same
+time in one job on ranks of their own (a rank late by more than twice the probe
+time; a third rank late while two others wait on it in different
+communicators).
 """
 
 from __future__ import annotations
@@ -165,9 +167,13 @@ def test_the_detector_posts_only_lasting_waits_and_fires_only_on_a_current_cycle
     assert det2.check([act], t + 50, PROBE) is None and wire.sent[-1]["waits"] is None
 
 
-def _run(rank0_subprocess, monkeypatch, n, case):
+def _run(rank0_subprocess, monkeypatch, n, *cases):
     monkeypatch.setenv("MPIRING_TIMEOUT", "300")  # the default: the end must not wait for it
-    result = rank0_subprocess(n, ["tests/reliability_cases/desync.py", case], timeout=90)
+    # A probe time of 2 s, not the default 3: still two of the monitors' wake-ups (1 s
+    # apart at this deadline), and every case waits it out, once a desync has formed or
+    # while a rank is late.
+    monkeypatch.setenv("MPIRING_DESYNC", "2")
+    result = rank0_subprocess(n, ["tests/reliability_cases/desync.py", *cases], timeout=90)
     if result is None:
         return None
     rc, out, _ = result
@@ -230,11 +236,17 @@ def test_a_ddp_desync_names_the_bucket_wait_the_other_call_and_the_cause(
 
 
 @pytest.mark.deadline(120)
-@pytest.mark.parametrize("case,n", [("slow", 2), ("third", 3)])
-def test_a_late_rank_is_not_a_desync(rank0_subprocess, monkeypatch, case, n):
-    result = _run(rank0_subprocess, monkeypatch, n, case)
+def test_a_late_rank_is_not_a_desync(rank0_subprocess, monkeypatch):
+    # Both cases in one 5-rank job, at the same time, each on ranks of its own (slow on
+    # 2, third on 3): a job's start costs seconds (every rank's imports, on shared
+    # cores), and so does each case's late rank, which then sleep together. Every
+    # rank's detector sees the waits of both.
+    groups = {"slow": [0, 1], "third": [2, 3, 4]}
+    result = _run(rank0_subprocess, monkeypatch, 5,
+                  *(f"{case}:{len(ranks)}" for case, ranks in groups.items()))
     if result is None:
         return
     rc, out, _ = result
     assert rc == 0 and "desync" not in out and "stall" not in out, out
-    assert sorted(re.findall(rf"\[r(\d)\] {case}: ok", out)) == [str(r) for r in range(n)], out
+    for case, ranks in groups.items():
+        assert sorted(int(r) for r in re.findall(rf"\[r(\d)\] {case}: ok", out)) == ranks, out

@@ -535,7 +535,10 @@ def test_odd_five_rank_group(rank0_subprocess, world):
     """The ``world`` cases above on a 5-rank job (a nested mpiexec)."""
     if world.size >= 5:
         pytest.skip("this job already is the odd one")
-    result = rank0_subprocess(5, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "world",
+    # Without hypothesis's plugin (nothing here uses it): importing it costs every one of
+    # the five ranks about a second of CPU, on shared cores.
+    result = rank0_subprocess(5, ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "-p", "no:hypothesispytest", "-k", "world",
                                   "tests/test_tensor_parallel.py"], timeout=220)
     if result is None:
         return

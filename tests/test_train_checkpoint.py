@@ -80,16 +80,19 @@ def test_killed_and_resumed_run_ends_bit_identical(world, rank0_subprocess, tmp_
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
     every = ["--checkpoint-dir", broken, "--checkpoint-every", "2"]
 
-    rc, out, secs = rank0_subprocess(RANKS, TRAIN + ["--checkpoint-dir", whole,
-                                                     "--check-replicas", "4"], timeout=150) or (0, "", 0)
-    if world.rank == 0:
-        assert rc == 0, out
-        assert sorted(os.listdir(whole)) == [ck.checkpoint_name(STEPS)], out
-
+    # The uninterrupted run, then the run killed after step 5 (from step 0 again, a new
+    # job, model and data; --seed reseeds torch) in the same three processes: a job's
+    # start (every rank importing torch, on shared cores) costs more than its 8 steps.
+    # Each resume below is a job of its own, so the bit-identical end still compares two
+    # runs that share no process.
     crashing = ["tests/scripts/train_crashing.py"]
-    rc, out, secs = rank0_subprocess(RANKS, crashing + ["after-step:5"] + TRAIN[2:] + every,
-                                     timeout=150) or (0, "", 0)
+    rc, out, secs = rank0_subprocess(
+        RANKS, crashing + ["none"] + TRAIN[2:] + ["--checkpoint-dir", whole, "--check-replicas", "4"]
+        + ["--", "after-step:5"] + TRAIN[2:] + every, timeout=150) or (0, "", 0)
     if world.rank == 0:
+        assert "train_crashing: run 1 returned 0" in out, out  # the uninterrupted run
+        assert sorted(os.listdir(whole)) == [ck.checkpoint_name(STEPS)], out
+        # Only the second run checkpoints at steps 2 and 4 (the first writes step 8 alone).
         assert rc != 0 and "killing myself at step 5" in out, out
         assert "checkpoint: step 4" in out and "checkpoint: step 6" not in out, out
         assert sorted(os.listdir(broken)) == [ck.checkpoint_name(2), ck.checkpoint_name(4)]
