@@ -88,8 +88,9 @@ class PipelineStage:
             self.tied_comm = self.comm.split(0 if stage_index in ends else None, key=stage_index)
         self._sink: split_backward.WeightGradSink | None = None
         self.count_activations = count_activations
-        #: An unsplit B adds each Linear's weight gradient into ``.grad`` with one GEMM
-        #: (``split_backward``); False: autograd's accumulation, as without a pipeline.
+        #: An unsplit B adds each large Linear's weight gradient into ``.grad`` with one
+        #: GEMM (``split_backward.FUSE_MIN_WEIGHTS``); False: every layer plain nn.Linear,
+        #: autograd's accumulation, as without a pipeline.
         self.fuse_weight_grads = True
         self.reset()
 
