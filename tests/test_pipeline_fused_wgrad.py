@@ -11,51 +11,19 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
+from test_pipeline_runtime import bounds, data, mlp, mse, reference
 from torch import nn
 
 from mpiring.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
 from mpiring.parallel.pipeline import split_backward as sb
 
-ROWS = 10
-
-
-def mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    widths = (3, 7, 5, 6, 4, 2)
-    layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers).double()
-
-
-def split(full: nn.Sequential, k: int, r: int) -> tuple[int, int]:
-    edges = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(len(full)), k)])
-    return int(edges[r]), int(edges[r + 1])
-
-
-def batch(rank_salt: int = 0):
-    g = torch.Generator().manual_seed(7 + rank_salt)
-    return (torch.randn(ROWS, 3, generator=g, dtype=torch.float64),
-            torch.randn(ROWS, 2, generator=g, dtype=torch.float64))
-
-
-def mse(out, t):
-    return ((out - t) ** 2).mean()
-
-
-def reference_grads(full: nn.Module, x, y, m: int) -> None:
-    full.zero_grad()
-    losses = [mse(full(a), b) for a, b in zip(torch.tensor_split(x, m), torch.tensor_split(y, m))]
-    torch.stack(losses).mean().backward()
-
 
 def _run(comm, make, m: int, *, fuse: bool, hooks=None):
     """One step of ``make``'s schedule on this rank's stage; (stage params, full model)."""
     full = mlp()
-    lo, hi = split(full, comm.size, comm.rank)
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
     part = copy.deepcopy(full[lo:hi])
     counts = hooks(part) if hooks is not None else None
     if hooks is not None:
@@ -63,9 +31,9 @@ def _run(comm, make, m: int, *, fuse: bool, hooks=None):
     stage = PipelineStage(part, comm.rank, comm.size, comm)
     stage.fuse_weight_grads = fuse
     sched = make(stage, m, mse)
-    x, y = batch()
+    x, y = data()
     sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
-    reference_grads(full, x, y, m)
+    reference(full, x, y, m, mse)  # the unsplit model's gradients
     sched.free()
     stage.free()
     return list(part.parameters()), list(full[lo:hi].parameters()), counts
