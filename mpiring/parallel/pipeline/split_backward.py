@@ -21,12 +21,14 @@ Each queued item keeps the tensors W needs (``Deferred.tensors``: X and dY), so
 that the stage can count the bytes a micro-batch holds between its B and its W.
 
 A backward that is not split (1F1B's, GPipe's, and every B of a schedule
-without W) goes through the same layer with ``fuse`` set: dW = dY^T X is one
-GEMM that adds into ``.grad`` (``addmm_``), where autograd would allocate dW
-and add it to ``.grad`` in a second pass over the weights (AccumulateGrad).
-A parameter whose gradient a hook would see or change (``register_hook``, a
+without W) sends its layers of at least ``FUSE_MIN_WEIGHTS`` weights through
+the same layer with ``fuse`` set: dW = dY^T X is one GEMM that adds into
+``.grad`` (``addmm_``), where autograd would allocate dW and add it to
+``.grad`` in a second pass over the weights (AccumulateGrad). A parameter
+whose gradient a hook would see or change (``register_hook``, a
 post-accumulate hook that is not the stage's own DDP's) takes autograd's
-path, as does one whose dtype differs from its activations' (autocast).
+path, as does one whose dtype differs from its activations'. A layer under
+autocast is never routed (``_linear``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ rank), the same step on every rank.
   2p-1-r), the backward split: its idle time and peak against 1F1B's.
 * 1f1b-autograd: 1F1B with autograd's accumulation of the Linear weights'
   gradients (``stage.fuse_weight_grads = False``), against 1F1B's one GEMM
-  into ``.grad`` per layer and micro-batch.
+  into ``.grad`` per large layer and micro-batch.
 * interleaved: Megatron's interleaved 1F1B with 2 stages per rank (the same
   units cut into twice as many stages, rank r holding r and r + p): its bubble
   against 1F1B's on the same ranks (the stages differ, the work does not).
