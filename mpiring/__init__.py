@@ -32,6 +32,7 @@ _LAZY = {
     "Schedule1F1B": "mpiring.parallel.pipeline",
     "ScheduleZeroBubble": "mpiring.parallel.pipeline",
     "ScheduleInterleaved1F1B": "mpiring.parallel.pipeline",
+    "ScheduleInterleavedZeroBubble": "mpiring.parallel.pipeline",
     "ScheduleZBVZeroBubble": "mpiring.parallel.pipeline",
     "SchedulePipeDream": "mpiring.parallel.pipeline",
     "init_process_group": "mpiring.comm.default",

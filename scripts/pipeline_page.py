@@ -7,7 +7,8 @@ bubble measured against the schedule's prediction (GPipe, 1F1B), ZB-H1's
 bubble and peak activations against 1F1B's, 1F1B's step against torch's
 Schedule1F1B (and torch's against the schedule's compute bound), GPipe with
 recomputation's memory against its model, interleaved 1F1B's bubble and ZB-V's
-idle time and peak against 1F1B's. Then the bench's own tables and a
+idle time and peak against 1F1B's, the interleaved zero bubble's against
+interleaved 1F1B's. Then the bench's own tables and a
 measured step drawn to scale, as printed.
 """
 
@@ -95,6 +96,17 @@ def goals(rows: list[dict]) -> list[str]:
                    f"({by['interleaved', m]['predicted'] / by['1f1b', m]['predicted']:.2f})")
     line("interleaved / 1F1B step",
          lambda m: f"{by['interleaved', m]['step_ms'] / by['1f1b', m]['step_ms']:.2f}")
+
+    def vs_interleaved(key):
+        return lambda m: f"{by['interleaved-zb', m][key] / by['interleaved', m][key]:.2f}"
+    line("interleaved zero bubble / interleaved 1F1B idle time of the busiest rank, measured "
+         "(predicted)",
+         lambda m: f"{vs_interleaved('idle_busiest_ms')(m)} "
+                   f"({vs_interleaved('predicted_idle_busiest_ms')(m)})")
+    line("peak activations MiB, interleaved zero bubble / interleaved 1F1B (max over ranks)",
+         lambda m: f"{by['interleaved-zb', m]['peak_act_mib']:.2f} / "
+                   f"{by['interleaved', m]['peak_act_mib']:.2f}")
+    line("interleaved zero bubble / interleaved 1F1B step", vs_interleaved("step_ms"))
 
     line("ZB-V (2 stages per rank in a V) / 1F1B idle time of the busiest stage, measured "
          "(predicted)",

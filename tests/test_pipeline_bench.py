@@ -12,10 +12,10 @@ def test_bench_pp_smoke(comm):
         pytest.skip("the bench's layout is 2 stages; the runtime's tests cover more")
     rows, drawn = run_pp_bench(comm, preset="tiny", ms=(2,),
                                modes=("1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv",
-                                      "1f1b-autograd"),
+                                      "1f1b-autograd", "interleaved-zb"),
                                steps=2, warmup=0)
     assert [r["mode"] for r in rows] == ["1f1b", "zb", "zb-cap", "gpipe", "interleaved", "zbv",
-                                         "1f1b-autograd"]
+                                         "1f1b-autograd", "interleaved-zb"]
     for r in rows:
         assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and 0 <= r["predicted"] < 1
         assert 0 <= r["replay"] < 1 and (r["transfer_us"] > 0) == (comm.size > 1)
@@ -52,6 +52,13 @@ def test_bench_pp_smoke(comm):
     assert rows[5]["zbv_over_1f1b_idle_busiest"] == pytest.approx(
         rows[5]["idle_busiest_ms"] / rows[0]["idle_busiest_ms"])
     assert "zbv/1f1b idle time" in table and "zbv meas/pred" in table
+    # Interleaved zero bubble: the interleaved stages, every backward split.
+    izb = drawn[("interleaved-zb", 2)]
+    assert {s.action.stage for s in izb[comm.rank]} == {comm.rank, comm.rank + comm.size}
+    assert {s.action.kind for s in izb[comm.rank]} == {"F", "B", "W"}
+    assert rows[7]["izb_over_il_idle_busiest"] == pytest.approx(
+        rows[7]["idle_busiest_ms"] / rows[4]["idle_busiest_ms"])
+    assert "interleaved-zb/interleaved idle time" in table and "interleaved-zb meas/pred" in table
     with pytest.raises(ValueError, match="list 1f1b before it"):
         run_pp_bench(comm, preset="tiny", ms=(2,), modes=("zb-cap", "1f1b"))
 
@@ -62,6 +69,6 @@ def test_the_interleaved_mode_needs_two_units_per_rank(comm):
 
     assert interleaved_fits("tiny", 2) and not interleaved_fits("tiny", 3)
     if comm.size == 3:
-        for mode in ("interleaved", "zbv"):
+        for mode in ("interleaved", "interleaved-zb", "zbv"):
             with pytest.raises(ValueError, match="leave them out of --modes"):
                 run_pp_bench(comm, preset="tiny", ms=(2,), modes=("1f1b", mode))

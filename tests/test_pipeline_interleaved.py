@@ -1,4 +1,5 @@
-"""Interleaved 1F1B (several stages per rank) against the unsplit model, float64, K = 1..4.
+"""Interleaved 1F1B and zero bubble (several stages per rank) against the unsplit model,
+float64, K = 1..4.
 
 Rank r of K holds stages r, r + K, ... of a model cut into v * K stages; the
 reference is the unsplit model run by one process on the same micro-batches.
@@ -14,7 +15,13 @@ import torch
 from torch import nn
 
 from mpiring.parallel import clip
-from mpiring.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from mpiring.parallel.pipeline import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZeroBubble,
+)
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 from mpiring.tools.train.pipeline import split_gpt
 
@@ -94,12 +101,21 @@ def against_the_unsplit_model(sched, stages, refs, full, m: int) -> None:
         st.free()
 
 
+INTERLEAVED = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+
+
+@pytest.mark.parametrize("cls", INTERLEAVED)
 @pytest.mark.parametrize("v", (2, 3))
 @pytest.mark.parametrize("m", (1, 3, 8))  # fewer, not a multiple, and more than the ranks
-def test_interleaved_matches_unsplit_model(comm, v, m):
+def test_interleaved_matches_unsplit_model(comm, cls, v, m):
     full = mlp()
     stages, refs = local_stages(comm, full, v)
-    against_the_unsplit_model(ScheduleInterleaved1F1B(stages, m, mse), stages, refs, full, m)
+    sched = cls(stages, m, mse)
+    # The zero-bubble one splits every backward: a W per stage and micro-batch.
+    ws = sorted((a.stage, a.mb) for a in sched.actions[comm.rank] if a.kind == "W")
+    want = sorted((st.stage_index, k) for st in stages for k in range(m))
+    assert ws == (want if cls is ScheduleInterleavedZeroBubble else [])
+    against_the_unsplit_model(sched, stages, refs, full, m)
 
 
 def test_each_stage_runs_its_share_in_megatron_order(comm):
@@ -119,7 +135,8 @@ def test_each_stage_runs_its_share_in_megatron_order(comm):
         st.free()
 
 
-def test_interleaved_gpt_with_tied_embedding(comm):
+@pytest.mark.parametrize("cls", INTERLEAVED)
+def test_interleaved_gpt_with_tied_embedding(comm, cls):
     # The embedding on stage 0 (rank 0) and the output layer on stage 2K - 1 (the last
     # rank): their gradients summed between them, or added on one rank (K = 1).
     v = 2
@@ -131,7 +148,7 @@ def test_interleaved_gpt_with_tied_embedding(comm):
     for s in range(comm.rank, n, comm.size):
         module, tied = split_gpt(full, n, s)
         stages.append(PipelineStage(module, s, n, comm, tied_parameters=tied))
-    sched = ScheduleInterleaved1F1B(stages, 3, lm_loss)
+    sched = cls(stages, 3, lm_loss)
     g = torch.Generator().manual_seed(9)
     x, y = torch.randint(0, 11, (7, 5), generator=g), torch.randint(0, 11, (7, 5), generator=g)
     ref_losses = reference(full, x, y, 3, lm_loss)
@@ -158,12 +175,15 @@ def test_interleaved_gpt_with_tied_embedding(comm):
         st.free()
 
 
-def test_one_stage_per_rank_is_1f1b(comm):
-    # ScheduleInterleaved1F1B with a single stage runs 1F1B's program and its numbers.
+@pytest.mark.parametrize("cls, one", [(ScheduleInterleaved1F1B, Schedule1F1B),
+                                      (ScheduleInterleavedZeroBubble, ScheduleZeroBubble)])
+def test_one_stage_per_rank_is_1f1b(comm, cls, one):
+    # An interleaved schedule with a single stage runs its one-stage schedule's program
+    # (1F1B's, ZB-H1's) and numbers.
     full = mlp()
     stages, refs = local_stages(comm, full, 1)
-    sched = ScheduleInterleaved1F1B(stages[0], 4, mse)
-    plain = Schedule1F1B(stages[0], 4, mse)
+    sched = cls(stages[0], 4, mse)
+    plain = one(stages[0], 4, mse)
     assert sched.actions == plain.actions
     x, y = data()
     reference(full, x, y, 4, mse)

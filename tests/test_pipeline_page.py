@@ -45,7 +45,10 @@ def _rows(m: int):
               idle=(0.4, 0.3, 0.24, 0.15), **common),
         _mode("zb-cap", 8.5, 0.08, 0.07, 8.0, 0.05, 0.04, (2.0, 1.9),
               idle=(0.68, 0.56, 0.425, 0.32), **common),
-        _mode("interleaved", 8.1, 0.12, 0.10, 7.8, 0.06, 0.05, (2.5, 1.0), **common),
+        _mode("interleaved", 8.1, 0.12, 0.10, 7.8, 0.06, 0.05, (2.5, 1.0),
+              idle=(1.0, 0.8, 0.5, 0.4), **common),
+        _mode("interleaved-zb", 7.6, 0.05, 0.04, 7.3, 0.03, 0.02, (2.4, 2.2),
+              idle=(0.45, 0.3, 0.2, 0.1), **common),
         _mode("zbv", 7.2, 0.04, 0.03, 7.0, 0.02, 0.01, (2.2, 2.0),
               idle=(0.45, 0.32, 0.18, 0.08), **common),
         {"mode": "torch-1f1b", "step_ms": 12.0, "bubble": None, "predicted": None,
@@ -86,6 +89,12 @@ def test_goals_are_the_ratios_of_the_rows():
     assert "| interleaved 1F1B (2 stages per rank) bubble, measured / predicted | 1.20 |" in table
     assert "| interleaved / 1F1B bubble, measured (predicted) | 0.60 (0.62) |" in table
     assert "| interleaved / 1F1B step | 0.90 |" in table
+    # Interleaved zero bubble against interleaved 1F1B: idle 0.2 / 0.5 ms (0.1 / 0.4).
+    assert ("| interleaved zero bubble / interleaved 1F1B idle time of the busiest rank, "
+            "measured (predicted) | 0.40 (0.25) |") in table
+    assert ("| peak activations MiB, interleaved zero bubble / interleaved 1F1B (max over "
+            "ranks) | 2.40 / 2.50 |") in table
+    assert "| interleaved zero bubble / interleaved 1F1B step | 0.94 |" in table
     assert ("| ZB-V (2 stages per rank in a V) / 1F1B idle time of the busiest stage, measured "
             "(predicted) | 0.20 (0.12) |") in table
     assert "| ZB-V / 1F1B idle time of the worst rank, measured | 0.25 |" in table

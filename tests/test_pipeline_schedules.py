@@ -302,6 +302,57 @@ def test_the_docs_draw_what_the_code_draws():
             assert line in doc, line
 
 
+# --- interleaved zero bubble: the interleaved order, the backward split --------------
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5, 6))
+@pytest.mark.parametrize("v", (2, 3, 4))
+def test_interleaved_zb_is_valid_and_never_idles_more(p, v):
+    for m in range(1, 33):
+        sched = build("interleaved-zb", p, m, v)
+        check(sched, m, p * v, rendezvous=False)
+        plain = build("interleaved", p, m, v)
+        for r, prog in enumerate(sched):
+            for s in range(r, p * v, p):
+                comp = [a for a in compute_only(prog) if a.stage == s]
+                for kind in "FBW":  # every B split, its W after it (the check's order)
+                    assert sorted(a.mb for a in comp if a.kind == kind) == list(range(m))
+        # No more micro-batches in flight than interleaved 1F1B at its peak rank, and
+        # never a longer wait, with B or W the longer.
+        assert max(map(in_flight, sched)) <= max(map(in_flight, plain)), m
+        if m not in (1, 2, 3, 5, 8, 13, 32):
+            continue
+        for costs in (unit_costs(1, 2, 1), unit_costs(1, 1, 2)):
+            ours, theirs = idle_time(simulate(sched, costs)), idle_time(simulate(plain, costs))
+            assert max(ours) <= max(theirs) + 1e-9, (m, ours, theirs)
+
+
+@pytest.mark.parametrize("p", (2, 3, 4))
+@pytest.mark.parametrize("v", (2, 3))
+@pytest.mark.parametrize("rounds", (1, 2, 4))
+def test_interleaved_zb_idles_a_third_of_interleaved(p, v, rounds):
+    # ZB-H1's (p-1)(F+B-W) against (p-1)(F+B+W), on every rank, with equal F, B and W.
+    m = rounds * p
+    ours = idle_time(simulate(build("interleaved-zb", p, m, v), unit_costs(1, 1, 1)))
+    plain = idle_time(simulate(build("interleaved", p, m, v), unit_costs(1, 1, 1)))
+    assert max(ours) == pytest.approx(max(plain) / 3)
+    # One forward per rank downstream in the warm-up (a split B comes back sooner), and
+    # rank r's r held-back W's: (v-1)p + p on every rank, as ZB-H1's p on every stage.
+    for prog in build("interleaved-zb", p, m, v):
+        assert in_flight(prog) == min(m * v, (v - 1) * p + p)
+
+
+def test_interleaved_zb_with_one_stage_per_rank_is_zb_h1():
+    assert build("interleaved-zb", 3, 5, 1) == build("zb", 3, 5)
+    # Rank r holds back r W's: after its last B come the W's of its last r B's (and
+    # the W of the B just before them, the steady state's).
+    for r, prog in enumerate(build("interleaved-zb", 3, 6, 2)):
+        comp = compute_only(prog)
+        last_b = max(i for i, a in enumerate(comp) if a.kind == "B")
+        bs = [(a.stage, a.mb) for a in comp if a.kind == "B"]
+        tail = [(a.stage, a.mb) for a in comp[last_b + 1:]]
+        assert tail == bs[len(bs) - 1 - r:], (r, tail)
+
+
 # --- ZB-V: two stages per rank, in a V ---------------------------------------------
 
 @pytest.mark.parametrize("p", (1, 2, 3, 4, 5, 6))

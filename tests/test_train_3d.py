@@ -147,7 +147,7 @@ def test_validation_loss_matches_the_one_process_model(world, opts):
 
 def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
     """(tp, pp) exercising ``opts`` at k ranks: dp > 1 for the data axis, pp > 1 for a schedule."""
-    if opts.get("schedule") in ("interleaved", "zbv") or "pp_layers" in opts:  # pp = 2 fits
+    if opts.get("schedule") in ("interleaved", "interleaved-zb", "zbv") or "pp_layers" in opts:
         return (1, 2) if k % 2 == 0 else None
     if "schedule" in opts:
         return (1, 2) if k % 2 == 0 else (1, k) if 1 < k <= 4 else None
@@ -169,10 +169,11 @@ def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
                                   dict(schedule="interleaved", vpp=2, microbatches=3),
                                   dict(schedule="1f1b", pp_layers=(2, 0)),
                                   dict(schedule="interleaved", vpp=2, pp_layers=(0, 1, 1, 0)),
-                                  dict(schedule="zbv", vpp=2, microbatches=3)],
+                                  dict(schedule="zbv", vpp=2, microbatches=3),
+                                  dict(schedule="interleaved-zb", vpp=2, microbatches=6)],
                          ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp", "fsdp-1f1b",
                               "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3", "interleaved-m3",
-                              "uneven-2-0", "interleaved-uneven", "zbv-m3"])
+                              "uneven-2-0", "interleaved-uneven", "zbv-m3", "interleaved-zb-m6"])
 def test_data_axis_and_schedules_match_the_twin(world, opts):
     picked = _layout_for(world.size, opts)
     if picked is None:

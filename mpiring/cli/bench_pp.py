@@ -25,9 +25,9 @@ def add_arguments(p) -> None:
                    help="comma list of gpipe, gpipe-recompute, 1f1b, 1f1b-autograd (weight "
                         "gradients accumulated by autograd), zb, zb-cap (ZB-H1 held "
                         "to 1F1B's measured peak; after 1f1b), interleaved (2 stages per "
-                        "rank), zbv (ZB-V: 2 per rank in a V), torch-1f1b (default: all, "
-                        "interleaved and zbv where the preset has "
-                        "2 units per rank)")
+                        "rank), interleaved-zb (the same, the backward split), zbv (ZB-V: 2 "
+                        "per rank in a V), torch-1f1b (default: all, the multi-stage ones "
+                        "where the preset has 2 units per rank)")
     p.add_argument("--mb-rows", type=int, default=2, help="windows per micro-batch (default 2)")
     p.add_argument("-n", "--steps", type=int, default=5,
                    help="timed steps, the fastest kept (default 5)")
@@ -44,6 +44,7 @@ def run(args) -> int:
     import mpiring
     from mpiring.tools.bench.pp import (
         MODES,
+        MULTI_MODES,
         draw_run,
         format_pp_table,
         interleaved_fits,
@@ -57,10 +58,9 @@ def run(args) -> int:
     if args.modes is None:
         modes = list(MODES)
         if not interleaved_fits(args.preset, comm.size):
-            modes.remove("interleaved")
-            modes.remove("zbv")
+            modes = [m for m in modes if m not in MULTI_MODES]
             if comm.rank == 0:
-                print(f"# bench-pp: no interleaved and zbv rows: {comm.size} ranks x 2 "
+                print(f"# bench-pp: no {', '.join(MULTI_MODES)} rows: {comm.size} ranks x 2 "
                       f"stages is more than the {args.preset} GPT's units", file=sys.stderr)
     else:
         modes = [t.strip() for t in args.modes.split(",") if t.strip()]

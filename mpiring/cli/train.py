@@ -80,8 +80,9 @@ def add_arguments(p) -> None:
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and AdamW state over the data axis (ZeRO-3)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream", "interleaved",
-                                          "zbv"),
+                                          "interleaved-zb", "zbv"),
                    default="1f1b", help="pipeline schedule with --pp > 1 (default 1f1b; "
+                                        "interleaved-zb: interleaved with zb's split backward; "
                                         "zbv: zero bubble, 2 stages per rank in a V)")
     p.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
                    help="blocks per stage, comma list summing to the model's (the embeddings "
@@ -89,8 +90,8 @@ def add_arguments(p) -> None:
                         "last stage that also computes the head; with --vpp, one per stage "
                         "of the pp x vpp (default: the units split evenly)")
     p.add_argument("--vpp", type=positive_int, default=None,
-                   help="stages per rank with --schedule interleaved (Megatron's virtual "
-                        "pipeline size; default 2); zbv holds 2")
+                   help="stages per rank with --schedule interleaved or interleaved-zb "
+                        "(Megatron's virtual pipeline size; default 2); zbv holds 2")
     p.add_argument("--microbatches", type=positive_int, default=None,
                    help="micro-batches per step with --pp > 1 (default: pp); must divide the "
                         "windows per replica")
@@ -121,6 +122,7 @@ def _counts(text: str) -> tuple[int, ...]:
 def config_from_args(args):
     """A ``TrainConfig`` from parsed flags."""
     from mpiring.tools.train.loop import TrainConfig
+    from mpiring.tools.train.pipeline import MULTI_STAGE
 
     return TrainConfig(
         mode=args.mode, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -134,7 +136,7 @@ def config_from_args(args):
         powersgd_rank=args.powersgd_rank, hook_start=args.hook_start,
         tp=args.tp, sequence_parallel=args.sequence_parallel, pp=args.pp, fsdp=args.fsdp,
         schedule=args.schedule, microbatches=args.microbatches, global_batch=args.global_batch,
-        vpp=args.vpp or (2 if args.schedule in ("interleaved", "zbv") else 1),
+        vpp=args.vpp or (2 if args.schedule in MULTI_STAGE else 1),
         pp_layers=args.pp_layers,
         grad_clip=args.grad_clip)
 

@@ -61,7 +61,7 @@ class PipelineError(RuntimeError):
 
 
 class PipelineSchedule:
-    """Runs any valid per-rank action list (``actions``) on ``stage``; the base of the five.
+    """Runs any valid per-rank action list (``actions``) on ``stage``; the base of the schedules.
 
     Args:
         stage: this rank's ``PipelineStage``, or a list of them when the rank holds
@@ -753,6 +753,24 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     """
 
     name = "interleaved"
+
+    def __init__(self, stages: list[PipelineStage] | PipelineStage, n_microbatches: int,
+                 loss_fn=None, *, scale_grads: bool = True):
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads)
+
+
+class ScheduleInterleavedZeroBubble(PipelineSchedule):
+    """Interleaved zero bubble (torch's class of the same name; the zero-bubble paper's
+    ZB-H1 on v stages per rank): ``ScheduleInterleaved1F1B``'s stages and order, the
+    backward split into B and W as in ``ScheduleZeroBubble``, rank r holding back its
+    first r W's to fill the cool-down. With equal F, B and W times the bubble is a
+    third of the interleaved one, with no more micro-batches in flight. MPI only, as
+    the interleaved schedule (see ``schedules.interleaved_zb``).
+
+    ``stages``: this rank's ``PipelineStage`` list, in stage order (one stage: ZB-H1).
+    """
+
+    name = "interleaved-zb"
 
     def __init__(self, stages: list[PipelineStage] | PipelineStage, n_microbatches: int,
                  loss_fn=None, *, scale_grads: bool = True):

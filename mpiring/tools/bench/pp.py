@@ -34,6 +34,8 @@ rank), the same step on every rank.
 * interleaved: Megatron's interleaved 1F1B with 2 stages per rank (the same
   units cut into twice as many stages, rank r holding r and r + p): its bubble
   against 1F1B's on the same ranks (the stages differ, the work does not).
+* interleaved-zb: the same stages and order with the backward split (torch's
+  ScheduleInterleavedZeroBubble): its idle time and peak against interleaved's.
 * ideal ms (JSON): the simulated step of the same program with those times,
   from the first compute start to the last compute end: the compute bound
   that the torch row is compared with.
@@ -68,10 +70,10 @@ from mpiring.parallel.pipeline.validate import (
 from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
-MODES = ("gpipe", "gpipe-recompute", "1f1b", "1f1b-autograd", "zb", "zb-cap", "interleaved", "zbv",
-         "torch-1f1b")
+MODES = ("gpipe", "gpipe-recompute", "1f1b", "1f1b-autograd", "zb", "zb-cap", "interleaved",
+         "interleaved-zb", "zbv", "torch-1f1b")
 #: The modes of several stages per rank (INTERLEAVED_V each; ZB-V's V holds 2).
-MULTI_MODES = ("interleaved", "zbv")
+MULTI_MODES = ("interleaved", "interleaved-zb", "zbv")
 #: Stages per rank of the "interleaved" mode (Megatron's virtual pipeline size).
 INTERLEAVED_V = 2
 
@@ -241,7 +243,7 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
     if "zb-cap" in modes and ("1f1b" not in modes or modes.index("1f1b") > modes.index("zb-cap")):
         raise ValueError("zb-cap holds ZB-H1 to 1F1B's measured peak: list 1f1b before it")
     if set(MULTI_MODES) & set(modes) and not interleaved_fits(preset, comm.size):
-        raise ValueError(f"the interleaved and zbv modes cut the GPT into {INTERLEAVED_V} "
+        raise ValueError(f"the {', '.join(MULTI_MODES)} modes cut the GPT into {INTERLEAVED_V} "
                          f"stages per rank, {INTERLEAVED_V * comm.size} here, more than the "
                          f"{preset} preset's {PRESETS[preset].n_layers + 2} units: leave them "
                          "out of --modes, or run on fewer ranks")
@@ -313,6 +315,11 @@ def _ratios(rows: list[dict]) -> None:
             idle_against_1f1b(by[zb], "zb")
     if base is not None and "zbv" in by and base["idle_busiest_ms"]:
         idle_against_1f1b(by["zbv"], "zbv")
+    il = by.get("interleaved")
+    if il is not None and "interleaved-zb" in by and il["idle_busiest_ms"]:
+        izb = by["interleaved-zb"]
+        izb["izb_over_il_idle"] = izb["idle_ms"] / il["idle_ms"]
+        izb["izb_over_il_idle_busiest"] = izb["idle_busiest_ms"] / il["idle_busiest_ms"]
     if base is not None and base["bubble"] and "interleaved" in by:
         il = by["interleaved"]
         il["il_over_1f1b_bubble"] = il["bubble"] / base["bubble"]
@@ -352,7 +359,7 @@ def format_pp_table(rows: list[dict]) -> str:
     for m in sorted({r["m"] for r in rows}):
         by = {r["mode"]: r for r in rows if r["m"] == m}
         parts = []
-        for mode in ("gpipe", "1f1b", "interleaved", "zbv"):
+        for mode in ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv"):
             if mode in by:
                 parts.append(f"{mode} meas/pred {ratio(by[mode]['bubble'], by[mode]['predicted'])}")
         for zb in ("zb", "zb-cap"):
@@ -371,6 +378,12 @@ def format_pp_table(rows: list[dict]) -> str:
             il = by["interleaved"]
             parts.append(f"interleaved/1f1b bubble {il['il_over_1f1b_bubble']:.2f} (predicted "
                          f"{ratio(il['predicted'], by['1f1b']['predicted'])})")
+        if "izb_over_il_idle" in by.get("interleaved-zb", {}):
+            z = by["interleaved-zb"]
+            parts.append(f"interleaved-zb/interleaved idle time {z['izb_over_il_idle']:.2f}, "
+                         f"busiest rank {z['izb_over_il_idle_busiest']:.2f} (peak act per "
+                         f"rank {z['peak_act_mib']:.2f}/{by['interleaved']['peak_act_mib']:.2f} "
+                         "MiB)")
         if "zbv_over_1f1b_idle" in by.get("zbv", {}):
             v = by["zbv"]
             peaks = "/".join(f"{x:.2f}" for x in v["peak_act_mib_per_stage"])

@@ -50,7 +50,7 @@ def validate_grid_config(cfg) -> None:
     Raises:
         ValueError: naming the fix.
     """
-    from mpiring.tools.train.pipeline import SCHEDULES
+    from mpiring.tools.train.pipeline import MULTI_STAGE, SCHEDULES
 
     for name in ("pp", "microbatches", "global_batch"):
         v = getattr(cfg, name)
@@ -60,13 +60,14 @@ def validate_grid_config(cfg) -> None:
         raise ValueError(f"unknown schedule {cfg.schedule!r}: use one of {', '.join(SCHEDULES)}")
     if isinstance(cfg.vpp, bool) or not isinstance(cfg.vpp, int) or cfg.vpp < 1:
         raise ValueError(f"vpp={cfg.vpp!r}: give the stages per rank, a positive integer")
-    multi = cfg.schedule in ("interleaved", "zbv")
+    multi = cfg.schedule in MULTI_STAGE
     if cfg.schedule == "zbv" and cfg.vpp != 2:
         raise ValueError(f"vpp={cfg.vpp} with --schedule zbv: the V holds 2 stages per rank; "
                          "leave --vpp out (TrainConfig: vpp=2)")
     if (cfg.vpp > 1) != multi:
         raise ValueError(f"vpp={cfg.vpp} with --schedule {cfg.schedule}: several stages per "
-                         "rank run with --schedule interleaved (--vpp 2 or more) or zbv")
+                         "rank run with --schedule interleaved or interleaved-zb (--vpp 2 or "
+                         "more) or zbv")
     if multi and (cfg.pp == 1 or cfg.fsdp or cfg.optimizer != "adamw"):
         raise ValueError(f"--schedule {cfg.schedule} runs on pp > 1 with DDP on the data axis "
                          "and the optimizer adamw (not fsdp, zero1 or zero2): each rank's "
@@ -196,8 +197,9 @@ class GridJob(TrainJob):
             gradient_as_bucket_view=cfg.grad_as_bucket_view)
 
     def _wrap_interleaved(self):
-        """vpp stages per rank (interleaved: r, r + pp, ...; zbv: r, 2 pp - 1 - r), each
-        its own DDP over the data axis; ``model`` holds them all, named as the full GPT's."""
+        """vpp stages per rank (interleaved and interleaved-zb: r, r + pp, ...; zbv: r,
+        2 pp - 1 - r), each its own DDP over the data axis; ``model`` holds them all,
+        named as the full GPT's."""
         from mpiring.parallel.pipeline import PipelineStage
         from mpiring.parallel.pipeline.schedules import PLACEMENT, stages_of
         from mpiring.tools.train.pipeline import SCHEDULES

@@ -34,6 +34,7 @@ from mpiring.parallel.pipeline import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     SchedulePipeDream,
     ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
@@ -44,9 +45,9 @@ from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
              "pipedream": SchedulePipeDream, "interleaved": ScheduleInterleaved1F1B,
-             "zbv": ScheduleZBVZeroBubble}
+             "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
 #: Schedules of several stages per rank (``build_pipeline``'s ``stages_per_rank``).
-MULTI_STAGE = ("interleaved", "zbv")
+MULTI_STAGE = ("interleaved", "interleaved-zb", "zbv")
 
 
 class Embed(nn.Module):
@@ -116,7 +117,7 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     Every rank builds the whole model from ``seed`` (so the stages start from one
     model) and keeps its part. ``pp`` ranks along the pipeline (default: every rank
     of ``comm``), each holding ``stages_per_rank`` stages (more than one:
-    "interleaved", rank r holding stages r, r + pp, ...; "zbv", 2: r and
+    "interleaved" and "interleaved-zb", rank r holding stages r, r + pp, ...; "zbv", 2: r and
     2 pp - 1 - r); the world / pp replicas
     of each stage reduce with DDP. Returns ``(stage, sched, optimizer)``, where
     ``stage`` is the rank's list of stages with ``stages_per_rank > 1`` (all of them
