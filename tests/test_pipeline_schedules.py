@@ -296,7 +296,7 @@ def test_diagram_marks_each_stage_of_a_rank():
 def test_the_docs_draw_what_the_code_draws():
     import pathlib
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "pipeline.md").read_text()
-    for name in ("interleaved", "zbv"):
+    for name in ("interleaved", "interleaved-zb", "zbv"):
         text = diagram.draw_schedule(build(name, 2, 4, 2), f=1, b=1, w=1, chars_per_unit=5)
         for line in text.splitlines():
             assert line in doc, line
