@@ -63,7 +63,7 @@ def test_activation_memory_is_korthikantis_table2():
 
 @pytest.mark.parametrize("sched,p,m,v,want", [
     ("1f1b", 8, 32, 1, 7 / 32), ("gpipe", 4, 4, 1, 3 / 4), ("interleaved", 8, 32, 4, 7 / 128),
-    ("zb-h1", 4, 8, 1, 3 / 24), ("zb-h2", 4, 8, 1, 0.0), ("dualpipe", 16, 120, 1, 14 / 360), ("dualpipe", 2, 8, 1, 0.0),
+    ("zb-h1", 4, 8, 1, 3 / 24), ("interleaved-zb", 4, 8, 2, 3 / 48), ("zb-h2", 4, 8, 1, 0.0), ("dualpipe", 16, 120, 1, 14 / 360), ("dualpipe", 2, 8, 1, 0.0),
     ("1f1b", 1, 5, 1, 0.0),
 ])
 def test_bubble_fractions(sched, p, m, v, want):
@@ -71,12 +71,13 @@ def test_bubble_fractions(sched, p, m, v, want):
 
 
 @pytest.mark.parametrize("sched,want", [("1f1b", 7 / 32), ("interleaved", 7 / 64),
-                                        ("zb-h1", 7 / 64), ("zb-h2", 7 / 128),
+                                        ("zb-h1", 7 / 64), ("interleaved-zb", 7 / 128),
+                                        ("zb-h2", 7 / 128),
                                         ("dualpipe", 3 / 32)])
 def test_full_recomputation_puts_a_forward_inside_b(sched, want):
     # Qi et al.'s (p-1)(T_F + T_B - T_W) with T_B = 2 (input gradient + recomputed
     # forward): ZB-H1 half of 1F1B's, not a third; ZB-H2 no longer zero.
-    assert sm.bubble_fraction(sched, 8, 32, 2 if sched == "interleaved" else 1, "full") == \
+    assert sm.bubble_fraction(sched, 8, 32, 2 if sched in sm.INTERLEAVED else 1, "full") == \
         pytest.approx(want)
     row = pr.MEGATRON_TABLE[6]
     g, c, lay = row.model(), pr.selene(row.gpus), row.layout()  # 1f1b, full recomputation
@@ -137,6 +138,9 @@ def test_step_parts_move_the_right_way():
     (Layout(dp=6, tp=8, pp=64, micro_batch=16, schedule="interleaved", vpp=2), 128,
      "needs m >= pp"),
     (Layout(dp=6, tp=8, pp=64, schedule="interleaved", vpp=4), 128, "exceeds the model's"),
+    (Layout(dp=6, tp=8, pp=64, micro_batch=16, schedule="interleaved-zb", vpp=2), 128,
+     "interleaved-zb needs m >= pp"),
+    (Layout(dp=6, tp=8, pp=64, schedule="zb-h1", vpp=2), 128, "for schedule 'interleaved' or"),
 ])
 def test_bad_layouts_are_refused_with_the_fix(lay, layers, match):
     with pytest.raises(ValueError, match=match):
@@ -265,6 +269,28 @@ def test_interleaved_rank0_holds_its_warm_up_chunks(p, m, v, chunks):
     assert sm.in_flight_microbatches("1f1b", p, m) == min(p, m)
 
 
+def test_the_interleaved_schedules_are_priced_as_mpiring_runs_them():
+    # The planner's counts against the runtime's own generators, simulated: chunks in
+    # flight on every rank, and the bubble with equal F, B and W (m a multiple of p).
+    from mpiring.parallel.pipeline.schedules import build
+    from mpiring.parallel.pipeline.validate import idle_time, in_flight, simulate, unit_costs
+
+    for p in (2, 3, 4, 8):
+        for vpp in (2, 3):
+            for m in range(p, 3 * p + 2):
+                for sched in sm.INTERLEAVED:
+                    progs = build(sched, p, m, vpp)
+                    for r, prog in enumerate(progs):
+                        assert sm.in_flight_microbatches(sched, p, m, vpp, r) * vpp == \
+                            in_flight(prog), (sched, p, m, vpp, r)
+                    if m % p == 0:
+                        idle = max(idle_time(simulate(progs, unit_costs(1, 1, 1))))
+                        # bubble_fraction is idle over the ideal compute, m (F + B + W) v
+                        # chunk-times of one unit each per rank.
+                        assert sm.bubble_fraction(sched, p, m, vpp) == \
+                            pytest.approx(idle / (3 * m * vpp)), (sched, p, m, vpp)
+
+
 def test_interleaving_costs_memory_and_sends():
     from mpiring.core import steptime as st
 
@@ -285,8 +311,9 @@ def test_interleaving_costs_memory_and_sends():
     from mpiring.tools.plan.search import _vpps, layouts
 
     assert _vpps(7) == [2, 4, 7] and _vpps(8) == [2, 4, 8]
-    vs = {x.vpp for x in layouts(g, c, run.batch) if x.schedule == "interleaved" and x.pp == 16}
-    assert vs == {2, 4, 8}
+    for sched in ("interleaved", "interleaved-zb"):
+        vs = {x.vpp for x in layouts(g, c, run.batch) if x.schedule == sched and x.pp == 16}
+        assert vs == {2, 4, 8}
     with pytest.raises(ValueError, match="for schedule 'interleaved'"):
         step_time(g, c, lay.with_(schedule="1f1b"), 2048)
 

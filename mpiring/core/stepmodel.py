@@ -283,7 +283,9 @@ def rank_layers(layers: int, p: int, v: int = 1, light_ends: bool = False) -> li
 
 
 # --- pipeline bubble ----------------------------------------------------------------
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "dualpipe")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zb-h1", "zb-h2", "dualpipe")
+#: The schedules of v chunks per rank (Megatron's virtual pipeline).
+INTERLEAVED = ("interleaved", "interleaved-zb")
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = "none") -> float:
@@ -294,7 +296,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
     for m >= p only (with fewer the fill takes about p v chunk times: refused).
     The zero-bubble schedules by Qi et al. 2024, Table 2: zb-h1 (p-1)(T_F + T_B
     - T_W), zb-h2 (p-1)(T_F + T_B - 2 T_W), over m (T_F + T_B + T_W); with
-    T_F = T_B = T_W a third of 1F1B's and none. Full recomputation runs the
+    T_F = T_B = T_W a third of 1F1B's and none. interleaved-zb (ZB-H1 on v chunks
+    per rank, mpiring's and torch's ScheduleInterleavedZeroBubble): zb-h1's over v,
+    as interleaving divides 1F1B's (mpiring's schedule simulated: exact for m a
+    multiple of p and T_W <= T_F + T_B). Full recomputation runs the
     forward again inside B (T_B = 2): zb-h1 is then half of 1F1B's, zb-h2 a
     quarter. dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B) (DeepSeek-V3
     report, Table 2), where B is the full backward and W its weight half: with
@@ -307,14 +312,16 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
+    if schedule in INTERLEAVED and m < p:
+        raise ValueError(f"{schedule} needs m >= p micro-batches, got m={m}, p={p}")
     if schedule == "interleaved":
-        if m < p:
-            raise ValueError(f"interleaved 1F1B needs m >= p micro-batches, got m={m}, p={p}")
         return (p - 1) / (v * m)
     # Unit times: F, B's input-gradient half (with the recomputed forward), W.
     f, b, w = 1.0, 2.0 if recompute == "full" else 1.0, 1.0
     if schedule == "zb-h1":
         return (p - 1) * (f + b - w) / (m * (f + b + w))
+    if schedule == "interleaved-zb":
+        return (p - 1) * (f + b - w) / (v * m * (f + b + w))
     if schedule == "zb-h2":
         return max(0.0, (p - 1) * (f + b - 2 * w)) / (m * (f + b + w))
     if schedule == "dualpipe":
@@ -323,18 +330,20 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
     raise ValueError(f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
 
 
-def interleaved_warmup(p: int, m: int, v: int, rank: int = 0) -> int:
+def interleaved_warmup(p: int, m: int, v: int, rank: int = 0, zero_bubble: bool = False) -> int:
     """Chunk forwards ``rank`` runs before its first backward in interleaved 1F1B.
 
     Megatron's count (``get_pp_rank_microbatches``): (v - 1) g + 2 (p - 1 - rank),
     g the micro-batches of a round: p, or, when p does not divide m, the first
     of m // p rounds of near-equal size; at most all m v chunk forwards.
+    ``zero_bubble``: the interleaved zero bubble's, (v - 1) g + (p - 1 - rank) (a
+    split B comes back sooner; torch's ScheduleInterleavedZeroBubble).
     """
     if m < p:
         raise ValueError(f"interleaved 1F1B needs m >= p micro-batches, got m={m}, p={p}")
     rounds = m // p
     g = -(-m // rounds)  # the first round is the largest
-    return min(m * v, (v - 1) * g + 2 * (p - 1 - rank))
+    return min(m * v, (v - 1) * g + (1 if zero_bubble else 2) * (p - 1 - rank))
 
 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
@@ -346,7 +355,9 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
     PP + 1 chunks a device). Interleaved holds chunks of 1/v of the rank's
     layers: its warm-up plus the steady state's first forward, over v
     (``interleaved_warmup``); on rank 0 with p dividing m that is p + (p - 1)/v:
-    p = 16, v = 4 holds 79 chunks, 19.75 where 1F1B holds 16.
+    p = 16, v = 4 holds 79 chunks, 19.75 where 1F1B holds 16. The interleaved zero
+    bubble's shorter warm-up plus the rank's r held-back W's: (v - 1) g + p chunks on
+    every rank, p micro-batches with p dividing m (its generator, simulated).
     """
     if schedule == "gpipe":
         return m
@@ -356,6 +367,8 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
         return min(m, p + 1)
     if schedule == "interleaved":
         return min(m * v, interleaved_warmup(p, m, v, rank) + 1) / v
+    if schedule == "interleaved-zb":
+        return min(m * v, interleaved_warmup(p, m, v, rank, zero_bubble=True) + 1 + rank) / v
     return min(m, p - rank)
 
 

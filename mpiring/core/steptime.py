@@ -142,18 +142,19 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
                          f"{lay.dp * lay.micro_batch}: change the batch or the micro-batch")
     if lay.pp > g.layers:
         raise ValueError(f"pp={lay.pp} exceeds the model's {g.layers} layers")
-    if lay.schedule == "interleaved":
+    if lay.schedule in sm.INTERLEAVED:
         if lay.pp * lay.vpp > g.layers:
-            raise ValueError(f"interleaved pp x vpp = {lay.pp * lay.vpp} chunks exceeds the "
+            raise ValueError(f"{lay.schedule} pp x vpp = {lay.pp * lay.vpp} chunks exceeds the "
                              f"model's {g.layers} layers: lower vpp")
         # Megatron refuses fewer (the micro-batches of a round must range in [PP, M]):
         # with m < p the fill alone takes about p v chunk times whatever v is.
         if batch // (lay.dp * lay.micro_batch) < lay.pp:
-            raise ValueError(f"interleaved 1F1B needs m >= pp micro-batches, got "
+            raise ValueError(f"{lay.schedule} needs m >= pp micro-batches, got "
                              f"m={batch // (lay.dp * lay.micro_batch)}, pp={lay.pp}: use a "
                              "smaller micro-batch or dp, or 1f1b")
     elif lay.vpp > 1:
-        raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved', not {lay.schedule!r}")
+        raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved' or 'interleaved-zb', "
+                         f"not {lay.schedule!r}")
     if lay.schedule == "dualpipe":
         m = batch // (lay.dp * lay.micro_batch)
         if not g.experts:
@@ -216,7 +217,7 @@ def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool, dual: bool = False) -> 
 
 
 def _layout_ranks(g: sm.GPT, lay: Layout) -> tuple[_Rank, ...]:
-    return _ranks(g, lay.pp, lay.vpp if lay.schedule == "interleaved" else 1, lay.light_ends,
+    return _ranks(g, lay.pp, lay.vpp if lay.schedule in sm.INTERLEAVED else 1, lay.light_ends,
                   lay.schedule == "dualpipe")
 
 
@@ -336,7 +337,7 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
         # spans more than one node some boundary crosses one, and the slowest sets the pace.
         across = lay.gpus > f.gpus_per_node
         # Interleaved: a micro-batch crosses p v - 1 chunk boundaries, v per rank.
-        sends = lay.vpp if lay.schedule == "interleaved" else 1
+        sends = lay.vpp if lay.schedule in sm.INTERLEAVED else 1
         per_mb_pp = 2 * sends * _p2p(lay.act_bytes * s * b * h / lay.tp, c, across)
     # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
     # DualPipe overlaps the pipeline sends in the same F&B pairs ("both all-to-all

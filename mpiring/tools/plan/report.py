@@ -9,7 +9,8 @@ PARTS = ("compute", "elementwise", "tp_comm", "ep_comm", "pp_comm", "bubble", "d
 
 def format_candidates(cands: list[Candidate], title: str = "") -> str:
     """One line per layout: memory, step time, TFLOP/s, MFU, GPU-hours, then the time split."""
-    head = (f"{'#':>2} {'layout':<44} {'mem GB':>7} {'step s':>8} {'TF/GPU':>7} {'MFU':>6} "
+    width = max([44] + [len(c.layout.describe()) for c in cands])  # the columns stay aligned
+    head = (f"{'#':>2} {'layout':<{width}} {'mem GB':>7} {'step s':>8} {'TF/GPU':>7} {'MFU':>6} "
             f"{'GPU-h':>9}  where the time goes")
     out = [title] if title else []
     out.append(head)
@@ -18,7 +19,7 @@ def format_candidates(cands: list[Candidate], title: str = "") -> str:
         split = " ".join(f"{k} {v / c.step_s * 100:.0f}%" for k, v in parts.items()
                          if v / c.step_s >= 0.005)
         hours = f"{c.gpu_hours / 1e6:.2f}M" if c.gpu_hours else "-"
-        out.append(f"{i:>2} {c.layout.describe():<44} {c.memory_gb:>7.1f} {c.step_s:>8.3f} "
+        out.append(f"{i:>2} {c.layout.describe():<{width}} {c.memory_gb:>7.1f} {c.step_s:>8.3f} "
                    f"{c.tflops_per_gpu:>7.1f} {c.mfu * 100:>5.1f}% {hours:>9}  {split}")
     return "\n".join(out)
 

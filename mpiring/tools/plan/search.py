@@ -76,7 +76,8 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
         for pp in (p for p in range(1, min(rest, g.layers) + 1) if rest % p == 0):
             dp = rest // pp
             scheds = [("1f1b", 1)] if pp == 1 else [
-                ("1f1b", 1), ("zb-h1", 1), *(("interleaved", v) for v in _vpps(g.layers // pp))]
+                ("1f1b", 1), ("zb-h1", 1),
+                *((s, v) for v in _vpps(g.layers // pp) for s in ("interleaved", "interleaved-zb"))]
             if g.experts and pp % 2 == 0:
                 scheds.append(("dualpipe", 1))
             for b, (sched, v), zero, rc, ep in product(MICRO_BATCHES, scheds, range(4), RECOMPUTE,
@@ -84,7 +85,7 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
                 if batch % (dp * b) or (zero and dp == 1):
                     continue
                 m = batch // (dp * b)
-                if sched == "interleaved" and m < pp:
+                if sched in sm.INTERLEAVED and m < pp:
                     continue  # Megatron refuses m < p (steptime.check)
                 if sched == "dualpipe" and (m % 2 or m < 2 * pp):
                     continue  # DualPipe's own asserts (steptime.check)
