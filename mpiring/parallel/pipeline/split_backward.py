@@ -73,13 +73,15 @@ def _trained(p) -> bool:
 class Deferred:
     """One Linear's weight gradients for one micro-batch: dW = dY^T X, db = sum dY.
 
-    ``tensors`` (X and dY) are what it keeps alive between B and W.
+    ``tensors`` (X and dY) are what it keeps alive between B and W, detached: X
+    requires grad (a stage's activation), and a GEMM on it would hang dY's graph on
+    ``.grad``; detached once here, W needs no ``no_grad`` around each item.
     """
 
     __slots__ = ("params", "tensors")
 
     def __init__(self, weight, bias, x, gy):
-        self.params, self.tensors = (weight, bias), (x, gy)
+        self.params, self.tensors = (weight, bias), (x.detach(), gy.detach())
 
     def _flat(self):
         x, gy = self.tensors
@@ -114,7 +116,6 @@ class Deferred:
         return (g2.t() @ x2 if _trained(weight) else None,
                 g2.sum(0) if _trained(bias) else None)
 
-    @torch.no_grad()  # X requires grad: a GEMM on it would hang dY's graph on .grad
     def run(self) -> None:
         """Add the gradients to ``.grad`` (a frozen parameter gets none, as in autograd)."""
         g2, x2 = self._flat()
@@ -147,26 +148,32 @@ class DeferredLinear(torch.autograd.Function):
     def backward(ctx, gy):
         x, w_saved = ctx.saved_tensors
         gx = gy @ w_saved if ctx.needs_input_grad[0] else None
-        item = Deferred(*ctx.params, x, gy)
-        queue = ctx.sink.queue
+        weight, bias = ctx.params
+        item = Deferred(weight, bias, x, gy)
+        sink = ctx.sink
+        queue = sink.queue
         if queue is None:  # an unsplit backward: the weight gradients now
-            if ctx.sink.fuse and item.fusable(ctx.sink.inert_hooks):
+            if sink.fuse and item.fusable(sink.inert_hooks):
                 item.run()
                 return gx, None, None, None
             return (gx, *item.grads(), None)
-        if any(_trained(p) for p in ctx.params):  # else nothing to defer
+        if _trained(weight) or _trained(bias):  # else nothing to defer
             queue.append(item)
         return gx, None, None, None
 
 
 def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    route = self._mpiring_wsink.route
+    sink = self._mpiring_wsink
+    route = sink.route
+    params = self._parameters  # not nn.Module's attribute lookup, once per tensor per call
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None:  # parametrized after install: its weight is computed, not a leaf
+        return F.linear(x, self.weight, self.bias)
     # Autocast casts inside F.linear and saves the cast copies for its backward; the
     # deferring Function would save the uncast ones: autograd's layer, unsplit.
-    if route is None or self.weight.numel() < route or \
-            torch.is_autocast_enabled(x.device.type):
-        return F.linear(x, self.weight, self.bias)
-    return DeferredLinear.apply(x, self.weight, self.bias, self._mpiring_wsink)
+    if route is None or weight.numel() < route or torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)
+    return DeferredLinear.apply(x, weight, bias, sink)
 
 
 def _plain_linear(m: nn.Module) -> bool:
