@@ -268,3 +268,26 @@ def test_a_parametrized_linear_is_not_split(comm):
     ref = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)).double()
     deferred, mod = _split_and_compare(ref, torch.randn(5, 4, dtype=torch.float64))
     assert len(deferred) == 1 and deferred[0] is mod[2].weight
+
+
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_a_linear_parametrized_after_install_computes_its_tensor(comm, name):
+    # The routed forward reads the layer's own parameters; a parametrization added later
+    # takes the tensor out of them, and the layer computes it as torch would.
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, t):
+            return 2 * t
+
+    torch.manual_seed(14)
+    ref = nn.Linear(4, 3).double()
+    mod = copy.deepcopy(ref)
+    sink = split_backward.install(mod)
+    for m in (ref, mod):
+        parametrize.register_parametrization(m, name, Double())
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for route in (None, 0):
+        sink.route = route
+        torch.testing.assert_close(mod(x), ref(x), rtol=0, atol=0)
+    sink.route = None

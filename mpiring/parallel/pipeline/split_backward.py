@@ -166,9 +166,11 @@ def _linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     sink = self._mpiring_wsink
     route = sink.route
     params = self._parameters  # not nn.Module's attribute lookup, once per tensor per call
-    weight, bias = params.get("weight"), params.get("bias")
-    if weight is None:  # parametrized after install: its weight is computed, not a leaf
+    if "weight" not in params or "bias" not in params:
+        # Parametrized after install: the tensor is computed (nn.Module's lookup finds
+        # it), not a leaf that W could write .grad onto.
         return F.linear(x, self.weight, self.bias)
+    weight, bias = params["weight"], params["bias"]
     # Autocast casts inside F.linear and saves the cast copies for its backward; the
     # deferring Function would save the uncast ones: autograd's layer, unsplit.
     if route is None or weight.numel() < route or torch.is_autocast_enabled(x.device.type):
