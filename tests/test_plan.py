@@ -269,26 +269,34 @@ def test_interleaved_rank0_holds_its_warm_up_chunks(p, m, v, chunks):
     assert sm.in_flight_microbatches("1f1b", p, m) == min(p, m)
 
 
-def test_the_interleaved_schedules_are_priced_as_mpiring_runs_them():
-    # The planner's counts against the runtime's own generators, simulated: chunks in
-    # flight on every rank, and the bubble with equal F, B and W (m a multiple of p).
+def test_the_schedules_are_priced_as_mpiring_runs_them():
+    # The planner's counts against the runtime's own generators, simulated: micro-batches
+    # (chunks, interleaved) in flight on every rank, and the bubble with unit F and W and
+    # B = 1, or 2 with full recomputation (m a multiple of p for the interleaved ones).
     from mpiring.parallel.pipeline.schedules import build
     from mpiring.parallel.pipeline.validate import idle_time, in_flight, simulate, unit_costs
 
+    names = {"gpipe": "gpipe", "1f1b": "1f1b", "zb-h1": "zb", "interleaved": "interleaved",
+             "interleaved-zb": "interleaved-zb"}
     for p in (2, 3, 4, 8):
-        for vpp in (2, 3):
-            for m in range(p, 3 * p + 2):
-                for sched in sm.INTERLEAVED:
-                    progs = build(sched, p, m, vpp)
+        for vpp in (1, 2, 3):
+            for m in range(p if vpp > 1 else 1, 3 * p + 2):
+                for sched, name in names.items():
+                    if (sched in sm.INTERLEAVED) != (vpp > 1):
+                        continue
+                    progs = build(name, p, m, vpp)
                     for r, prog in enumerate(progs):
                         assert sm.in_flight_microbatches(sched, p, m, vpp, r) * vpp == \
                             in_flight(prog), (sched, p, m, vpp, r)
-                    if m % p == 0:
-                        idle = max(idle_time(simulate(progs, unit_costs(1, 1, 1))))
-                        # bubble_fraction is idle over the ideal compute, m (F + B + W) v
-                        # chunk-times of one unit each per rank.
-                        assert sm.bubble_fraction(sched, p, m, vpp) == \
-                            pytest.approx(idle / (3 * m * vpp)), (sched, p, m, vpp)
+                    if sched in sm.INTERLEAVED and m % p:
+                        continue
+                    for rc, b in (("none", 1), ("full", 2)):
+                        idle = max(idle_time(simulate(progs, unit_costs(1, b, 1))))
+                        # bubble_fraction is the idle over the ideal compute: m (F + B + W)
+                        # per chunk, v chunks a rank.
+                        want = idle / ((2 + b) * m * vpp)
+                        assert sm.bubble_fraction(sched, p, m, vpp, rc) == \
+                            pytest.approx(want), (sched, p, m, vpp, rc)
 
 
 def test_interleaving_costs_memory_and_sends():

@@ -296,7 +296,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
     for m >= p only (with fewer the fill takes about p v chunk times: refused).
     The zero-bubble schedules by Qi et al. 2024, Table 2: zb-h1 (p-1)(T_F + T_B
     - T_W), zb-h2 (p-1)(T_F + T_B - 2 T_W), over m (T_F + T_B + T_W); with
-    T_F = T_B = T_W a third of 1F1B's and none. interleaved-zb (ZB-H1 on v chunks
+    T_F = T_B = T_W a third of 1F1B's and none. Table 2 assumes m >= p: with fewer
+    micro-batches, p - m of the W's a stage would fill the cool-down with do not
+    exist, and zb-h1's idle is (p - 1)(T_F + T_B - T_W) + (p - m) T_W (mpiring's
+    schedule, simulated). interleaved-zb (ZB-H1 on v chunks
     per rank, mpiring's and torch's ScheduleInterleavedZeroBubble): zb-h1's over v,
     as interleaving divides 1F1B's (mpiring's schedule simulated: exact for m a
     multiple of p and T_W <= T_F + T_B). Full recomputation runs the
@@ -319,7 +322,7 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
     # Unit times: F, B's input-gradient half (with the recomputed forward), W.
     f, b, w = 1.0, 2.0 if recompute == "full" else 1.0, 1.0
     if schedule == "zb-h1":
-        return (p - 1) * (f + b - w) / (m * (f + b + w))
+        return ((p - 1) * (f + b - w) + max(0, p - m) * w) / (m * (f + b + w))
     if schedule == "interleaved-zb":
         return (p - 1) * (f + b - w) / (v * m * (f + b + w))
     if schedule == "zb-h2":
@@ -340,7 +343,8 @@ def interleaved_warmup(p: int, m: int, v: int, rank: int = 0, zero_bubble: bool 
     split B comes back sooner; torch's ScheduleInterleavedZeroBubble).
     """
     if m < p:
-        raise ValueError(f"interleaved 1F1B needs m >= p micro-batches, got m={m}, p={p}")
+        name = "the interleaved zero bubble" if zero_bubble else "interleaved 1F1B"
+        raise ValueError(f"{name} needs m >= p micro-batches, got m={m}, p={p}")
     rounds = m // p
     g = -(-m // rounds)  # the first round is the largest
     return min(m * v, (v - 1) * g + (1 if zero_bubble else 2) * (p - 1 - rank))
@@ -349,8 +353,10 @@ def interleaved_warmup(p: int, m: int, v: int, rank: int = 0, zero_bubble: bool 
 def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int = 0) -> float:
     """Micro-batches' worth of its layers whose activations ``rank`` holds at its peak.
 
-    GPipe keeps all m; 1F1B and ZB-H1 min(p - rank, m) (torch's Schedule1F1B
-    warm-up); ZB-H2 about 2(p - rank) - 1 (Qi et al. 2024, Table 2: 2p - 1 on the
+    GPipe keeps all m; 1F1B min(p - rank, m) (torch's Schedule1F1B warm-up); ZB-H1
+    min(p, m) on every rank: rank r holds back r W's, and a micro-batch keeps its
+    activations until its W (Qi et al. 2024: ZB-H1's peak is 1F1B's first stage's;
+    mpiring's schedule, simulated, holds that on every stage); ZB-H2 about 2(p - rank) - 1 (Qi et al. 2024, Table 2: 2p - 1 on the
     first); DualPipe p + 1 at most on every rank (DeepSeek-V3 report, Table 2:
     PP + 1 chunks a device). Interleaved holds chunks of 1/v of the rank's
     layers: its warm-up plus the steady state's first forward, over v
@@ -361,6 +367,8 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
     """
     if schedule == "gpipe":
         return m
+    if schedule == "zb-h1":
+        return min(m, p)
     if schedule == "zb-h2":
         return min(m, 2 * (p - rank) - 1)
     if schedule == "dualpipe":

@@ -149,9 +149,10 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
         # Megatron refuses fewer (the micro-batches of a round must range in [PP, M]):
         # with m < p the fill alone takes about p v chunk times whatever v is.
         if batch // (lay.dp * lay.micro_batch) < lay.pp:
+            one = "zb-h1" if lay.schedule == "interleaved-zb" else "1f1b"
             raise ValueError(f"{lay.schedule} needs m >= pp micro-batches, got "
                              f"m={batch // (lay.dp * lay.micro_batch)}, pp={lay.pp}: use a "
-                             "smaller micro-batch or dp, or 1f1b")
+                             f"smaller micro-batch or dp, or {one}")
     elif lay.vpp > 1:
         raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved' or 'interleaved-zb', "
                          f"not {lay.schedule!r}")
