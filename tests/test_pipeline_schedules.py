@@ -257,7 +257,8 @@ def test_interleaved_activations_in_flight(p, m):
 
 def test_interleaved_with_one_stage_per_rank_is_1f1b():
     assert build("interleaved", 3, 5, 1) == build("1f1b", 3, 5)
-    with pytest.raises(ValueError, match="use 'interleaved' for several stages per rank"):
+    with pytest.raises(ValueError, match="use one of 'interleaved', 'interleaved-zb', 'zbv' "
+                                         "for several stages per rank"):
         build("1f1b", 2, 4, 2)
     with pytest.raises(ValueError, match="stages_per_rank=0"):
         build("interleaved", 2, 4, 0)

@@ -170,10 +170,12 @@ def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
                                   dict(schedule="1f1b", pp_layers=(2, 0)),
                                   dict(schedule="interleaved", vpp=2, pp_layers=(0, 1, 1, 0)),
                                   dict(schedule="zbv", vpp=2, microbatches=3),
+                                  dict(schedule="interleaved-zb", vpp=2, microbatches=3),
                                   dict(schedule="interleaved-zb", vpp=2, microbatches=6)],
                          ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp", "fsdp-1f1b",
                               "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3", "interleaved-m3",
-                              "uneven-2-0", "interleaved-uneven", "zbv-m3", "interleaved-zb-m6"])
+                              "uneven-2-0", "interleaved-uneven", "zbv-m3", "interleaved-zb-m3",
+                              "interleaved-zb-m6"])
 def test_data_axis_and_schedules_match_the_twin(world, opts):
     picked = _layout_for(world.size, opts)
     if picked is None:

@@ -765,7 +765,8 @@ class ScheduleInterleavedZeroBubble(PipelineSchedule):
     backward split into B and W as in ``ScheduleZeroBubble``, rank r holding back its
     first r W's to fill the cool-down. With equal F, B and W times the bubble is a
     third of the interleaved one, with no more micro-batches in flight. MPI only, as
-    the interleaved schedule (see ``schedules.interleaved_zb``).
+    the interleaved schedule (see ``schedules.interleaved_zb``). Give m a multiple
+    of p, as there: a larger first round is a longer warm-up, and more memory.
 
     ``stages``: this rank's ``PipelineStage`` list, in stage order (one stage: ZB-H1).
     """

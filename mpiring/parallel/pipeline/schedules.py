@@ -289,8 +289,8 @@ def build(name: str, p: int, m: int, stages_per_rank: int = 1) -> list[list[Acti
     if name in MULTI:
         return [lower(MULTI[name](p, m, r, v), p * v) for r in range(p)]
     if v != 1:
-        raise ValueError(f"{name} runs one stage per rank, not {v}: use 'interleaved' for "
-                         "several stages per rank")
+        raise ValueError(f"{name} runs one stage per rank, not {v}: use one of "
+                         f"{', '.join(map(repr, MULTI))} for several stages per rank")
     return [lower(GENERATORS[name](p, m, i), p) for i in range(p)]
 
 
