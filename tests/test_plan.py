@@ -297,6 +297,44 @@ def test_the_schedules_are_priced_as_mpiring_runs_them():
                         want = idle / ((2 + b) * m * vpp)
                         assert sm.bubble_fraction(sched, p, m, vpp, rc) == \
                             pytest.approx(want), (sched, p, m, vpp, rc)
+    # ZB-V: 2p chunks of half a rank's layers, two on each rank, from m = 2p up.
+    for p in (1, 2, 3, 4, 8):
+        for m in range(2 * p, 4 * p + 3):
+            progs = build("zbv", p, m, 2)
+            for r, prog in enumerate(progs):
+                assert sm.in_flight_microbatches("zb-v", p, m, 1, r) * 2 == in_flight(prog)
+            for rc, b in (("none", 1), ("full", 2)):
+                idle = max(idle_time(simulate(progs, unit_costs(1, b, 1))))
+                assert sm.bubble_fraction("zb-v", p, m, 1, rc) == \
+                    pytest.approx(idle / ((2 + b) * m * 2)), (p, m, rc)
+
+
+def test_zb_v_holds_both_ends_on_rank_0_and_needs_a_full_v():
+    from mpiring.core import steptime as st
+
+    row = pr.MEGATRON_TABLE[6]  # 80 layers, tied embeddings, tp8 pp8 dp24 on 1,536 GPUs
+    g, c = row.model(), pr.selene(row.gpus)
+    lay = row.layout().with_(schedule="zb-v")
+    ranks = st._layout_ranks(g, lay)
+    # 16 chunks of 5 layers: every rank runs 10; rank 0 holds both ends, and the tied
+    # table once (1F1B: the embedding on rank 0, Megatron's copy on the last rank).
+    assert [r.layers for r in ranks] == [10] * 8
+    table = g.vocab * g.hidden
+    tables = [r.dense_params - 10 * sm.layer_params(g, False, False) for r in ranks]
+    assert tables == pytest.approx([table] + [0] * 7)
+    one = st._layout_ranks(g, lay.with_(schedule="1f1b"))
+    assert one[-1].dense_params - 10 * sm.layer_params(g, False, False) == pytest.approx(table)
+    m = row.batch // (lay.dp * lay.micro_batch)  # 96
+    zbv, ofb = step_time(g, c, lay, row.batch), step_time(g, c, lay.with_(schedule="1f1b"),
+                                                          row.batch)
+    # Full recomputation: (3p - 2)/(8m) of the work against 1F1B's (p - 1)/m, 0.39 of it
+    # (the work a little more: two sends a rank, not one).
+    assert zbv.pp_comm == pytest.approx(2 * ofb.pp_comm)
+    assert 22 / 8 / 7 < zbv.bubble / ofb.bubble < 22 / 8 / 7 * 1.01
+    with pytest.raises(ValueError, match="zb-v needs m >= 2 pp micro-batches"):
+        step_time(g, c, lay.with_(micro_batch=m // 8), row.batch)
+    with pytest.raises(ValueError, match="zb-v cuts the model into 2 pp = 96 chunks"):
+        step_time(g.with_(layers=80), pr.selene(4608), lay.with_(pp=48, dp=12), row.batch)
 
 
 def test_interleaving_costs_memory_and_sends():

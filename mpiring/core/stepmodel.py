@@ -283,7 +283,8 @@ def rank_layers(layers: int, p: int, v: int = 1, light_ends: bool = False) -> li
 
 
 # --- pipeline bubble ----------------------------------------------------------------
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zb-h1", "zb-h2", "dualpipe")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zb-h1", "zb-h2", "zb-v",
+             "dualpipe")
 #: The schedules of v chunks per rank (Megatron's virtual pipeline).
 INTERLEAVED = ("interleaved", "interleaved-zb")
 
@@ -302,7 +303,10 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
     schedule, simulated). interleaved-zb (ZB-H1 on v chunks
     per rank, mpiring's and torch's ScheduleInterleavedZeroBubble): zb-h1's over v,
     as interleaving divides 1F1B's (mpiring's schedule simulated: exact for m a
-    multiple of p and T_W <= T_F + T_B). Full recomputation runs the
+    multiple of p and T_W <= T_F + T_B). zb-v (ZB-V, 2p chunks in a V, m >= 2p):
+    the lead alone, p - 1 chunk forwards, over m (T_F + T_B + T_W) of two chunks,
+    (p - 1)/(6m); with B = 2, 3p - 2 chunk forwards (mpiring's schedule, simulated;
+    Qi et al. give no formula in Table 2). Full recomputation runs the
     forward again inside B (T_B = 2): zb-h1 is then half of 1F1B's, zb-h2 a
     quarter. dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B) (DeepSeek-V3
     report, Table 2), where B is the full backward and W its weight half: with
@@ -325,6 +329,14 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
         return ((p - 1) * (f + b - w) + max(0, p - m) * w) / (m * (f + b + w))
     if schedule == "interleaved-zb":
         return (p - 1) * (f + b - w) / (v * m * (f + b + w))
+    if schedule == "zb-v":
+        if m < 2 * p:
+            raise ValueError(f"zb-v needs m >= 2p micro-batches, got m={m}, p={p}")
+        # In chunk times (a chunk is half a rank's layers): the lead alone, p - 1 chunk
+        # forwards, with equal times; p - 1 + (2p - 1) with B = 2 (full recomputation),
+        # where the cool-down's B's outlast the W's that fill it.
+        idle = p - 1 if b == f or p == 1 else 3 * p - 2
+        return idle / (2 * m * (f + b + w))
     if schedule == "zb-h2":
         return max(0.0, (p - 1) * (f + b - 2 * w)) / (m * (f + b + w))
     if schedule == "dualpipe":
@@ -356,7 +368,8 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
     GPipe keeps all m; 1F1B min(p - rank, m) (torch's Schedule1F1B warm-up); ZB-H1
     min(p, m) on every rank: rank r holds back r W's, and a micro-batch keeps its
     activations until its W (Qi et al. 2024: ZB-H1's peak is 1F1B's first stage's;
-    mpiring's schedule, simulated, holds that on every stage); ZB-H2 about 2(p - rank) - 1 (Qi et al. 2024, Table 2: 2p - 1 on the
+    mpiring's schedule, simulated, holds that on every stage), as does ZB-V in its 2p
+    chunks of half the layers; ZB-H2 about 2(p - rank) - 1 (Qi et al. 2024, Table 2: 2p - 1 on the
     first); DualPipe p + 1 at most on every rank (DeepSeek-V3 report, Table 2:
     PP + 1 chunks a device). Interleaved holds chunks of 1/v of the rank's
     layers: its warm-up plus the steady state's first forward, over v
@@ -367,7 +380,7 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
     """
     if schedule == "gpipe":
         return m
-    if schedule == "zb-h1":
+    if schedule in ("zb-h1", "zb-v"):  # ZB-V: 2p chunks of half a rank's layers
         return min(m, p)
     if schedule == "zb-h2":
         return min(m, 2 * (p - rank) - 1)

@@ -156,6 +156,15 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
     elif lay.vpp > 1:
         raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved' or 'interleaved-zb', "
                          f"not {lay.schedule!r}")
+    if lay.schedule == "zb-v":
+        m = batch // (lay.dp * lay.micro_batch)
+        if 2 * lay.pp > g.layers:
+            raise ValueError(f"zb-v cuts the model into 2 pp = {2 * lay.pp} chunks, more than "
+                             f"its {g.layers} layers: lower pp")
+        # Below 2p the V is never full: the idle is more than the lead (its generator).
+        if m < 2 * lay.pp:
+            raise ValueError(f"zb-v needs m >= 2 pp micro-batches, got m={m}, pp={lay.pp}: "
+                             "use a smaller micro-batch or dp, or zb-h1")
     if lay.schedule == "dualpipe":
         m = batch // (lay.dp * lay.micro_batch)
         if not g.experts:
@@ -190,18 +199,32 @@ class _Rank:
 
 
 @lru_cache(maxsize=1024)
-def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool, dual: bool = False) -> tuple[_Rank, ...]:
+def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool, dual: bool = False,
+           vee: bool = False) -> tuple[_Rank, ...]:
     """Every pipeline rank's share. Stage 0 holds the embedding, the last stage the head
     (or, tied, Megatron's copy of the embedding); with pp = 1 one stage holds both.
 
     ``dual`` (DualPipe): rank r holds stage r and stage p - 1 - r, one for each
     direction, so every stage's parameters sit on two ranks (DeepSeek-V3 report,
-    Table 2: "Parameter 2x").
+    Table 2: "Parameter 2x"). ``vee`` (ZB-V): 2p chunks, rank r holding chunks r and
+    2p-1-r, which a micro-batch runs through both; rank 0 holds both ends (and, tied,
+    one table).
     """
     routed = g.experts * sm.mlp_params(g.hidden, g.expert_ffn, g.gated)
     dense_w = sm.layer_params(g, False, False)
     moe_w = sm.layer_params(g, True, False) - routed if g.experts else 0
     table = g.vocab * g.hidden
+    if vee:
+        chunks = sm.rank_layers(g.layers, 2 * pp, 1, light_ends)
+        out = []
+        for r in range(pp):
+            mine = chunks[r] + chunks[2 * pp - 1 - r]
+            moe = sum(1 for i in mine if g.experts and i >= g.dense_layers)
+            tables = (1 + (not g.tied_embeddings)) if r == 0 else 0
+            out.append(_Rank(r, len(mine), moe,
+                             (len(mine) - moe) * dense_w + moe * moe_w + tables * table,
+                             moe * routed))
+        return tuple(out)
     stages = sm.rank_layers(g.layers, pp, v, light_ends)
     out = []
     for r in range(pp):
@@ -219,7 +242,7 @@ def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool, dual: bool = False) -> 
 
 def _layout_ranks(g: sm.GPT, lay: Layout) -> tuple[_Rank, ...]:
     return _ranks(g, lay.pp, lay.vpp if lay.schedule in sm.INTERLEAVED else 1, lay.light_ends,
-                  lay.schedule == "dualpipe")
+                  lay.schedule == "dualpipe", lay.schedule == "zb-v")
 
 
 def _copies(lay: Layout) -> int:
@@ -337,8 +360,9 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
         # Stage neighbours are tp x dp ranks apart (Megatron's order): once the pipeline
         # spans more than one node some boundary crosses one, and the slowest sets the pace.
         across = lay.gpus > f.gpus_per_node
-        # Interleaved: a micro-batch crosses p v - 1 chunk boundaries, v per rank.
-        sends = lay.vpp if lay.schedule in sm.INTERLEAVED else 1
+        # Interleaved: a micro-batch crosses p v - 1 chunk boundaries, v per rank; ZB-V
+        # 2p - 1, one of them inside rank p - 1.
+        sends = lay.vpp if lay.schedule in sm.INTERLEAVED else 2 if lay.schedule == "zb-v" else 1
         per_mb_pp = 2 * sends * _p2p(lay.act_bytes * s * b * h / lay.tp, c, across)
     # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
     # DualPipe overlaps the pipeline sends in the same F&B pairs ("both all-to-all

@@ -78,6 +78,8 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
             scheds = [("1f1b", 1)] if pp == 1 else [
                 ("1f1b", 1), ("zb-h1", 1),
                 *((s, v) for v in _vpps(g.layers // pp) for s in ("interleaved", "interleaved-zb"))]
+            if pp > 1 and 2 * pp <= g.layers:
+                scheds.append(("zb-v", 1))
             if g.experts and pp % 2 == 0:
                 scheds.append(("dualpipe", 1))
             for b, (sched, v), zero, rc, ep in product(MICRO_BATCHES, scheds, range(4), RECOMPUTE,
@@ -87,6 +89,8 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
                 m = batch // (dp * b)
                 if sched in sm.INTERLEAVED and m < pp:
                     continue  # Megatron refuses m < p (steptime.check)
+                if sched == "zb-v" and m < 2 * pp:
+                    continue  # the V is never full (steptime.check)
                 if sched == "dualpipe" and (m % 2 or m < 2 * pp):
                     continue  # DualPipe's own asserts (steptime.check)
                 if flash and rc == "selective":  # flash attention keeps no s x s scores: = none
