@@ -308,19 +308,34 @@ class PipelineStage:
         run now are on the critical path, so the ones that would fill the least bubble
         per byte go first (``Deferred.worth``; the oldest micro-batch's among equals).
         """
-        held = {mb: split_backward.held_bytes(q) for mb, q in self._wq.items()}
-        if sum(held.values()) <= limit:
+        # Each micro-batch's storages, with the bytes they keep and how many of its queued
+        # items keep them (held_bytes' count, kept up to date as items run: one pass).
+        refs: dict[int, dict[int, list]] = {}
+        held = {}
+        for mb, queue in self._wq.items():
+            mine = refs[mb] = {}
+            for d in queue:
+                for t in d.tensors:
+                    s = t.untyped_storage()
+                    mine.setdefault(s.data_ptr(), [s.nbytes(), 0])[1] += 1
+            held[mb] = sum(n for n, _ in mine.values())
+        total = sum(held.values())
+        if total <= limit:
             return
         order = sorted((d.worth(), mb, i) for mb, q in self._wq.items() for i, d in enumerate(q))
         done = {mb: set() for mb in self._wq}
         for _, mb, i in order:
-            if sum(held.values()) <= limit:
+            if total <= limit:
                 break
-            queue = self._wq[mb]
-            queue[i].run()
+            item = self._wq[mb][i]
+            item.run()
             done[mb].add(i)
-            held[mb] = split_backward.held_bytes(
-                [d for j, d in enumerate(queue) if j not in done[mb]])
+            for t in item.tensors:
+                entry = refs[mb][t.untyped_storage().data_ptr()]
+                entry[1] -= 1
+                if entry[1] == 0:  # no item left keeps it
+                    held[mb] -= entry[0]
+                    total -= entry[0]
         for mb, ran in done.items():
             if ran:
                 self._wq[mb] = [d for j, d in enumerate(self._wq[mb]) if j not in ran]
