@@ -142,22 +142,21 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
                          f"{lay.dp * lay.micro_batch}: change the batch or the micro-batch")
     if lay.pp > g.layers:
         raise ValueError(f"pp={lay.pp} exceeds the model's {g.layers} layers")
+    m = batch // (lay.dp * lay.micro_batch)
     if lay.schedule in sm.INTERLEAVED:
         if lay.pp * lay.vpp > g.layers:
             raise ValueError(f"{lay.schedule} pp x vpp = {lay.pp * lay.vpp} chunks exceeds the "
                              f"model's {g.layers} layers: lower vpp")
         # Megatron refuses fewer (the micro-batches of a round must range in [PP, M]):
         # with m < p the fill alone takes about p v chunk times whatever v is.
-        if batch // (lay.dp * lay.micro_batch) < lay.pp:
+        if m < lay.pp:
             one = "zb-h1" if lay.schedule == "interleaved-zb" else "1f1b"
-            raise ValueError(f"{lay.schedule} needs m >= pp micro-batches, got "
-                             f"m={batch // (lay.dp * lay.micro_batch)}, pp={lay.pp}: use a "
-                             f"smaller micro-batch or dp, or {one}")
+            raise ValueError(f"{lay.schedule} needs m >= pp micro-batches, got m={m}, "
+                             f"pp={lay.pp}: use a smaller micro-batch or dp, or {one}")
     elif lay.vpp > 1:
         raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved' or 'interleaved-zb', "
                          f"not {lay.schedule!r}")
     if lay.schedule == "zb-v":
-        m = batch // (lay.dp * lay.micro_batch)
         if 2 * lay.pp > g.layers:
             raise ValueError(f"zb-v cuts the model into 2 pp = {2 * lay.pp} chunks, more than "
                              f"its {g.layers} layers: lower pp")
@@ -166,7 +165,6 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
             raise ValueError(f"zb-v needs m >= 2 pp micro-batches, got m={m}, pp={lay.pp}: "
                              "use a smaller micro-batch or dp, or zb-h1")
     if lay.schedule == "dualpipe":
-        m = batch // (lay.dp * lay.micro_batch)
         if not g.experts:
             raise ValueError("dualpipe is priced as DeepSeek-V3 runs it, hiding the MoE "
                              "all-to-alls: for a dense model use zb-h1 or interleaved")
@@ -180,7 +178,7 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
     if lay.ep > 1 and ((lay.dp * lay.tp) % lay.ep or g.experts % lay.ep):
         raise ValueError(f"ep={lay.ep} must divide dp x tp = {lay.dp * lay.tp} and the "
                          f"{g.experts} experts: pick an ep that divides both")
-    return batch // (lay.dp * lay.micro_batch)
+    return m
 
 
 @dataclass(frozen=True)

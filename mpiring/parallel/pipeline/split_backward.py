@@ -232,14 +232,17 @@ def run_through_autograd(queue: list[Deferred], touched: list[torch.Tensor]) -> 
         torch.autograd.backward(roots + list(touched), grads)
 
 
-def held_bytes(queue: list[Deferred]) -> int:
-    """Bytes of the distinct storages a micro-batch's queued W items keep alive."""
-    seen: set[int] = set()
-    total = 0
+def storage_refs(queue: list[Deferred]) -> dict[int, list]:
+    """The distinct storages a micro-batch's queued W items keep alive: data pointer ->
+    [bytes, how many of the tensors the items keep are views of it]."""
+    refs: dict[int, list] = {}
     for item in queue:
         for t in item.tensors:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += t.untyped_storage().nbytes()
-    return total
+            s = t.untyped_storage()
+            refs.setdefault(s.data_ptr(), [s.nbytes(), 0])[1] += 1
+    return refs
+
+
+def held_bytes(queue: list[Deferred]) -> int:
+    """Bytes of the distinct storages a micro-batch's queued W items keep alive."""
+    return sum(n for n, _ in storage_refs(queue).values())

@@ -309,16 +309,9 @@ class PipelineStage:
         per byte go first (``Deferred.worth``; the oldest micro-batch's among equals).
         """
         # Each micro-batch's storages, with the bytes they keep and how many of its queued
-        # items keep them (held_bytes' count, kept up to date as items run: one pass).
-        refs: dict[int, dict[int, list]] = {}
-        held = {}
-        for mb, queue in self._wq.items():
-            mine = refs[mb] = {}
-            for d in queue:
-                for t in d.tensors:
-                    s = t.untyped_storage()
-                    mine.setdefault(s.data_ptr(), [s.nbytes(), 0])[1] += 1
-            held[mb] = sum(n for n, _ in mine.values())
+        # items' tensors keep them (held_bytes' count, kept up to date as items run).
+        refs = {mb: split_backward.storage_refs(q) for mb, q in self._wq.items()}
+        held = {mb: sum(n for n, _ in r.values()) for mb, r in refs.items()}
         total = sum(held.values())
         if total <= limit:
             return

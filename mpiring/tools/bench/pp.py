@@ -58,6 +58,7 @@ import torch
 
 from mpiring.parallel.pipeline.actions import Action
 from mpiring.parallel.pipeline.diagram import draw
+from mpiring.parallel.pipeline.schedules import MULTI
 from mpiring.parallel.pipeline.transport import wait_all
 from mpiring.parallel.pipeline.validate import (
     Span,
@@ -73,7 +74,7 @@ from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 MODES = ("gpipe", "gpipe-recompute", "1f1b", "1f1b-autograd", "zb", "zb-cap", "interleaved",
          "interleaved-zb", "zbv", "torch-1f1b")
 #: The modes of several stages per rank (INTERLEAVED_V each; ZB-V's V holds 2).
-MULTI_MODES = ("interleaved", "interleaved-zb", "zbv")
+MULTI_MODES = tuple(MULTI)
 #: Stages per rank of the "interleaved" mode (Megatron's virtual pipeline size).
 INTERLEAVED_V = 2
 
@@ -320,8 +321,7 @@ def _ratios(rows: list[dict]) -> None:
         izb = by["interleaved-zb"]
         izb["izb_over_il_idle"] = izb["idle_ms"] / il["idle_ms"]
         izb["izb_over_il_idle_busiest"] = izb["idle_busiest_ms"] / il["idle_busiest_ms"]
-    if base is not None and base["bubble"] and "interleaved" in by:
-        il = by["interleaved"]
+    if base is not None and base["bubble"] and il is not None:
         il["il_over_1f1b_bubble"] = il["bubble"] / base["bubble"]
         il["il_over_1f1b_predicted"] = (il["predicted"] / base["predicted"]
                                         if base["predicted"] else None)

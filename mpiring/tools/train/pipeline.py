@@ -40,14 +40,14 @@ from mpiring.parallel.pipeline import (
     ScheduleZeroBubble,
 )
 from mpiring.parallel.pipeline.data_parallel import stage_grid
-from mpiring.parallel.pipeline.schedules import PLACEMENT, stages_of
+from mpiring.parallel.pipeline.schedules import MULTI, PLACEMENT, stages_of
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
              "pipedream": SchedulePipeDream, "interleaved": ScheduleInterleaved1F1B,
              "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
 #: Schedules of several stages per rank (``build_pipeline``'s ``stages_per_rank``).
-MULTI_STAGE = ("interleaved", "interleaved-zb", "zbv")
+MULTI_STAGE = tuple(MULTI)
 
 
 class Embed(nn.Module):
