@@ -34,6 +34,8 @@ _LAZY = {
     "ScheduleInterleaved1F1B": "mpiring.parallel.pipeline",
     "ScheduleInterleavedZeroBubble": "mpiring.parallel.pipeline",
     "ScheduleZBVZeroBubble": "mpiring.parallel.pipeline",
+    "ScheduleDualPipeV": "mpiring.parallel.pipeline",
+    "ScheduleLoopedBFS": "mpiring.parallel.pipeline",
     "SchedulePipeDream": "mpiring.parallel.pipeline",
     "init_process_group": "mpiring.comm.default",
     "destroy_process_group": "mpiring.comm.default",

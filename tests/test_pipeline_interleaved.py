@@ -1,5 +1,5 @@
-"""Interleaved 1F1B and zero bubble (several stages per rank) against the unsplit model,
-float64, K = 1..4.
+"""Interleaved 1F1B and zero bubble, and looped BFS (several stages per rank) against the
+unsplit model, float64, K = 1..4.
 
 Rank r of K holds stages r, r + K, ... of a model cut into v * K stages; the
 reference is the unsplit model run by one process on the same micro-batches.
@@ -20,6 +20,7 @@ from mpiring.parallel.pipeline import (
     Schedule1F1B,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZeroBubble,
 )
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
@@ -101,7 +102,7 @@ def against_the_unsplit_model(sched, stages, refs, full, m: int) -> None:
         st.free()
 
 
-INTERLEAVED = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+INTERLEAVED = (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
 
 
 @pytest.mark.parametrize("cls", INTERLEAVED)

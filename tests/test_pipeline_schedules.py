@@ -11,6 +11,7 @@ from mpiring.parallel.pipeline import diagram
 from mpiring.parallel.pipeline.actions import Action, format_schedule, parse, parse_schedule
 from mpiring.parallel.pipeline.schedules import (
     GENERATORS,
+    MULTI,
     build,
     compute_only,
     dump_csv,
@@ -257,8 +258,9 @@ def test_interleaved_activations_in_flight(p, m):
 
 def test_interleaved_with_one_stage_per_rank_is_1f1b():
     assert build("interleaved", 3, 5, 1) == build("1f1b", 3, 5)
-    with pytest.raises(ValueError, match="use one of 'interleaved', 'interleaved-zb', 'zbv' "
-                                         "for several stages per rank"):
+    with pytest.raises(ValueError, match="use one of 'interleaved', 'interleaved-zb', 'zbv', "
+                                         "'dualpipev', 'looped-bfs' for several stages per "
+                                         "rank"):
         build("1f1b", 2, 4, 2)
     with pytest.raises(ValueError, match="stages_per_rank=0"):
         build("interleaved", 2, 4, 0)
@@ -297,7 +299,7 @@ def test_diagram_marks_each_stage_of_a_rank():
 def test_the_docs_draw_what_the_code_draws():
     import pathlib
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "pipeline.md").read_text()
-    for name in ("interleaved", "interleaved-zb", "zbv"):
+    for name in ("interleaved", "interleaved-zb", "zbv", "dualpipev"):
         text = diagram.draw_schedule(build(name, 2, 4, 2), f=1, b=1, w=1, chars_per_unit=5)
         for line in text.splitlines():
             assert line in doc, line
@@ -399,3 +401,93 @@ def test_zbv_needs_two_stages_per_rank_and_the_v():
         check(build("zbv", 2, 4, 2), 4, 4, rendezvous=False)
     # The turn on rank p-1 is a hand-over: no rendezvous wait for its own receive.
     check(build("zbv", 1, 3, 2), 3, 2, ranks=[0, 0])
+
+
+# --- DualPipeV: ZB-V's V in DeepSeek's order ------------------------------------------
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5, 6))
+def test_dualpipev_is_valid_and_complete(p):
+    ranks = stage_ranks(p, 2 * p, "v")
+    for m in (*range(2 * p, 3 * p + 3), 24):
+        sched = build("dualpipev", p, m, 2)
+        check(sched, m, 2 * p, rendezvous=False, ranks=ranks)
+        for r, prog in enumerate(sched):
+            comp = compute_only(prog)
+            for s in (r, 2 * p - 1 - r):
+                for kind in "FB":
+                    assert sorted(a.mb for a in comp if a.stage == s and a.kind == kind) == \
+                        list(range(m))
+            # Split: chunk 1's first p-1-r backwards (warm-up), the last pairs' from the
+            # middle on (r+1 of them) and chunk 0's last p-1-r; every W after its B.
+            ws = [a for a in comp if a.kind == "W"]
+            assert len(ws) == 2 * (p - 1 - r) + r + 1, (p, m, r)
+            for w in ws:
+                assert comp.index(Action(w.stage, "B", w.mb)) < comp.index(w)
+            # One more stage micro-batch in flight than ZB-V's 2p.
+            assert in_flight(prog) == 2 * p + 1
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5))
+@pytest.mark.parametrize("m_over", (0, 1, 3, 8))
+def test_dualpipev_never_idles_more_than_zbv(p, m_over):
+    m = 2 * p + m_over
+    for costs in ((1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1)):
+        dual = idle_time(simulate(build("dualpipev", p, m, 2), unit_costs(*costs)))
+        vee = idle_time(simulate(build("zbv", p, m, 2), unit_costs(*costs)))
+        assert max(dual) <= max(vee) + 1e-9, (costs, dual, vee)
+        if costs == (1, 1, 1):  # equal times: the lead alone, as ZB-V
+            assert max(dual) == pytest.approx(p - 1)
+    # A longer B: strictly less (p > 1), the steady state's full backwards paired
+    # against the other arm's forwards.
+    if p > 1:
+        assert max(idle_time(simulate(build("dualpipev", p, m, 2), unit_costs(1, 2, 1)))) < \
+            max(idle_time(simulate(build("zbv", p, m, 2), unit_costs(1, 2, 1))))
+
+
+def test_dualpipev_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="DualPipeV places 2 stages per rank in a V, not 3"):
+        build("dualpipev", 2, 8, 3)
+    with pytest.raises(ValueError, match=r"at least one micro-batch per stage, 2p = 6, not "
+                                         r"n_microbatches=5: give more micro-batches, or use zbv"):
+        build("dualpipev", 3, 5, 2)
+
+
+# --- Looped BFS: the interleaved placement, breadth first ------------------------------
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5))
+@pytest.mark.parametrize("v", (1, 2, 3, 4))
+def test_looped_bfs_is_valid_and_runs_each_stage_back_to_back(p, v):
+    ranks = stage_ranks(p, p * v)
+    for m in (1, 2, 3, 5, 8):
+        sched = build("looped-bfs", p, m, v)
+        check(sched, m, p * v, rendezvous=False, ranks=ranks)
+        for r, prog in enumerate(sched):
+            comp = compute_only(prog)
+            stages = list(range(r, p * v, p))
+            assert comp == [Action(s, "F", k) for s in stages for k in range(m)] + \
+                [Action(s, "B", k) for s in reversed(stages) for k in reversed(range(m))]
+            assert in_flight(prog) == v * m  # every micro-batch on every stage at the turn
+    if v == 1:  # one stage per rank: GPipe's idle (its backwards in the other order)
+        for m in (1, 4, 8):
+            assert idle_time(simulate(build("looped-bfs", p, m, 1))) == pytest.approx(
+                idle_time(simulate(build("gpipe", p, m))))
+
+
+def test_torchs_schedule_names_give_mpirings_classes():
+    from mpiring.parallel import pipeline as pl
+
+    # torch.distributed.pipelining.get_schedule_class's names, in any case.
+    for name, cls in (("1F1B", pl.Schedule1F1B), ("gpipe", pl.ScheduleGPipe),
+                      ("Interleaved1F1B", pl.ScheduleInterleaved1F1B),
+                      ("LOOPEDBFS", pl.ScheduleLoopedBFS),
+                      ("InterleavedZeroBubble", pl.ScheduleInterleavedZeroBubble),
+                      ("ZBVZeroBubble", pl.ScheduleZBVZeroBubble), ("DualPipeV", pl.ScheduleDualPipeV),
+                      ("PipelineScheduleMulti", pl.PipelineSchedule),
+                      ("ZeroBubble", pl.ScheduleZeroBubble), ("pipedream", pl.SchedulePipeDream)):
+        assert pl.get_schedule_class(name) is cls, name
+    # Each class builds its own generator's programs, by the name it carries.
+    for cls in set(pl.SCHEDULE_CLASSES.values()) - {pl.PipelineSchedule, pl.SchedulePipeDream}:
+        assert cls.name in (*GENERATORS, *MULTI), cls
+    with pytest.raises(ValueError, match=r"unknown schedule name 'ZB1P': use one of 1F1B, "
+                                         r"Interleaved1F1B, GPipe, LoopedBFS, .*, PipeDream"):
+        pl.get_schedule_class("ZB1P")

@@ -1,4 +1,5 @@
-"""ZB-V (two stages per rank in a V) against the unsplit model, float64, K = 1..4.
+"""ZB-V and DualPipeV (two stages per rank in a V) against the unsplit model, float64,
+K = 1..4.
 
 Rank r of K holds stages r and 2K-1-r of a model cut into 2K stages: the
 activations turn round on rank K-1 without a message, and rank 0 holds both
@@ -17,6 +18,7 @@ import torch
 from mpiring.parallel.pipeline import (
     PipelineSchedule,
     PipelineStage,
+    ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
     build,
@@ -58,10 +60,38 @@ def test_zbv_matches_unsplit_model(comm, m):
     il.against_the_unsplit_model(sched, stages, refs, full, m)
 
 
-def test_zbv_gpt_with_tied_embedding_and_clip(comm):
+@pytest.mark.parametrize("extra", (0, 1))  # m = 2K, the least it runs, and 2K + 1 (odd)
+def test_dualpipev_matches_unsplit_model(comm, extra):
+    m = 2 * comm.size + extra
+    full = il.mlp()
+    stages, refs = v_stages(comm, full)
+    sched = ScheduleDualPipeV(stages, m, il.mse)
+    # Split backwards in the warm-up and the cool-down, full ones in the steady state
+    # (K = 1: no warm-up split, and one pair of the cool-down's): both kinds run here.
+    prog = sched.actions[comm.rank]
+    split = {(a.stage, a.mb) for a in prog if a.kind == "W"}
+    full_b = [a for a in prog if a.kind == "B" and (a.stage, a.mb) not in split]
+    assert split and full_b
+    il.against_the_unsplit_model(sched, stages, refs, full, m)
+
+
+def test_dualpipev_needs_2k_micro_batches_on_every_rank(comm):
+    full = il.mlp()
+    stages, _ = v_stages(comm, full)
+    m = 2 * comm.size - 1
+    with pytest.raises(ValueError, match=rf"DualPipeV needs at least one micro-batch per stage, "
+                                         rf"2p = {2 * comm.size}, not n_microbatches={m}: give "
+                                         "more micro-batches, or use zbv"):
+        ScheduleDualPipeV(stages, m, il.mse)
+    _free_stages(stages)
+
+
+@pytest.mark.parametrize("cls", (ScheduleZBVZeroBubble, ScheduleDualPipeV))
+def test_zbv_gpt_with_tied_embedding_and_clip(comm, cls):
     # The embedding (stage 0) and the head (stage 2K - 1) are both on rank 0: their
     # gradients are added there, with no pair to make; the clip counts the tie once.
     n = 2 * comm.size
+    m = 4 if cls is ScheduleZBVZeroBubble else n
     cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=n - 1, n_heads=2)
     torch.manual_seed(3)
     full = GPT(cfg).double()
@@ -69,10 +99,10 @@ def test_zbv_gpt_with_tied_embedding_and_clip(comm):
     for s in (comm.rank, n - 1 - comm.rank):
         module, tied = split_gpt(full, n, s)
         stages.append(PipelineStage(module, s, n, comm, tied_parameters=tied))
-    sched = ScheduleZBVZeroBubble(stages, 4, lm_loss)
+    sched = cls(stages, m, lm_loss)
     g = torch.Generator().manual_seed(9)
-    x, y = torch.randint(0, 11, (7, 5), generator=g), torch.randint(0, 11, (7, 5), generator=g)
-    ref_losses = il.reference(full, x, y, 4, lm_loss)
+    x, y = torch.randint(0, 11, (9, 5), generator=g), torch.randint(0, 11, (9, 5), generator=g)
+    ref_losses = il.reference(full, x, y, m, lm_loss)
     losses: list = []
     il.step(sched, stages, x, y, losses)
     if comm.rank == 0:

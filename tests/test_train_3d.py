@@ -147,7 +147,8 @@ def test_validation_loss_matches_the_one_process_model(world, opts):
 
 def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
     """(tp, pp) exercising ``opts`` at k ranks: dp > 1 for the data axis, pp > 1 for a schedule."""
-    if opts.get("schedule") in ("interleaved", "interleaved-zb", "zbv") or "pp_layers" in opts:
+    if opts.get("schedule") in ("interleaved", "interleaved-zb", "zbv", "dualpipev",
+                                "looped-bfs") or "pp_layers" in opts:
         return (1, 2) if k % 2 == 0 else None
     if "schedule" in opts:
         return (1, 2) if k % 2 == 0 else (1, k) if 1 < k <= 4 else None
@@ -171,11 +172,13 @@ def _layout_for(k: int, opts: dict) -> tuple[int, int] | None:
                                   dict(schedule="interleaved", vpp=2, pp_layers=(0, 1, 1, 0)),
                                   dict(schedule="zbv", vpp=2, microbatches=3),
                                   dict(schedule="interleaved-zb", vpp=2, microbatches=3),
-                                  dict(schedule="interleaved-zb", vpp=2, microbatches=6)],
+                                  dict(schedule="interleaved-zb", vpp=2, microbatches=6),
+                                  dict(schedule="dualpipev", vpp=2, microbatches=6),
+                                  dict(schedule="looped-bfs", vpp=2, microbatches=3)],
                          ids=["zero1", "fsdp", "gpipe", "zb-m3", "sp", "fsdp-1f1b",
                               "fsdp-gpipe-m3", "zero2-1f1b", "zero2-zb-m3", "interleaved-m3",
                               "uneven-2-0", "interleaved-uneven", "zbv-m3", "interleaved-zb-m3",
-                              "interleaved-zb-m6"])
+                              "interleaved-zb-m6", "dualpipev-m6", "looped-bfs-m3"])
 def test_data_axis_and_schedules_match_the_twin(world, opts):
     picked = _layout_for(world.size, opts)
     if picked is None:
@@ -347,6 +350,12 @@ def test_bad_layouts_are_refused_on_every_rank(world):
     _refused(world, "--schedule zbv: the V holds 2 stages per rank", pp=2, vpp=3, schedule="zbv")
     _refused(world, r"vpp=1 with --schedule zbv: .*\(TrainConfig: vpp=2\)", pp=2,
              schedule="zbv")
+    _refused(world, "--schedule dualpipev: the V holds 2 stages per rank", pp=2, vpp=3,
+             schedule="dualpipev")
+    if k % 2 == 0:
+        _refused(world, r"dualpipev runs at least one micro-batch per stage, 2 pp = 4, not 3: "
+                 r"give --microbatches 4 or more \(dividing", pp=2, vpp=2, microbatches=3,
+                 schedule="dualpipev")
     if k % 2 == 0:
         _refused(world, r"pp=6 stages for a GPT of 4 units.*\(pp=2 x vpp=3\)", pp=2,
                  vpp=3, schedule="interleaved")

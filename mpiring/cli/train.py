@@ -80,18 +80,22 @@ def add_arguments(p) -> None:
     p.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and AdamW state over the data axis (ZeRO-3)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream", "interleaved",
-                                          "interleaved-zb", "zbv"),
+                                          "interleaved-zb", "zbv", "dualpipev", "looped-bfs"),
                    default="1f1b", help="pipeline schedule with --pp > 1 (default 1f1b; "
                                         "interleaved-zb: interleaved with zb's split backward; "
-                                        "zbv: zero bubble, 2 stages per rank in a V)")
+                                        "zbv: zero bubble, 2 stages per rank in a V; "
+                                        "dualpipev: DeepSeek's order on zbv's V, needs "
+                                        "--microbatches >= 2 pp; looped-bfs: interleaved's "
+                                        "stages, breadth first)")
     p.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
                    help="blocks per stage, comma list summing to the model's (the embeddings "
                         "go with the first stage, the head with the last), e.g. 3,1 for a "
                         "last stage that also computes the head; with --vpp, one per stage "
                         "of the pp x vpp (default: the units split evenly)")
     p.add_argument("--vpp", type=positive_int, default=None,
-                   help="stages per rank with --schedule interleaved or interleaved-zb "
-                        "(Megatron's virtual pipeline size; default 2); zbv holds 2")
+                   help="stages per rank with --schedule interleaved, interleaved-zb or "
+                        "looped-bfs (Megatron's virtual pipeline size; default 2); zbv and "
+                        "dualpipev hold 2")
     p.add_argument("--microbatches", type=positive_int, default=None,
                    help="micro-batches per step with --pp > 1 (default: pp); must divide the "
                         "windows per replica")

@@ -796,3 +796,43 @@ class ScheduleZBVZeroBubble(PipelineSchedule):
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None, *,
                  scale_grads: bool = True):
         super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads)
+
+
+class ScheduleDualPipeV(PipelineSchedule):
+    """DualPipeV (DeepSeek's DualPipe cut in half; torch's class of the same name): ZB-V's
+    2p stages in a V (rank r holds stages r and 2p-1-r) in DeepSeek's phases, the steady
+    state a forward of one stage beside a full backward of the other, the backward split
+    only in the warm-up and the cool-down (see ``schedules.dualpipe_v``). On a GPU the
+    pair overlaps, hiding an expert-parallel all-to-all behind the other's compute; here
+    they run one after the other, so the gain over ZB-V is its order: no more idle than
+    ZB-V in the simulations (less when B or W is the longer), for one more stage
+    micro-batch in flight (2p + 1). Needs n_microbatches >= 2p. MPI only, as ZB-V.
+
+    ``stages``: this rank's two ``PipelineStage`` objects, in stage order (r, 2p-1-r).
+    """
+
+    name = "dualpipev"
+    placement = "v"
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn=None, *,
+                 scale_grads: bool = True):
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads)
+
+
+class ScheduleLoopedBFS(PipelineSchedule):
+    """Looped BFS (breadth-first pipelining; torch's class of the same name): the
+    interleaved placement (rank r holds stages r, r + p, ...), each stage running all
+    its micro-batches' forwards back to back, then the backwards, last stage first (see
+    ``schedules.looped_bfs``). Every micro-batch is in flight on every stage at the turn,
+    as in GPipe. MPI only, as the interleaved schedule.
+
+    ``stages``: this rank's ``PipelineStage`` list, in stage order (one stage: GPipe's
+    order with the backwards reversed).
+    """
+
+    name = "looped-bfs"
+
+    def __init__(self, stages: list[PipelineStage] | PipelineStage, n_microbatches: int,
+                 loss_fn=None, *, scale_grads: bool = True):
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads=scale_grads)
+

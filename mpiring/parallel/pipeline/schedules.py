@@ -24,6 +24,13 @@ executes. p = number of stages, m = number of micro-batches, i = this stage::
     ZB-V    two stages per rank in a V (rank r holds r and 2p-1-r, so rank 0 holds
             both ends), the backward split as in ZB-H1; idle only the lead, p-1
             stage forwards, with equal times and m >= 2p   2p stages, 1F1B's stage-0 count
+    DualPipeV  DeepSeek's DualPipe cut in half, on ZB-V's V: a forward of one arm
+            beside a full backward of the other in the steady state (a pair a GPU
+            overlaps), the backward split only where the warm-up and the cool-down
+            would wait; m >= 2p
+    Looped BFS  v stages per rank as interleaved, breadth first: every micro-batch
+            through the rank's first stage, then its second, ...; the backwards
+            the other way round                     v*m in flight, GPipe's on every stage
 
 With equal stage times the GPipe and 1F1B bubble is (p-1)/(m+p-1) of the step.
 A schedule's programs are per rank; with one stage per rank (every schedule
@@ -209,11 +216,97 @@ def zb_v(p: int, m: int, r: int, v: int = 2) -> list[Action]:
     return out + held
 
 
+def dualpipe_v(p: int, m: int, r: int, v: int = 2) -> list[Action]:
+    """DualPipeV (DeepSeek's DualPipe cut in half; torch's ScheduleDualPipeV) on rank r.
+
+    ZB-V's stages (rank r holds stage r, chunk 0, and 2p-1-r, chunk 1) in the
+    eight phases of DeepSeek's reference: chunk-0 forwards while the first
+    micro-batch goes down, then both chunks' forwards in turn, then chunk 1's
+    first backwards split (B now, its W at once after: the gradient goes back
+    sooner); the steady state pairs a forward of one chunk with a full backward
+    of the other (F0 B1, F1 B0: the pair DualPipe overlaps on a GPU, its
+    all-to-all hidden behind the other's compute; here one runs after the
+    other); the cool-down's backwards, split from the middle of the rank's last
+    pairs on, with the W's held back to fill the end. Needs m >= 2p (every stage's
+    first micro-batch on its way before the steady state).
+    """
+    if v != 2:
+        raise ValueError(f"DualPipeV places 2 stages per rank in a V, not {v}: give "
+                         "stages_per_rank=2")
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs at least one micro-batch per stage, 2p = {2 * p}, "
+                         f"not n_microbatches={m}: give more micro-batches, or use zbv")
+    down, up = r, 2 * p - 1 - r
+    out: list[Action] = []
+    nxt = {(F, down): 0, (F, up): 0, (B, down): 0, (B, up): 0}
+    held: list[Action] = []  # the split backwards' W's, oldest first
+
+    def run(kind: str, stage: int, split: bool = False) -> None:
+        k = nxt[(kind, stage)]
+        nxt[(kind, stage)] = k + 1
+        out.append(Action(stage, kind, k))
+        if split:
+            held.append(Action(stage, W, k))
+
+    def weight() -> None:
+        if held:
+            out.append(held.pop(0))
+
+    for _ in range(2 * (p - 1 - r)):  # 1: chunk 0 fills the way down
+        run(F, down)
+    for _ in range(r + 1):  # 2: both chunks
+        run(F, down)
+        run(F, up)
+    for _ in range(p - 1 - r):  # 3: chunk 1's first backwards, split
+        run(B, up, split=True)
+        weight()
+        run(F, up)
+    for _ in range(m - 2 * p + r + 1):  # 4: the steady state, F0 B1 then F1 B0
+        run(F, down)
+        run(B, up)
+        run(F, up)
+        run(B, down)
+    for _ in range(p - 1 - r):  # 5: chunk 0's forwards are done
+        run(B, up)
+        run(F, up)
+        run(B, down)
+    split, half = False, (r + 1) // 2
+    for i in range(r + 1):  # 6: the backwards left, split from the middle on
+        # Odd and even ranks start splitting half a pair apart, as in the reference.
+        split = split or (i == half and r % 2 == 1)
+        run(B, up, split=split)
+        split = split or (i == half and r % 2 == 0)
+        run(B, down, split=split)
+    for _ in range(p - 1 - r):  # 7: a held W, then chunk 0's next backward
+        weight()
+        run(B, down, split=True)
+    while held:  # 8: the W's left
+        weight()
+    return out
+
+
+def looped_bfs(p: int, m: int, r: int, v: int) -> list[Action]:
+    """Looped BFS (Lamy-Poirier's breadth-first pipeline; torch's ScheduleLoopedBFS) on rank r.
+
+    The interleaved placement (rank r holds stages r, r + p, ...), run breadth
+    first: every micro-batch's forward through the rank's first stage, then
+    through its second, ..., then the backwards, last stage first, each in
+    reverse micro-batch order (torch's). Every micro-batch is in flight on every
+    stage at the turn, as in GPipe, and each stage runs its m forwards (and
+    backwards) back to back: the order that lets a sharded stage gather its
+    weights once per step.
+    """
+    stages = [c * p + r for c in range(v)]
+    out = [Action(s, F, k) for s in stages for k in range(m)]
+    return out + [Action(s, B, k) for s in reversed(stages) for k in reversed(range(m))]
+
+
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb": zb_h1, "pipedream": one_f_one_b}
 #: Schedules that run several stages per rank (``build``'s ``stages_per_rank``).
-MULTI = {"interleaved": interleaved_1f1b, "interleaved-zb": interleaved_zb, "zbv": zb_v}
+MULTI = {"interleaved": interleaved_1f1b, "interleaved-zb": interleaved_zb, "zbv": zb_v,
+         "dualpipev": dualpipe_v, "looped-bfs": looped_bfs}
 #: Where a multi-stage schedule places its stages (``stage_ranks``); the others: "loop".
-PLACEMENT = {"zbv": "v"}
+PLACEMENT = {"zbv": "v", "dualpipev": "v"}
 
 
 def stage_ranks(p: int, n: int, placement: str = "loop") -> list[int]:
@@ -273,11 +366,13 @@ def build(name: str, p: int, m: int, stages_per_rank: int = 1) -> list[list[Acti
     """Every rank's program (compute and communication) for schedule ``name``.
 
     Args:
-        name: "gpipe", "1f1b", "zb" (ZB-H1), "pipedream", "interleaved", "interleaved-zb"
-            or "zbv".
-        p: number of ranks (one stage each, or ``stages_per_rank`` for the last three).
+        name: "gpipe", "1f1b", "zb" (ZB-H1), "pipedream", or one of several stages per
+            rank (``MULTI``): "interleaved", "interleaved-zb", "zbv", "dualpipev" or
+            "looped-bfs".
+        p: number of ranks (one stage each, or ``stages_per_rank`` for ``MULTI``).
         m: number of micro-batches per step.
-        stages_per_rank: v, the stages each rank holds (the last three only; "zbv": 2).
+        stages_per_rank: v, the stages each rank holds (``MULTI`` only; "zbv" and
+            "dualpipev": 2).
     """
     if name not in GENERATORS and name not in MULTI:
         raise ValueError(f"unknown schedule {name!r}: use one of "

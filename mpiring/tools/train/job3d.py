@@ -50,6 +50,7 @@ def validate_grid_config(cfg) -> None:
     Raises:
         ValueError: naming the fix.
     """
+    from mpiring.parallel.pipeline.schedules import PLACEMENT
     from mpiring.tools.train.pipeline import MULTI_STAGE, SCHEDULES
 
     for name in ("pp", "microbatches", "global_batch"):
@@ -61,13 +62,13 @@ def validate_grid_config(cfg) -> None:
     if isinstance(cfg.vpp, bool) or not isinstance(cfg.vpp, int) or cfg.vpp < 1:
         raise ValueError(f"vpp={cfg.vpp!r}: give the stages per rank, a positive integer")
     multi = cfg.schedule in MULTI_STAGE
-    if cfg.schedule == "zbv" and cfg.vpp != 2:
-        raise ValueError(f"vpp={cfg.vpp} with --schedule zbv: the V holds 2 stages per rank; "
-                         "leave --vpp out (TrainConfig: vpp=2)")
+    if PLACEMENT.get(cfg.schedule) == "v" and cfg.vpp != 2:  # zbv, dualpipev
+        raise ValueError(f"vpp={cfg.vpp} with --schedule {cfg.schedule}: the V holds 2 stages "
+                         "per rank; leave --vpp out (TrainConfig: vpp=2)")
     if (cfg.vpp > 1) != multi:
         raise ValueError(f"vpp={cfg.vpp} with --schedule {cfg.schedule}: several stages per "
-                         "rank run with --schedule interleaved or interleaved-zb (--vpp 2 or "
-                         "more) or zbv")
+                         "rank run with --schedule interleaved, interleaved-zb or looped-bfs "
+                         "(--vpp 2 or more), zbv or dualpipev")
     if multi and (cfg.pp == 1 or cfg.fsdp or cfg.optimizer != "adamw"):
         raise ValueError(f"--schedule {cfg.schedule} runs on pp > 1 with DDP on the data axis "
                          "and the optimizer adamw (not fsdp, zero1 or zero2): each rank's "
@@ -115,6 +116,9 @@ def layout_error(cfg, world: int) -> str | None:
     if pp > 1 and batch % m:
         return (f"{batch} windows per replica do not split into {m} equal micro-batches (the "
                 f"loss would weight them unequally): choose --microbatches dividing {batch}")
+    if pp > 1 and cfg.schedule == "dualpipev" and m < 2 * pp:
+        return (f"--schedule dualpipev runs at least one micro-batch per stage, 2 pp = {2 * pp}, "
+                f"not {m}: give --microbatches {2 * pp} or more (dividing {batch}), or use zbv")
     if pp > 1 and cfg.schedule == "pipedream" and dp > 1:
         return (f"pipedream steps each stage after every micro-batch, which dp={dp} replicas "
                 "cannot average: use --schedule 1f1b (or gpipe, zb) with dp > 1")
@@ -197,9 +201,9 @@ class GridJob(TrainJob):
             gradient_as_bucket_view=cfg.grad_as_bucket_view)
 
     def _wrap_interleaved(self):
-        """vpp stages per rank (interleaved and interleaved-zb: r, r + pp, ...; zbv: r,
-        2 pp - 1 - r), each its own DDP over the data axis; ``model`` holds them all,
-        named as the full GPT's."""
+        """vpp stages per rank (interleaved, interleaved-zb, looped-bfs: r, r + pp, ...; zbv
+        and dualpipev: r, 2 pp - 1 - r), each its own DDP over the data axis; ``model``
+        holds them all, named as the full GPT's."""
         from mpiring.parallel.pipeline import PipelineStage
         from mpiring.parallel.pipeline.schedules import PLACEMENT, stages_of
         from mpiring.tools.train.pipeline import SCHEDULES

@@ -32,9 +32,11 @@ from mpiring.parallel.data import DistributedDataParallel
 from mpiring.parallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     SchedulePipeDream,
     ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
@@ -45,7 +47,8 @@ from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zb": ScheduleZeroBubble,
              "pipedream": SchedulePipeDream, "interleaved": ScheduleInterleaved1F1B,
-             "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+             "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV, "looped-bfs": ScheduleLoopedBFS}
 #: Schedules of several stages per rank (``build_pipeline``'s ``stages_per_rank``).
 MULTI_STAGE = tuple(MULTI)
 
@@ -117,7 +120,8 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     Every rank builds the whole model from ``seed`` (so the stages start from one
     model) and keeps its part. ``pp`` ranks along the pipeline (default: every rank
     of ``comm``), each holding ``stages_per_rank`` stages (more than one:
-    "interleaved" and "interleaved-zb", rank r holding stages r, r + pp, ...; "zbv", 2: r and
+    "interleaved", "interleaved-zb" and "looped-bfs", rank r holding stages r, r + pp, ...;
+    "zbv" and "dualpipev", 2: r and
     2 pp - 1 - r); the world / pp replicas
     of each stage reduce with DDP. Returns ``(stage, sched, optimizer)``, where
     ``stage`` is the rank's list of stages with ``stages_per_rank > 1`` (all of them
@@ -129,8 +133,8 @@ def build_pipeline(comm, cfg: GPTConfig, schedule: str, n_microbatches: int, *,
     if v != 1 and schedule not in MULTI_STAGE:
         raise ValueError(f"stages_per_rank={v} with schedule {schedule!r}: several stages per "
                          f"rank run with {' or '.join(map(repr, MULTI_STAGE))}")
-    if schedule == "zbv" and v != 2:
-        raise ValueError(f"zbv places 2 stages per rank: give stages_per_rank=2, not {v}")
+    if PLACEMENT.get(schedule) == "v" and v != 2:  # zbv, dualpipev
+        raise ValueError(f"{schedule} places 2 stages per rank: give stages_per_rank=2, not {v}")
     grid = stage_grid(comm, comm.size if pp is None else pp)
     torch.manual_seed(seed)
     full = GPT(cfg).to(dtype)
