@@ -297,16 +297,17 @@ def test_the_schedules_are_priced_as_mpiring_runs_them():
                         want = idle / ((2 + b) * m * vpp)
                         assert sm.bubble_fraction(sched, p, m, vpp, rc) == \
                             pytest.approx(want), (sched, p, m, vpp, rc)
-    # ZB-V: 2p chunks of half a rank's layers, two on each rank, from m = 2p up.
-    for p in (1, 2, 3, 4, 8):
-        for m in range(2 * p, 4 * p + 3):
-            progs = build("zbv", p, m, 2)
-            for r, prog in enumerate(progs):
-                assert sm.in_flight_microbatches("zb-v", p, m, 1, r) * 2 == in_flight(prog)
-            for rc, b in (("none", 1), ("full", 2)):
-                idle = max(idle_time(simulate(progs, unit_costs(1, b, 1))))
-                assert sm.bubble_fraction("zb-v", p, m, 1, rc) == \
-                    pytest.approx(idle / ((2 + b) * m * 2)), (p, m, rc)
+    # ZB-V and DualPipeV: 2p chunks of half a rank's layers, two on each rank, from m = 2p.
+    for sched, name in (("zb-v", "zbv"), ("dualpipev", "dualpipev")):
+        for p in (1, 2, 3, 4, 8):
+            for m in range(2 * p, 4 * p + 3):
+                progs = build(name, p, m, 2)
+                for r, prog in enumerate(progs):
+                    assert sm.in_flight_microbatches(sched, p, m, 1, r) * 2 == in_flight(prog)
+                for rc, b in (("none", 1), ("full", 2)):
+                    idle = max(idle_time(simulate(progs, unit_costs(1, b, 1))))
+                    assert sm.bubble_fraction(sched, p, m, 1, rc) == \
+                        pytest.approx(idle / ((2 + b) * m * 2)), (sched, p, m, rc)
 
 
 def test_zb_v_holds_both_ends_on_rank_0_and_needs_a_full_v():
@@ -543,3 +544,22 @@ def test_fp32_gradients_take_4_bytes_in_memory_too():
     mem = st.memory(g, lay, row.batch // lay.dp)
     assert mem["model_states"] == pytest.approx(18 * psi0)
     assert st.memory(g, lay.with_(grad_bytes=2), 1)["model_states"] == pytest.approx(16 * psi0)
+
+
+def test_dualpipev_is_priced_on_zb_vs_v():
+    from mpiring.core import steptime as st
+
+    row = pr.MEGATRON_TABLE[6]  # 80 layers, tp8 pp8 dp24 on 1,536 GPUs, m = 96
+    g, c = row.model(), pr.selene(row.gpus)
+    lay = row.layout().with_(schedule="dualpipev")
+    vee = lay.with_(schedule="zb-v")
+    # The same V: both ends on rank 0, two sends a rank; with full recomputation two
+    # chunk forwards less idle than ZB-V's 3p - 2, for half a micro-batch more held.
+    assert st._layout_ranks(g, lay) == st._layout_ranks(g, vee)
+    dual, zbv = step_time(g, c, lay, row.batch), step_time(g, c, vee, row.batch)
+    assert dual.pp_comm == pytest.approx(zbv.pp_comm)
+    assert lay.recompute == "full" and dual.bubble / zbv.bubble == pytest.approx(20 / 22)
+    assert sm.in_flight_microbatches("dualpipev", 8, 96) == 8.5
+    m = row.batch // (lay.dp * lay.micro_batch)
+    with pytest.raises(ValueError, match="dualpipev needs m >= 2 pp micro-batches"):
+        step_time(g, c, lay.with_(micro_batch=m // 8), row.batch)

@@ -284,7 +284,9 @@ def rank_layers(layers: int, p: int, v: int = 1, light_ends: bool = False) -> li
 
 # --- pipeline bubble ----------------------------------------------------------------
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zb-h1", "zb-h2", "zb-v",
-             "dualpipe")
+             "dualpipev", "dualpipe")
+#: The schedules of 2p chunks in a V (rank r holds chunks r and 2p - 1 - r).
+VEE = ("zb-v", "dualpipev")
 #: The schedules of v chunks per rank (Megatron's virtual pipeline).
 INTERLEAVED = ("interleaved", "interleaved-zb")
 
@@ -306,7 +308,11 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
     multiple of p and T_W <= T_F + T_B). zb-v (ZB-V, 2p chunks in a V, m >= 2p):
     the lead alone, p - 1 chunk forwards, over m (T_F + T_B + T_W) of two chunks,
     (p - 1)/(6m); with B = 2, 3p - 2 chunk forwards (mpiring's schedule, simulated;
-    Qi et al. give no formula in Table 2). Full recomputation runs the
+    Qi et al. give no formula in Table 2). dualpipev (DeepSeek's DualPipe cut in
+    half, on ZB-V's V, m >= 2p; mpiring's and torch's ScheduleDualPipeV): the same
+    lead with equal times, 3p - 4 chunk forwards with B = 2 (its generator,
+    simulated: full backwards in the steady state, paired against the other arm's
+    forwards, where ZB-V's split ones leave W's over). Full recomputation runs the
     forward again inside B (T_B = 2): zb-h1 is then half of 1F1B's, zb-h2 a
     quarter. dualpipe: (p/2 - 1)(F&B + B - 3W) over m (F + B) (DeepSeek-V3
     report, Table 2), where B is the full backward and W its weight half: with
@@ -329,13 +335,16 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1, recompute: str = 
         return ((p - 1) * (f + b - w) + max(0, p - m) * w) / (m * (f + b + w))
     if schedule == "interleaved-zb":
         return (p - 1) * (f + b - w) / (v * m * (f + b + w))
-    if schedule == "zb-v":
+    if schedule in VEE:
         if m < 2 * p:
-            raise ValueError(f"zb-v needs m >= 2p micro-batches, got m={m}, p={p}")
+            raise ValueError(f"{schedule} needs m >= 2p micro-batches, got m={m}, p={p}")
         # In chunk times (a chunk is half a rank's layers): the lead alone, p - 1 chunk
-        # forwards, with equal times; p - 1 + (2p - 1) with B = 2 (full recomputation),
-        # where the cool-down's B's outlast the W's that fill it.
-        idle = p - 1 if b == f or p == 1 else 3 * p - 2
+        # forwards, with equal times. With B = 2 (full recomputation) ZB-V's cool-down
+        # B's outlast the W's that fill it, p - 1 + (2p - 1); DualPipeV's two less.
+        if b == f or p == 1:
+            idle = p - 1
+        else:
+            idle = 3 * p - 2 if schedule == "zb-v" else 3 * p - 4
         return idle / (2 * m * (f + b + w))
     if schedule == "zb-h2":
         return max(0.0, (p - 1) * (f + b - 2 * w)) / (m * (f + b + w))
@@ -369,7 +378,8 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
     min(p, m) on every rank: rank r holds back r W's, and a micro-batch keeps its
     activations until its W (Qi et al. 2024: ZB-H1's peak is 1F1B's first stage's;
     mpiring's schedule, simulated, holds that on every stage), as does ZB-V in its 2p
-    chunks of half the layers; ZB-H2 about 2(p - rank) - 1 (Qi et al. 2024, Table 2: 2p - 1 on the
+    chunks of half the layers, and DualPipeV one chunk more (its generator, simulated);
+    ZB-H2 about 2(p - rank) - 1 (Qi et al. 2024, Table 2: 2p - 1 on the
     first); DualPipe p + 1 at most on every rank (DeepSeek-V3 report, Table 2:
     PP + 1 chunks a device). Interleaved holds chunks of 1/v of the rank's
     layers: its warm-up plus the steady state's first forward, over v
@@ -382,6 +392,8 @@ def in_flight_microbatches(schedule: str, p: int, m: int, v: int = 1, rank: int 
         return m
     if schedule in ("zb-h1", "zb-v"):  # ZB-V: 2p chunks of half a rank's layers
         return min(m, p)
+    if schedule == "dualpipev":  # 2p + 1 chunks of half a rank's layers (m >= 2p)
+        return min(m, p + 0.5)
     if schedule == "zb-h2":
         return min(m, 2 * (p - rank) - 1)
     if schedule == "dualpipe":

@@ -156,14 +156,15 @@ def check(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> int:
     elif lay.vpp > 1:
         raise ValueError(f"vpp={lay.vpp} is for schedule 'interleaved' or 'interleaved-zb', "
                          f"not {lay.schedule!r}")
-    if lay.schedule == "zb-v":
+    if lay.schedule in sm.VEE:
         if 2 * lay.pp > g.layers:
-            raise ValueError(f"zb-v cuts the model into 2 pp = {2 * lay.pp} chunks, more than "
-                             f"its {g.layers} layers: lower pp")
-        # Below 2p the V is never full: the idle is more than the lead (its generator).
+            raise ValueError(f"{lay.schedule} cuts the model into 2 pp = {2 * lay.pp} chunks, "
+                             f"more than its {g.layers} layers: lower pp")
+        # Below 2p the V is never full: ZB-V idles more than the lead (its generator);
+        # DualPipeV does not run at all (DeepSeek's and torch's check).
         if m < 2 * lay.pp:
-            raise ValueError(f"zb-v needs m >= 2 pp micro-batches, got m={m}, pp={lay.pp}: "
-                             "use a smaller micro-batch or dp, or zb-h1")
+            raise ValueError(f"{lay.schedule} needs m >= 2 pp micro-batches, got m={m}, "
+                             f"pp={lay.pp}: use a smaller micro-batch or dp, or zb-h1")
     if lay.schedule == "dualpipe":
         if not g.experts:
             raise ValueError("dualpipe is priced as DeepSeek-V3 runs it, hiding the MoE "
@@ -240,7 +241,7 @@ def _ranks(g: sm.GPT, pp: int, v: int, light_ends: bool, dual: bool = False,
 
 def _layout_ranks(g: sm.GPT, lay: Layout) -> tuple[_Rank, ...]:
     return _ranks(g, lay.pp, lay.vpp if lay.schedule in sm.INTERLEAVED else 1, lay.light_ends,
-                  lay.schedule == "dualpipe", lay.schedule == "zb-v")
+                  lay.schedule == "dualpipe", lay.schedule in sm.VEE)
 
 
 def _copies(lay: Layout) -> int:
@@ -360,7 +361,7 @@ def step_time(g: sm.GPT, c: Cluster, lay: Layout, batch: int) -> sm.Breakdown:
         across = lay.gpus > f.gpus_per_node
         # Interleaved: a micro-batch crosses p v - 1 chunk boundaries, v per rank; ZB-V
         # 2p - 1, one of them inside rank p - 1.
-        sends = lay.vpp if lay.schedule in sm.INTERLEAVED else 2 if lay.schedule == "zb-v" else 1
+        sends = lay.vpp if lay.schedule in sm.INTERLEAVED else 2 if lay.schedule in sm.VEE else 1
         per_mb_pp = 2 * sends * _p2p(lay.act_bytes * s * b * h / lay.tp, c, across)
     # Overlapped all-to-all still costs what the micro-batch's compute cannot cover.
     # DualPipe overlaps the pipeline sends in the same F&B pairs ("both all-to-all

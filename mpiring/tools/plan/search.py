@@ -79,7 +79,7 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
                 ("1f1b", 1), ("zb-h1", 1),
                 *((s, v) for v in _vpps(g.layers // pp) for s in ("interleaved", "interleaved-zb"))]
             if pp > 1 and 2 * pp <= g.layers:
-                scheds.append(("zb-v", 1))
+                scheds += [("zb-v", 1), ("dualpipev", 1)]
             if g.experts and pp % 2 == 0:
                 scheds.append(("dualpipe", 1))
             for b, (sched, v), zero, rc, ep in product(MICRO_BATCHES, scheds, range(4), RECOMPUTE,
@@ -89,7 +89,7 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
                 m = batch // (dp * b)
                 if sched in sm.INTERLEAVED and m < pp:
                     continue  # Megatron refuses m < p (steptime.check)
-                if sched == "zb-v" and m < 2 * pp:
+                if sched in sm.VEE and m < 2 * pp:
                     continue  # the V is never full (steptime.check)
                 if sched == "dualpipe" and (m % 2 or m < 2 * pp):
                     continue  # DualPipe's own asserts (steptime.check)
