@@ -19,7 +19,7 @@ COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 git diff --quiet HEAD -- mpiring scripts 2>/dev/null || COMMIT="$COMMIT with local changes"
 load() { cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo "?"; }
 BEFORE="$(load)"
-mpiexec -n 2 python -m mpiring bench-pp "${SMALL[@]}" --draw 1f1b:8,zb:8,interleaved:8,interleaved-zb:8,zbv:8 \
+mpiexec -n 2 python -m mpiring bench-pp "${SMALL[@]}" --draw 1f1b:8,zb:8,interleaved:8,interleaved-zb:8,zbv:8,dualpipev:8 \
     --json "$OUT/small.json" > "$OUT/small.txt"
 mpiexec -n 2 python -m mpiring bench-pp --preset tiny "${TINY[@]}" --draw "" \
     --json "$OUT/tiny.json" > "$OUT/tiny.txt"

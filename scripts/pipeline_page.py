@@ -8,7 +8,7 @@ bubble and peak activations against 1F1B's, 1F1B's step against torch's
 Schedule1F1B (and torch's against the schedule's compute bound), GPipe with
 recomputation's memory against its model, interleaved 1F1B's bubble and ZB-V's
 idle time and peak against 1F1B's, the interleaved zero bubble's against
-interleaved 1F1B's. Then the bench's own tables and a
+interleaved 1F1B's, DualPipeV's against ZB-V's. Then the bench's own tables and a
 measured step drawn to scale, as printed.
 """
 
@@ -117,6 +117,16 @@ def goals(rows: list[dict]) -> list[str]:
          lambda m: f"{by['zbv', m]['peak_act_mib']:.2f} / {by['1f1b', m]['peak_act_mib']:.2f}")
     line("ZB-V / 1F1B step",
          lambda m: f"{by['zbv', m]['step_ms'] / by['1f1b', m]['step_ms']:.2f}")
+
+    def vs_zbv(key):
+        return lambda m: f"{by['dualpipev', m][key] / by['zbv', m][key]:.2f}"
+    line("DualPipeV / ZB-V (the same stages and V) idle time of the busiest stage, measured "
+         "(predicted)",
+         lambda m: f"{vs_zbv('idle_busiest_ms')(m)} ({vs_zbv('predicted_idle_busiest_ms')(m)})")
+    line("peak activations MiB, DualPipeV / ZB-V (max over ranks)",
+         lambda m: f"{by['dualpipev', m]['peak_act_mib']:.2f} / "
+                   f"{by['zbv', m]['peak_act_mib']:.2f}")
+    line("DualPipeV / ZB-V step", vs_zbv("step_ms"))
 
     def recompute_mem(m):
         r, g = by["gpipe-recompute", m], by["gpipe", m]

@@ -65,6 +65,26 @@ def test_bench_pp_smoke(comm):
         run_pp_bench(comm, preset="tiny", ms=(2,), modes=("zb-cap", "1f1b"))
 
 
+def test_dualpipev_rows_from_one_micro_batch_per_stage(comm):
+    if comm.size > 2:
+        pytest.skip("the bench's layout is 2 stages; the runtime's tests cover more")
+    ms = (2 * comm.size - 1, 2 * comm.size)  # too few for it, then its least
+    rows, drawn = run_pp_bench(comm, preset="tiny", ms=ms, modes=("zbv", "dualpipev"),
+                               steps=1, warmup=0)
+    assert [(r["mode"], r["m"]) for r in rows] == [("zbv", ms[0]), ("zbv", ms[1]),
+                                                   ("dualpipev", ms[1])]
+    dual, vee = rows[2], rows[1]
+    assert dual["dualpipev_over_zbv_idle_busiest"] == pytest.approx(
+        dual["idle_busiest_ms"] / vee["idle_busiest_ms"])
+    # Both kinds of backward: split (B, then W) and whole (B alone).
+    spans = drawn[("dualpipev", ms[1])][comm.rank]
+    assert {s.action.stage for s in spans} == {comm.rank, 2 * comm.size - 1 - comm.rank}
+    assert {s.action.kind for s in spans} == {"F", "B", "W"}
+    assert sum(s.action.kind == "B" for s in spans) > sum(s.action.kind == "W" for s in spans)
+    table = format_pp_table(rows)
+    assert "dualpipev meas/pred" in table and "dualpipev/zbv idle time" in table
+
+
 def test_the_interleaved_mode_needs_two_units_per_rank(comm):
     # tiny has 4 units: 2 ranks x 2 stages fit, 3 do not (named, with the fix).
     from mpiring.tools.bench.pp import interleaved_fits

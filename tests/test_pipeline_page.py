@@ -51,6 +51,8 @@ def _rows(m: int):
               idle=(0.45, 0.3, 0.2, 0.1), **common),
         _mode("zbv", 7.2, 0.04, 0.03, 7.0, 0.02, 0.01, (2.2, 2.0),
               idle=(0.45, 0.32, 0.18, 0.08), **common),
+        _mode("dualpipev", 6.84, 0.03, 0.03, 6.8, 0.02, 0.01, (2.4, 2.3),
+              idle=(0.4, 0.3, 0.09, 0.06), **common),
         {"mode": "torch-1f1b", "step_ms": 12.0, "bubble": None, "predicted": None,
          "peak_act_mib": None, **common},
     ]
@@ -100,6 +102,11 @@ def test_goals_are_the_ratios_of_the_rows():
     assert "| ZB-V / 1F1B idle time of the worst rank, measured | 0.25 |" in table
     assert "| peak activations MiB, ZB-V / 1F1B (max over ranks) | 2.20 / 2.00 |" in table
     assert "| ZB-V / 1F1B step | 0.80 |" in table
+    # DualPipeV against ZB-V: idle 0.09 / 0.18 ms of the busiest stage (0.06 / 0.08).
+    assert ("| DualPipeV / ZB-V (the same stages and V) idle time of the busiest stage, "
+            "measured (predicted) | 0.50 (0.75) |") in table
+    assert "| peak activations MiB, DualPipeV / ZB-V (max over ranks) | 2.40 / 2.20 |" in table
+    assert "| DualPipeV / ZB-V step | 0.95 |" in table
 
 
 def test_a_missing_mode_leaves_a_dash(tmp_path):

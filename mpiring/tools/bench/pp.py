@@ -28,6 +28,8 @@ rank), the same step on every rank.
   exactly these compute times).
 * zbv: ZB-V, the same 2 stages per rank placed in a V (rank r holding r and
   2p-1-r), the backward split: its idle time and peak against 1F1B's.
+* dualpipev: DeepSeek's DualPipeV on ZB-V's V and stages (full backwards in
+  the steady state): its idle time and peak against ZB-V's (m >= 2p only).
 * 1f1b-autograd: 1F1B with autograd's accumulation of the Linear weights'
   gradients (``stage.fuse_weight_grads = False``), against 1F1B's one GEMM
   into ``.grad`` per large layer and micro-batch.
@@ -72,9 +74,9 @@ from mpiring.tools.models.gpt import GPT, PRESETS, lm_loss
 from mpiring.tools.train.pipeline import build_pipeline, split_gpt
 
 MODES = ("gpipe", "gpipe-recompute", "1f1b", "1f1b-autograd", "zb", "zb-cap", "interleaved",
-         "interleaved-zb", "zbv", "torch-1f1b")
-#: The modes of several stages per rank (INTERLEAVED_V each; ZB-V's V holds 2).
-MULTI_MODES = tuple(MULTI)
+         "interleaved-zb", "zbv", "dualpipev", "torch-1f1b")
+#: The modes of several stages per rank (INTERLEAVED_V each; the V holds 2).
+MULTI_MODES = tuple(x for x in MODES if x in MULTI)
 #: Stages per rank of the "interleaved" mode (Megatron's virtual pipeline size).
 INTERLEAVED_V = 2
 
@@ -257,8 +259,10 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
     rows, drawn = [], {}
     try:
         for m in ms:
+            # DualPipeV runs from one micro-batch per stage up (2p).
+            here = [x for x in modes if x != "dualpipev" or m >= 2 * comm.size]
             runs = [_Torch(comm, cfg, m, group) if mode == "torch-1f1b"
-                    else _Mpiring(comm, cfg, mode, m) for mode in modes]
+                    else _Mpiring(comm, cfg, mode, m) for mode in here]
             x, y = _batch(cfg, m * mb_rows, seed=m)
             for run in runs:  # the memory step: counting hooks on, not timed
                 if run.mode == "zb-cap":
@@ -278,7 +282,7 @@ def run_pp_bench(comm, *, preset: str = "small", ms=(4, 8, 16), modes=MODES, mb_
                     for st in run.stages:
                         st.free()
                     run.sched.grid.free()
-            for mode, run in zip(modes, runs):
+            for mode, run in zip(here, runs):
                 row, spans = run.row(comm, m, transfer)
                 # What a reader of the JSON alone needs to price the row again.
                 row.update(preset=preset, mb_rows=mb_rows, ranks=comm.size)
@@ -316,6 +320,10 @@ def _ratios(rows: list[dict]) -> None:
             idle_against_1f1b(by[zb], "zb")
     if base is not None and "zbv" in by and base["idle_busiest_ms"]:
         idle_against_1f1b(by["zbv"], "zbv")
+    vee, dual = by.get("zbv"), by.get("dualpipev")
+    if vee is not None and dual is not None and vee["idle_busiest_ms"]:
+        dual["dualpipev_over_zbv_idle"] = dual["idle_ms"] / vee["idle_ms"]
+        dual["dualpipev_over_zbv_idle_busiest"] = dual["idle_busiest_ms"] / vee["idle_busiest_ms"]
     il = by.get("interleaved")
     if il is not None and "interleaved-zb" in by and il["idle_busiest_ms"]:
         izb = by["interleaved-zb"]
@@ -359,7 +367,7 @@ def format_pp_table(rows: list[dict]) -> str:
     for m in sorted({r["m"] for r in rows}):
         by = {r["mode"]: r for r in rows if r["m"] == m}
         parts = []
-        for mode in ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv"):
+        for mode in ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev"):
             if mode in by:
                 parts.append(f"{mode} meas/pred {ratio(by[mode]['bubble'], by[mode]['predicted'])}")
         for zb in ("zb", "zb-cap"):
@@ -389,6 +397,11 @@ def format_pp_table(rows: list[dict]) -> str:
             peaks = "/".join(f"{x:.2f}" for x in v["peak_act_mib_per_stage"])
             parts.append(f"zbv/1f1b idle time {v['zbv_over_1f1b_idle']:.2f}, busiest stage "
                          f"{v['zbv_over_1f1b_idle_busiest']:.2f} (peak act per rank {peaks} MiB)")
+        if "dualpipev_over_zbv_idle" in by.get("dualpipev", {}):
+            d = by["dualpipev"]
+            parts.append(f"dualpipev/zbv idle time {d['dualpipev_over_zbv_idle']:.2f}, busiest "
+                         f"stage {d['dualpipev_over_zbv_idle_busiest']:.2f} (peak act per rank "
+                         f"{d['peak_act_mib']:.2f}/{by['zbv']['peak_act_mib']:.2f} MiB)")
         if "over_torch" in by.get("1f1b", {}):
             parts.append(f"1f1b/torch step {by['1f1b']['over_torch']:.2f} (torch step / 1f1b's "
                          f"simulated compute bound {by['1f1b']['torch_over_ideal']:.2f})")
