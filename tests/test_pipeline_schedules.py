@@ -488,6 +488,76 @@ def test_torchs_schedule_names_give_mpirings_classes():
     # Each class builds its own generator's programs, by the name it carries.
     for cls in set(pl.SCHEDULE_CLASSES.values()) - {pl.PipelineSchedule, pl.SchedulePipeDream}:
         assert cls.name in (*GENERATORS, *MULTI), cls
+    # ... and mpiring's own, as train --schedule spells them.
+    for name, cls in (("zbv", pl.ScheduleZBVZeroBubble), ("looped-bfs", pl.ScheduleLoopedBFS),
+                      ("interleaved-zb", pl.ScheduleInterleavedZeroBubble),
+                      ("zb", pl.ScheduleZeroBubble), ("dualpipev", pl.ScheduleDualPipeV)):
+        assert pl.get_schedule_class(name) is cls, name
     with pytest.raises(ValueError, match=r"unknown schedule name 'ZB1P': use one of 1F1B, "
-                                         r"Interleaved1F1B, GPipe, LoopedBFS, .*, PipeDream"):
+                                         r"Interleaved1F1B, GPipe, LoopedBFS, .*, PipeDream "
+                                         r"\(torch's\), or 1f1b, .*dualpipev"):
         pl.get_schedule_class("ZB1P")
+
+
+def test_torchs_overlapped_pairs_read_as_their_two_actions(tmp_path):
+    from mpiring.parallel.pipeline.actions import parse_cell
+
+    assert parse_cell("(0F3;1B2)OVERLAP_F_B") == [Action(0, "F", 3), Action(1, "B", 2)]
+    assert parse_cell(" 1I4 ") == [Action(1, "B", 4)]
+    with pytest.raises(ValueError, match="cannot read 'X' as an action"):
+        parse_cell("(0F3;X)OVERLAP_F_B")
+    # A compute-only dump in torch's form, the pairs as torch writes them: DualPipeV's
+    # programs once read (and lowered), and valid.
+    progs = build("dualpipev", 2, 4, 2)
+    rows = []
+    for prog in progs:
+        comp, cells = compute_only(prog), []
+        i = 0
+        while i < len(comp):
+            a = comp[i]
+            nxt = comp[i + 1] if i + 1 < len(comp) else None
+            if a.kind == "F" and nxt is not None and nxt.kind == "B" and nxt.stage != a.stage:
+                cells.append(f"({a};{nxt})OVERLAP_F_B")
+                i += 2
+            else:
+                cells.append(str(a))
+                i += 1
+        rows.append(",".join(cells))
+    assert any("OVERLAP_F_B" in row for row in rows)
+    path = tmp_path / "dualpipev.csv"
+    path.write_text("\n".join(rows) + "\n")
+    assert load_csv(path) == progs
+    check(load_csv(path), 4, 4, rendezvous=False, ranks=stage_ranks(2, 4, "v"))
+
+
+def _torchs(cls_name: str, p: int, m: int, r: int, v: int) -> list[Action]:
+    """Rank r's compute actions as torch's own schedule class generates them (its
+    program generator, run on a stand-in for the schedule: no stages, no processes);
+    an overlapped pair as its forward, then its backward, as mpiring runs it."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = getattr(pipelining, cls_name, None)
+    if cls is None:
+        pytest.skip(f"this torch has no {cls_name}")
+
+    class Stand:
+        pp_group_size, _n_microbatches, _stages = p, m, [None] * v
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B",
+             "BACKWARD_WEIGHT": "W"}
+    out = []
+    for a in cls._calculate_single_rank_operations(Stand(), r):
+        for x in (a.sub_actions or (a,)) if a is not None else ():
+            out.append(Action(x.stage_index, kinds[x.computation_type.name], x.microbatch_index))
+    return out
+
+
+@pytest.mark.parametrize("p", (1, 2, 3, 4, 5))
+def test_dualpipev_and_looped_bfs_run_torchs_order(p):
+    # The reference: torch.distributed.pipelining's ScheduleDualPipeV (DeepSeek's order)
+    # and ScheduleLoopedBFS, action for action, W's (the split backwards) included.
+    for m in range(2 * p, 3 * p + 3):
+        for r, prog in enumerate(build("dualpipev", p, m, 2)):
+            assert compute_only(prog) == _torchs("ScheduleDualPipeV", p, m, r, 2), (p, m, r)
+    for v in (1, 2, 3):
+        for m in (1, 3, 4):
+            for r, prog in enumerate(build("looped-bfs", p, m, v)):
+                assert compute_only(prog) == _torchs("ScheduleLoopedBFS", p, m, r, v), (p, m, v)

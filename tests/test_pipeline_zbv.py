@@ -128,6 +128,19 @@ def test_a_loop_placement_is_refused_by_zbv_and_a_v_by_interleaved(comm):
     _free_stages(vee)
 
 
+def test_a_schedule_without_a_program_names_the_fix(comm):
+    # torch's base class names map to PipelineSchedule (get_schedule_class): it runs
+    # what it is given, and says so when it is given nothing.
+    from mpiring.parallel.pipeline import get_schedule_class
+
+    full = il.mlp()
+    stages, _ = v_stages(comm, full)
+    with pytest.raises(ValueError, match=r"PipelineSchedule runs the program it is given: pass "
+                                         r"actions= \(schedules.build, load_csv"):
+        get_schedule_class("PipelineScheduleMulti")(stages, 4, il.mse, placement="v")
+    _free_stages(stages)
+
+
 def test_a_zbv_program_from_csv_runs_with_its_placement(comm, tmp_path):
     # A ZB-V program written out and read back (torch's CSV) runs as a custom schedule
     # once told its placement; with the default (the loop) the V's stages are refused.

@@ -26,8 +26,8 @@ def add_arguments(p) -> None:
                         "gradients accumulated by autograd), zb, zb-cap (ZB-H1 held "
                         "to 1F1B's measured peak; after 1f1b), interleaved (2 stages per "
                         "rank), interleaved-zb (the same, the backward split), zbv (ZB-V: 2 "
-                        "per rank in a V), dualpipev (DeepSeek's order on the V; m >= 2 "
-                        "ranks), torch-1f1b (default: all, the multi-stage ones "
+                        "per rank in a V), dualpipev (DeepSeek's order on the V; its rows "
+                        "from m = 2 x ranks), torch-1f1b (default: all, the multi-stage ones "
                         "where the preset has 2 units per rank)")
     p.add_argument("--mb-rows", type=int, default=2, help="windows per micro-batch (default 2)")
     p.add_argument("-n", "--steps", type=int, default=5,

@@ -97,8 +97,8 @@ def add_arguments(p) -> None:
                         "looped-bfs (Megatron's virtual pipeline size; default 2); zbv and "
                         "dualpipev hold 2")
     p.add_argument("--microbatches", type=positive_int, default=None,
-                   help="micro-batches per step with --pp > 1 (default: pp); must divide the "
-                        "windows per replica")
+                   help="micro-batches per step with --pp > 1 (default: pp; dualpipev 2 pp); "
+                        "must divide the windows per replica")
     p.add_argument("--global-batch", type=int, default=None,
                    help="windows per step over all data-parallel replicas (instead of "
                         "--batch-size per replica): the same data at any layout")

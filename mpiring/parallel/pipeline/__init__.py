@@ -55,15 +55,17 @@ SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved
 def get_schedule_class(schedule_name: str) -> type[PipelineSchedule]:
     """The schedule class named ``schedule_name``, in any case (torch's function of the
     same name, for a script that takes its schedule from a flag): torch's names, then
-    "ZeroBubble" (ZB-H1) and "PipeDream". torch's two base classes map to
-    ``PipelineSchedule``, which runs a program given as ``actions``.
+    "ZeroBubble" (ZB-H1) and "PipeDream", then each class's own ``name`` ("1f1b", "zb",
+    "zbv", "dualpipev", ..., as ``train --schedule`` spells them). torch's two base
+    classes map to ``PipelineSchedule``, which runs a program given as ``actions``.
 
     Raises:
         ValueError: an unknown name, listing the known ones.
     """
-    by_lower = {k.lower(): cls for k, cls in SCHEDULE_CLASSES.items()}
+    own = {c.name: c for c in SCHEDULE_CLASSES.values() if c is not PipelineSchedule}
+    by_lower = {k.lower(): cls for k, cls in (*SCHEDULE_CLASSES.items(), *own.items())}
     cls = by_lower.get(str(schedule_name).lower())
     if cls is None:
         raise ValueError(f"unknown schedule name {schedule_name!r}: use one of "
-                         f"{', '.join(SCHEDULE_CLASSES)}")
+                         f"{', '.join(SCHEDULE_CLASSES)} (torch's), or {', '.join(own)}")
     return cls

@@ -83,6 +83,16 @@ def parse(text: str) -> Action:
     return Action(int(m.group(1)), kind, int(m.group(3)))
 
 
+def parse_cell(text: str) -> list[Action]:
+    """One cell of a dumped schedule: an action, or torch's overlapped pair
+    ``"(0F3;1B2)OVERLAP_F_B"`` (DualPipeV's forward of one stage beside a backward of
+    another), read as its actions in order, one after the other, as mpiring runs them."""
+    t = text.strip()
+    if t.startswith("(") and t.endswith(")OVERLAP_F_B"):
+        return [parse(x) for x in t[1:-len(")OVERLAP_F_B")].split(";") if x.strip()]
+    return [parse(t)]
+
+
 def parse_schedule(rows: list[str]) -> list[list[Action]]:
     """One whitespace-separated row of actions per rank, e.g. ``["0F0 0SEND_F0 ..."]``."""
     return [[parse(t) for t in row.split()] for row in rows]

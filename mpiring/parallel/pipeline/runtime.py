@@ -96,6 +96,10 @@ class PipelineSchedule:
         ranks, self.num_stages = stage.comm.size, stage.num_stages
         self.ranks = stage_ranks(ranks, self.num_stages, self.placement)  # checked above
         if actions is None:
+            if self.name == "custom":  # torch's base classes map here (get_schedule_class)
+                raise ValueError(f"{type(self).__name__} runs the program it is given: pass "
+                                 "actions= (schedules.build, load_csv or your own), or use a "
+                                 "schedule class such as Schedule1F1B")
             actions = build(self.name, ranks, n_microbatches, len(stages))
         mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None,
                 any(st.ddp is not None for st in stages),
@@ -804,9 +808,10 @@ class ScheduleDualPipeV(PipelineSchedule):
     state a forward of one stage beside a full backward of the other, the backward split
     only in the warm-up and the cool-down (see ``schedules.dualpipe_v``). On a GPU the
     pair overlaps, hiding an expert-parallel all-to-all behind the other's compute; here
-    they run one after the other, so the gain over ZB-V is its order: no more idle than
-    ZB-V in the simulations (less when B or W is the longer), for one more stage
-    micro-batch in flight (2p + 1). Needs n_microbatches >= 2p. MPI only, as ZB-V.
+    they run one after the other, so the gain over ZB-V is its order: never more idle
+    than ZB-V in the simulations, less from p = 3 on when F, B and W differ (p = 2: unless
+    W is the longest), for one more stage micro-batch in flight (2p + 1). Needs
+    n_microbatches >= 2p. MPI only, as ZB-V.
 
     ``stages``: this rank's two ``PipelineStage`` objects, in stage order (r, 2p-1-r).
     """
@@ -824,7 +829,8 @@ class ScheduleLoopedBFS(PipelineSchedule):
     interleaved placement (rank r holds stages r, r + p, ...), each stage running all
     its micro-batches' forwards back to back, then the backwards, last stage first (see
     ``schedules.looped_bfs``). Every micro-batch is in flight on every stage at the turn,
-    as in GPipe. MPI only, as the interleaved schedule.
+    as in GPipe; from m = p the idle is the interleaved schedule's. Several stages per
+    rank run on MPI only, as the interleaved schedule.
 
     ``stages``: this rank's ``PipelineStage`` list, in stage order (one stage: GPipe's
     order with the backwards reversed).

@@ -34,8 +34,9 @@ executes. p = number of stages, m = number of micro-batches, i = this stage::
 
 With equal stage times the GPipe and 1F1B bubble is (p-1)/(m+p-1) of the step.
 A schedule's programs are per rank; with one stage per rank (every schedule
-but the interleaved one and ZB-V) rank i runs stage i. ``stage_ranks`` gives
-each stage's rank for a placement: "loop" (r, r + p, ...) or "v" (ZB-V's).
+but those of ``MULTI``) rank i runs stage i. ``stage_ranks`` gives each
+stage's rank for a placement: "loop" (r, r + p, ...) or "v" (ZB-V's and
+DualPipeV's).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from mpiring.parallel.pipeline.actions import (
     B,
     F,
     W,
-    parse,
+    parse_cell,
 )
 
 
@@ -405,7 +406,8 @@ def dump_csv(programs: list[list[Action]], path: str | os.PathLike) -> None:
 
 def load_csv(path: str | os.PathLike) -> list[list[Action]]:
     """Every rank's program from CSV (``dump_csv``'s, or torch's ``_dump_csv``; empty
-    cells, torch's idle slots, are skipped). A file of compute actions only gets its
+    cells, torch's idle slots, are skipped; an overlapped pair, ``(0F3;1B2)OVERLAP_F_B``,
+    reads as its two actions in order). A file of compute actions only gets its
     sends and receives added (``lower``), as torch's ``compute_only`` format does.
     Give the result to ``PipelineSchedule(stage, m, loss_fn, actions=...)``
     (``placement="v"`` for a ZB-V program): it is checked on every rank before
@@ -422,7 +424,7 @@ def load_csv(path: str | os.PathLike) -> list[list[Action]]:
                 if not cell.strip():
                     continue
                 try:
-                    program.append(parse(cell))
+                    program += parse_cell(cell)
                 except ValueError as exc:
                     raise ValueError(f"{os.fspath(path)}: row {r + 1}, column {c + 1}: "
                                      f"{exc}") from None

@@ -237,7 +237,7 @@ class GPTStages(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("GPTStages holds a rank's stages of a multi-stage pipeline, run "
-                           "by its schedule (interleaved or ZB-V): call sched.step()")
+                           "by its schedule (of several stages per rank): call sched.step()")
 
     def num_params(self) -> int:
         """This rank's trainable parameters."""

@@ -44,6 +44,12 @@ from mpiring.tools.train.grid3d import GPTStage, GPTStages, make_grid, split_sta
 from mpiring.tools.train.loop import TrainJob
 
 
+def default_microbatches(schedule: str, pp: int) -> int:
+    """Micro-batches a step when --microbatches is not given: one per stage, two for
+    dualpipev (it runs from one per stage of its 2 pp)."""
+    return 2 * pp if schedule == "dualpipev" else pp
+
+
 def validate_grid_config(cfg) -> None:
     """Refuse the 3D flags' combinations that cannot train correctly (no communication).
 
@@ -112,13 +118,15 @@ def layout_error(cfg, world: int) -> str | None:
             return (f"global_batch={cfg.global_batch} does not split over dp={dp} replicas "
                     f"(world {world} / (tp={tp} x pp={pp})): use a multiple of {dp}")
         batch = cfg.global_batch // dp
-    m = cfg.microbatches or pp
+    m = cfg.microbatches or default_microbatches(cfg.schedule, pp)
     if pp > 1 and batch % m:
         return (f"{batch} windows per replica do not split into {m} equal micro-batches (the "
                 f"loss would weight them unequally): choose --microbatches dividing {batch}")
     if pp > 1 and cfg.schedule == "dualpipev" and m < 2 * pp:
+        fix = (f"give --microbatches {2 * pp} or more (dividing {batch})" if batch >= 2 * pp
+               else f"raise the windows per replica ({batch}) to {2 * pp} or more")
         return (f"--schedule dualpipev runs at least one micro-batch per stage, 2 pp = {2 * pp}, "
-                f"not {m}: give --microbatches {2 * pp} or more (dividing {batch}), or use zbv")
+                f"not {m}: {fix}, or use zbv")
     if pp > 1 and cfg.schedule == "pipedream" and dp > 1:
         return (f"pipedream steps each stage after every micro-batch, which dp={dp} replicas "
                 "cannot average: use --schedule 1f1b (or gpipe, zb) with dp > 1")
@@ -149,7 +157,7 @@ class GridJob(TrainJob):
         self.data_comm = g.dp
         if cfg.global_batch is not None:
             self.cfg = replace(cfg, batch_size=cfg.global_batch // g.dp_size)
-        self.microbatches = cfg.microbatches or cfg.pp
+        self.microbatches = cfg.microbatches or default_microbatches(cfg.schedule, cfg.pp)
 
     def _wrap(self):
         from mpiring.parallel.pipeline import PipelineStage
