@@ -146,15 +146,16 @@ class PipelineSchedule:
             weights = [i for i, a in enumerate(program) if a.kind == W and a.stage == s]
             self._last_b[s] = program[backwards[-1]].mb if backwards else -1
             self._last_w[s] = program[weights[-1]].mb if weights else -1
-            # The replicas reduce in the step's last backward (its buckets overlap it):
-            # the last B, or, with a split backward, the last W if it comes after every
-            # B (W writes .grad outside autograd; that W runs through it: data_parallel).
-            # A hand-written program with a B after its last W reduces after its last
-            # action. Each stage of a rank reduces its own replicas.
+            # The replicas reduce in the stage's last gradient-writing action (its buckets
+            # overlap it): the last B when it comes after every W (a whole backward:
+            # 1F1B's, or DualPipeV's head, whose last B follows its early W's), else
+            # the last W (W writes .grad outside autograd; that W runs through it:
+            # data_parallel). Each stage of a rank reduces its own replicas.
             ddp = st.ddp is not None
-            self._sync_in_b[s] = ddp and not weights
-            self._sync_in_w[s] = ddp and bool(weights) and (not backwards or
-                                                            weights[-1] > backwards[-1])
+            last_b = backwards[-1] if backwards else -1
+            self._sync_in_b[s] = ddp and bool(backwards) and (not weights or
+                                                              last_b > weights[-1])
+            self._sync_in_w[s] = ddp and bool(weights) and weights[-1] > last_b
         self._first = self._at.get(0)                     # None unless this rank has it
         self._last = self._at.get(self.num_stages - 1)
         self._where = ("stage" if len(stages) == 1 else "stages") + " " + ", ".join(
