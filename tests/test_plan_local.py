@@ -148,7 +148,9 @@ def test_plan_local_runs_the_benches_and_compares(world, tmp_path_factory, monke
     stdout = printed.out
     got = json.loads(out.read_text())
     assert [r["run"] for r in got["rows"]] == ["compute alone", "DDP=2", "TP=2", "PP=2"]
-    assert got["alpha_s"] > 0 and got["beta_Bps"] > 0 and got["cores"] >= 1
+    # A busy machine can push the ring rows' latency fit below zero, which the fit clamps
+    # to 0 (costmodel.fit_alpha_beta): the bandwidth is what must come out.
+    assert got["alpha_s"] >= 0 and got["beta_Bps"] > 0 and got["cores"] >= 1
     for cal in got["calib"][0].values():  # each bench's, timed on both ranks of its job
         assert cal["ranks"] == 2 and min(cal["gemm"].values()) > 0 and cal["stream_bw"] > 0
         assert len(cal["bench_share"]) == 2 and min(cal["bench_share"]) > 0
