@@ -68,6 +68,28 @@ def test_explain_draws_the_simulated_schedule_exactly(tmp_path, name, p, m):
         timeline.explain(timeline.load(str(tmp_path)), "pipeline", 3)
 
 
+def test_explain_shows_the_last_training_step_not_the_eval_after_it(tmp_path):
+    # A train run ends on eval(): forwards only, traced as "<schedule>.eval". The default
+    # is the last step that trained; --call picks the eval.
+    p, m = 2, 4
+    write_trace(tmp_path, "1f1b", p, m)
+    for rank in range(p):
+        path = tmp_path / f"rank{rank}.jsonl"
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        t = max(r["t_end"] for r in recs if r["type"] == "event") + 1.0
+        for k in range(m):  # one forward per micro-batch, one unit each, stages in turn
+            start = t + k + rank
+            recs.append({"type": "event", "rank": rank, "name": f"{rank}F{k}",
+                         "cat": "pipeline", "t_start": start, "t_end": start + 1.0,
+                         "action": "F", "stage": rank, "mb": k, "schedule": "1f1b.eval",
+                         "microbatches": m, "replica": 0})
+        path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    files = timeline.load(str(tmp_path))
+    assert timeline.explain(files).startswith("pipeline step 2 of 3: 1f1b, 2 stages")
+    assert pipeline_trace.explain(files, step=3).startswith("pipeline step 3 of 3: 1f1b.eval")
+    assert pipeline_trace.title(files).startswith("pipeline 1f1b, m=4")
+
+
 def test_explain_reads_several_stages_per_rank(tmp_path):
     # Interleaved: rank 0 runs 0F0 then 2F0, the same (kind, micro-batch) on another
     # stage: still one step, 4 stages on 2 ranks, and the prediction is the formula.

@@ -110,8 +110,16 @@ def has_pipeline(files) -> bool:
     return any(True for _ in events(files))
 
 
+def _last_training_step(found: list[Step]) -> int:
+    """The last step that trained (a train run ends on its eval() steps, forwards only);
+    the last step when none did."""
+    trained = [s.index for s in found if not s.schedule.endswith(".eval")]
+    return max(trained) if trained else max(s.index for s in found)
+
+
 def explain(files, step: int | None = None, width: int = 150) -> str:
-    """The lecture's diagram of one pipeline step (default: the last), every replica.
+    """The lecture's diagram of one pipeline step (default: the last that trained, not an
+    ``eval()``), every replica.
 
     Raises:
         ValueError: no pipeline events, or no such step.
@@ -121,7 +129,7 @@ def explain(files, step: int | None = None, width: int = 150) -> str:
         raise ValueError("the trace has no pipeline actions: record a run of a pipeline "
                          "schedule with --trace DIR")
     count = max(s.index for s in found)
-    pick = count if step is None else step
+    pick = _last_training_step(found) if step is None else step
     chosen = [s for s in found if s.index == pick]
     if not chosen:
         raise ValueError(f"no pipeline step {step}: the trace has steps 1..{count}")
@@ -169,11 +177,12 @@ def label(span: dict[str, Any]) -> tuple[str, str] | None:
 
 
 def title(files) -> str:
-    """A plot title: the last step's schedule and measured bubble per rank."""
+    """A plot title: the last training step's schedule and measured bubble per rank."""
     found = steps(files)
     if not found:
         return ""
-    last = [s for s in found if s.index == max(x.index for x in found)]
+    pick = _last_training_step(found)
+    last = [s for s in found if s.index == pick]
     parts = [f"r{r} {b:.0%}" for s in last for r, b in zip(s.ranks, s.bubble)]
     return (f"pipeline {last[0].schedule}, m={last[0].microbatches}; bubble in the last step: "
             + ", ".join(parts))
