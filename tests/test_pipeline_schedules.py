@@ -494,8 +494,9 @@ def test_torchs_schedule_names_give_mpirings_classes():
                       ("zb", pl.ScheduleZeroBubble), ("dualpipev", pl.ScheduleDualPipeV)):
         assert pl.get_schedule_class(name) is cls, name
     with pytest.raises(ValueError, match=r"unknown schedule name 'ZB1P': use one of 1F1B, "
-                                         r"Interleaved1F1B, GPipe, LoopedBFS, .*, PipeDream "
-                                         r"\(torch's\), or 1f1b, .*dualpipev"):
+                                         r"Interleaved1F1B, GPipe, LoopedBFS, .*, DualPipeV "
+                                         r"\(torch's\), ZeroBubble, PipeDream, or 1f1b, "
+                                         r".*dualpipev"):
         pl.get_schedule_class("ZB1P")
 
 
@@ -561,3 +562,28 @@ def test_dualpipev_and_looped_bfs_run_torchs_order(p):
         for m in (1, 3, 4):
             for r, prog in enumerate(build("looped-bfs", p, m, v)):
                 assert compute_only(prog) == _torchs("ScheduleLoopedBFS", p, m, r, v), (p, m, v)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2),
+                                    ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2),
+                                    ("looped-bfs", 3)])
+def test_each_stage_reduces_once_in_a_whole_b_or_its_last_w(name, v):
+    # Data parallelism: a stage's replicas reduce in one action, the last that writes
+    # its gradients; a B chosen for it is never split (no W after it).
+    from mpiring.parallel.pipeline.runtime import reduction_points
+
+    for p in (1, 2, 3, 4):
+        for m in range(2 * p if name == "dualpipev" else 1, 2 * p + 3):
+            for prog in build(name, p, m, v):
+                comp = compute_only(prog)
+                for s in {a.stage for a in comp}:
+                    in_b, in_w = reduction_points(prog, s)
+                    assert in_b != in_w, (name, p, m, s)
+                    if in_b:
+                        last = [a for a in comp if a.stage == s and a.kind == "B"][-1]
+                        assert Action(s, "W", last.mb) not in comp, (name, p, m, s)
+                    # The split schedules reduce in W; DualPipeV's head on rank 0 in its
+                    # last (whole) B; every other, in B.
+                    want_w = name in ("zb", "interleaved-zb", "zbv") or (
+                        name == "dualpipev" and s != 2 * p - 1)
+                    assert in_w == want_w, (name, p, m, s)

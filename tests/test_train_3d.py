@@ -353,8 +353,10 @@ def test_bad_layouts_are_refused_on_every_rank(world):
     _refused(world, "--schedule dualpipev: the V holds 2 stages per rank", pp=2, vpp=3,
              schedule="dualpipev")
     if k % 2 == 0:
-        _refused(world, r"dualpipev runs at least one micro-batch per stage, 2 pp = 4, not 3: "
-                 r"give --microbatches 4 or more \(dividing", pp=2, vpp=2, microbatches=3,
+        # 6 windows per replica (12 over dp = 2): 6 is the one count from 2 pp = 4 up.
+        _refused(world, r"dualpipev runs at least one micro-batch per stage, 2 pp = 4, in "
+                 r"equal micro-batches of the 6 windows per replica, not 3: give "
+                 r"--microbatches 6, or use zbv", pp=2, vpp=2, microbatches=3,
                  schedule="dualpipev")
     if k % 2 == 0:
         _refused(world, r"pp=6 stages for a GPT of 4 units.*\(pp=2 x vpp=3\)", pp=2,

@@ -84,8 +84,8 @@ def add_arguments(p) -> None:
                    default="1f1b", help="pipeline schedule with --pp > 1 (default 1f1b; "
                                         "interleaved-zb: interleaved with zb's split backward; "
                                         "zbv: zero bubble, 2 stages per rank in a V; "
-                                        "dualpipev: DeepSeek's order on zbv's V, needs "
-                                        "--microbatches >= 2 pp; looped-bfs: interleaved's "
+                                        "dualpipev: DeepSeek's order on zbv's V, at least "
+                                        "2 pp micro-batches; looped-bfs: interleaved's "
                                         "stages, breadth first)")
     p.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
                    help="blocks per stage, comma list summing to the model's (the embeddings "

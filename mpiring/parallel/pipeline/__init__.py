@@ -42,14 +42,15 @@ __all__ = ["Action", "PipelineError", "PipelineSchedule", "PipelineStage", "Sche
            "draw_schedule", "dump_csv", "get_schedule_class", "load_csv", "parse",
            "parse_schedule", "simulate"]
 
-#: torch.distributed.pipelining's schedule names (``get_schedule_class``), then mpiring's own.
-SCHEDULE_CLASSES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-                    "GPipe": ScheduleGPipe, "LoopedBFS": ScheduleLoopedBFS,
-                    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-                    "PipelineScheduleSingle": PipelineSchedule,
-                    "PipelineScheduleMulti": PipelineSchedule,
-                    "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV,
-                    "ZeroBubble": ScheduleZeroBubble, "PipeDream": SchedulePipeDream}
+#: torch.distributed.pipelining's schedule names (``get_schedule_class``)...
+TORCH_NAMES = {"1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+               "GPipe": ScheduleGPipe, "LoopedBFS": ScheduleLoopedBFS,
+               "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+               "PipelineScheduleSingle": PipelineSchedule, "PipelineScheduleMulti": PipelineSchedule,
+               "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+#: ... and in the same style the two of mpiring's that torch lacks.
+SCHEDULE_CLASSES = {**TORCH_NAMES, "ZeroBubble": ScheduleZeroBubble,
+                    "PipeDream": SchedulePipeDream}
 
 
 def get_schedule_class(schedule_name: str) -> type[PipelineSchedule]:
@@ -67,5 +68,6 @@ def get_schedule_class(schedule_name: str) -> type[PipelineSchedule]:
     cls = by_lower.get(str(schedule_name).lower())
     if cls is None:
         raise ValueError(f"unknown schedule name {schedule_name!r}: use one of "
-                         f"{', '.join(SCHEDULE_CLASSES)} (torch's), or {', '.join(own)}")
+                         f"{', '.join(TORCH_NAMES)} (torch's), ZeroBubble, PipeDream, or "
+                         f"{', '.join(own)}")
     return cls

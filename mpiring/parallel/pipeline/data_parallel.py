@@ -20,14 +20,18 @@ mean over the replicas of the gradient of the mean micro-batch loss.
 Zero bubble splits the backward: W writes the Linear weights' ``.grad``
 directly (``split_backward``), outside autograd, after a B in which autograd
 saw no weight gradient for them (their hooks, if they fire, find no gradient;
-the reducer is never armed in such a B), and the last W's come after the last B. So the stage's
-last W runs through autograd instead (``reduce_in_w``): each deferred layer's
+the reducer is never armed in such a B). When the stage's last W comes after its
+last B (ZB-H1, the interleaved zero bubble, ZB-V), that W runs through autograd instead (``reduce_in_w``): each deferred layer's
 weight gradient is the backward of a node of its own, AccumulateGrad adds it
 to ``.grad`` and fires the hook, and the buckets go out while the remaining
 layers' W still runs, as they do in 1F1B's last B. The parameters whose
 gradients came in B (LayerNorm, embeddings) join that pass with a zero
-gradient, so one that no micro-batch used ends with zeros, not an error. A hand-written program whose last B comes after its last W reduces
-after the stage's last action (``reduce_now``), without overlap.
+gradient, so one that no micro-batch used ends with zeros, not an error. When its last B
+comes after its last W (DualPipeV's head stage, whose split backwards come in the
+warm-up; a hand-written program), that B is whole and reduces as 1F1B's does,
+armed on the last micro-batch's graph (``find_unused_parameters`` as 1F1B's),
+with the earlier W's gradients already in ``.grad``. ``reduce_now`` is the
+fallback for a stage that does neither.
 
 FSDP on the data axis (``FullyShardedDataParallel`` over ``grid.dp`` as the
 stage's submodule) follows the same two moments, as torch.distributed.pipelining
@@ -144,7 +148,8 @@ FSDP_SPLIT = ("FullyShardedDataParallel with a split backward (zero bubble): W w
 
 
 def reduce_now(ddp) -> None:
-    """Reduce the accumulated ``.grad`` through DDP's buckets now (after the last W).
+    """Reduce the accumulated ``.grad`` through DDP's buckets now (a stage whose program
+    reduced in no B and no W).
 
     ``backward`` on the parameters with zero gradients adds nothing, but it runs
     each parameter's AccumulateGrad, so the post-accumulate hooks fire in one

@@ -146,16 +146,10 @@ class PipelineSchedule:
             weights = [i for i, a in enumerate(program) if a.kind == W and a.stage == s]
             self._last_b[s] = program[backwards[-1]].mb if backwards else -1
             self._last_w[s] = program[weights[-1]].mb if weights else -1
-            # The replicas reduce in the stage's last gradient-writing action (its buckets
-            # overlap it): the last B when it comes after every W (a whole backward:
-            # 1F1B's, or DualPipeV's head, whose last B follows its early W's), else
-            # the last W (W writes .grad outside autograd; that W runs through it:
-            # data_parallel). Each stage of a rank reduces its own replicas.
+            # Each stage of a rank reduces its own replicas (reduction_points).
             ddp = st.ddp is not None
-            last_b = backwards[-1] if backwards else -1
-            self._sync_in_b[s] = ddp and bool(backwards) and (not weights or
-                                                              last_b > weights[-1])
-            self._sync_in_w[s] = ddp and bool(weights) and weights[-1] > last_b
+            in_b, in_w = reduction_points(program, s)
+            self._sync_in_b[s], self._sync_in_w[s] = ddp and in_b, ddp and in_w
         self._first = self._at.get(0)                     # None unless this rank has it
         self._last = self._at.get(self.num_stages - 1)
         self._where = ("stage" if len(stages) == 1 else "stages") + " " + ", ".join(
@@ -486,6 +480,22 @@ class PipelineSchedule:
 
     def after_backward(self, mb: int) -> None:
         """Called after each micro-batch's B (PipeDream updates the weights here)."""
+
+
+def reduction_points(program: list[Action], stage: int) -> tuple[bool, bool]:
+    """Where ``stage``'s data-parallel replicas reduce in ``program``: (in its last B, in
+    its last W), at most one of them.
+
+    In the stage's last gradient-writing action, whose buckets then overlap it: the
+    last B when it comes after every W (a whole backward: 1F1B's, or DualPipeV's
+    head stage, whose split backwards' W's run in the warm-up), else the last W (W
+    writes .grad outside autograd; that W runs through it: ``data_parallel``).
+    """
+    last_b = max((i for i, a in enumerate(program) if a.stage == stage and a.kind == B),
+                 default=-1)
+    last_w = max((i for i, a in enumerate(program) if a.stage == stage and a.kind == W),
+                 default=-1)
+    return last_b > last_w, last_w > last_b
 
 
 def _local_stages(stage, placement: str = "loop") -> list[PipelineStage]:

@@ -119,14 +119,18 @@ def layout_error(cfg, world: int) -> str | None:
                     f"(world {world} / (tp={tp} x pp={pp})): use a multiple of {dp}")
         batch = cfg.global_batch // dp
     m = cfg.microbatches or default_microbatches(cfg.schedule, pp)
+    # DualPipeV's least count first: a divisor below it would only be refused next.
+    least = 2 * pp if cfg.schedule == "dualpipev" else 1
+    fits = [k for k in range(least, batch + 1) if batch % k == 0]
+    if pp > 1 and cfg.schedule == "dualpipev" and (m < least or batch % m):
+        fix = (f"give --microbatches {' or '.join(map(str, fits[:3]))}" if fits
+               else f"raise the windows per replica ({batch}) to {least} or more")
+        return (f"--schedule dualpipev runs at least one micro-batch per stage, 2 pp = {least}, "
+                f"in equal micro-batches of the {batch} windows per replica, not {m}: {fix}, or "
+                "use zbv")
     if pp > 1 and batch % m:
         return (f"{batch} windows per replica do not split into {m} equal micro-batches (the "
                 f"loss would weight them unequally): choose --microbatches dividing {batch}")
-    if pp > 1 and cfg.schedule == "dualpipev" and m < 2 * pp:
-        fix = (f"give --microbatches {2 * pp} or more (dividing {batch})" if batch >= 2 * pp
-               else f"raise the windows per replica ({batch}) to {2 * pp} or more")
-        return (f"--schedule dualpipev runs at least one micro-batch per stage, 2 pp = {2 * pp}, "
-                f"not {m}: {fix}, or use zbv")
     if pp > 1 and cfg.schedule == "pipedream" and dp > 1:
         return (f"pipedream steps each stage after every micro-batch, which dp={dp} replicas "
                 "cannot average: use --schedule 1f1b (or gpipe, zb) with dp > 1")

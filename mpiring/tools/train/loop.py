@@ -81,7 +81,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     vpp: int = 1                      # stages per rank ("interleaved": Megatron's virtual pp)
     pp_layers: tuple[int, ...] | None = None  # blocks per stage (default: array_split)
-    microbatches: int | None = None   # default: pp (pp > 1), 1 otherwise
+    microbatches: int | None = None   # default: pp (dualpipev 2 pp) with pp > 1, 1 otherwise
     global_batch: int | None = None   # windows per step over all replicas (overrides batch_size)
     # Clip the gradients' global 2-norm (over every rank's part of the model) to this
     # before each optimizer step; 0: off.
