@@ -147,6 +147,65 @@ def test_where_the_buckets_go(world, name):
     assert all(last["t_start"] <= b["t_start"] <= b["t_end"] <= last["t_end"] for b in buckets)
 
 
+def test_dualpipev_head_reduces_in_its_last_whole_backward(world):
+    # DualPipeV on pp = 2 x dp = 2, the V's 4 stages (rank r: r and 3 - r), each its own
+    # DDP with .grad as bucket views. Rank 0's head stage (3) splits its backwards in the
+    # warm-up (their W's run at once) and ends on a whole one: its replicas reduce inside
+    # that B, with a Linear wide enough for the fused weight-gradient GEMM elsewhere.
+    from mpiring.parallel.pipeline import ScheduleDualPipeV
+    from mpiring.parallel.pipeline import split_backward as sb
+
+    grid = grid_of(world, 2, 2)
+    torch.manual_seed(6)
+    full = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 6), nn.LayerNorm(6),
+                         nn.Linear(6, 512), nn.Tanh(), nn.Tanh(), nn.Linear(512, 256)).double()
+    assert full[-1].weight.numel() >= sb.FUSE_MIN_WEIGHTS
+    cuts = chunk_bounds(len(full), 4)
+    mine = [grid.pp_rank, 3 - grid.pp_rank]
+    parts = [copy.deepcopy(full[slice(*cuts[s])]) for s in mine]
+    ddps = [mpiring.DistributedDataParallel(part, comm=grid.dp, gradient_as_bucket_view=True,
+                                            bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
+            for part in parts]  # a bucket per parameter
+    rec = Recorder(world.rank)
+    head = ddps[1] if grid.pp_rank == 0 else None
+    stages = [mpiring.PipelineStage(d, s, 4, grid.pp) for d, s in zip(ddps, mine)]
+    sched = ScheduleDualPipeV(stages, 4, mse)
+    try:
+        for salt in (0, 1, 2):
+            g = torch.Generator().manual_seed(70 + salt)
+            data = [(torch.randn(9 + d, 3, generator=g, dtype=torch.float64),
+                     torch.randn(9 + d, 256, generator=g, dtype=torch.float64))
+                    for d in range(2)]
+            reference(full, data, 4, mse)
+            x, y = data[grid.dp_rank]
+            for part in parts:
+                part.zero_grad(set_to_none=False)
+            if head is not None and salt == 2:  # the last step: where the buckets go
+                stages[1].comm.tracer = head.comm.tracer = rec
+            sched.step(x if stages[0].is_first else None,
+                       target=y if stages[-1].is_last else None)
+            for part, s in zip(parts, mine):
+                for a, b in zip(part.parameters(), full[slice(*cuts[s])].parameters()):
+                    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+        assert all(d.reducer.iteration == 3 for d in ddps)
+    finally:
+        sched.free()
+        for d in ddps:
+            d.close()
+    if head is not None:
+        events = [r for r in rec.records if r.get("type") == "event"]
+        acts = [e for e in events if e["cat"] == "pipeline" and e["stage"] == 3]
+        buckets = [e for e in events if e["name"] == "ddp.all_reduce"]
+        last = acts[-1]
+        assert (last["action"], last["mb"]) == ("B", 3)
+        # The head's buckets (one per parameter: the wide weight, its bias);
+        # stage 0's, on the same data-parallel group, go out in its own last W.
+        sizes = sorted(8 * q.numel() for q in parts[1].parameters())
+        mine = [b for b in buckets if b.get("bytes") in sizes]
+        assert sorted(b["bytes"] for b in mine) == sizes
+        assert all(last["t_start"] <= b["t_start"] <= last["t_end"] for b in mine)
+
+
 def test_gpt_pp_x_dp_with_tied_embedding(world):
     # The trainer's wiring: ProcessGrid, DDP over grid.dp, the tied embedding summed
     # between the first and last stage of each pipeline.
