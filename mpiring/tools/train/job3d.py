@@ -120,9 +120,9 @@ def layout_error(cfg, world: int) -> str | None:
         batch = cfg.global_batch // dp
     m = cfg.microbatches or default_microbatches(cfg.schedule, pp)
     # DualPipeV's least count first: a divisor below it would only be refused next.
-    least = 2 * pp if cfg.schedule == "dualpipev" else 1
-    fits = [k for k in range(least, batch + 1) if batch % k == 0]
+    least = 2 * pp
     if pp > 1 and cfg.schedule == "dualpipev" and (m < least or batch % m):
+        fits = [k for k in range(least, batch + 1) if batch % k == 0]
         fix = (f"give --microbatches {' or '.join(map(str, fits[:3]))}" if fits
                else f"raise the windows per replica ({batch}) to {least} or more")
         return (f"--schedule dualpipev runs at least one micro-batch per stage, 2 pp = {least}, "
