@@ -174,7 +174,15 @@ def test_parts_that_cannot_cross_say_why(parts, why):
     assert why in packing.check_parts(parts, transport.DTYPES, transport.MAX_DIMS)
 
 
-def test_a_changed_layout_of_the_same_size_names_renegotiate(comm):
+class _NoSlots:
+    """Shared slots that must not be written: the layout check comes first."""
+
+    def send(self, *args):
+        raise AssertionError("a changed layout reached the peer's slot")
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["mpi", "shared"])
+def test_a_changed_layout_of_the_same_size_names_renegotiate(comm, slots):
     if comm.size == 1:
         pytest.skip("a send needs a neighbour")
     t = transport.Transport(comm)
@@ -184,6 +192,8 @@ def test_a_changed_layout_of_the_same_size_names_renegotiate(comm):
         t.fresh = False  # a fast step: the first one agreed this layout
         t.sent[transport.key_of(a)] = (1, tuple(first.data.shape), torch.uint8, ("F", 1, 2))
         t.sent_layouts[transport.key_of(a)] = first.layout
+        if slots:  # the fast path of stages on one host (its slot would take the bytes)
+            t.shared_on, t.shared = True, _NoSlots()
         # The same bytes in other parts: the message alone would fit the receiver's buffer.
         for other in (packing.pack((torch.zeros(4, 2), torch.zeros(2, 4))), torch.zeros(
                 first.data.numel(), dtype=torch.uint8)):

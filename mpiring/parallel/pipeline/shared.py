@@ -83,6 +83,9 @@ class SharedSlots:
 
     def __init__(self, comm, window, layouts: list[dict]):
         self.comm, self.window, self.layouts = comm, window, layouts
+        # Bound once: a send or an arrival runs right after a compute action, when every
+        # attribute lookup misses the caches that the compute has just filled.
+        self._sync, self._record = window.sync, comm.record_message
         mine = window.segments[comm.rank]
         self._recv = {k: _slot(mine, off, shape, dt)
                       for k, (off, shape, dt) in layouts[comm.rank].items()}
@@ -147,9 +150,9 @@ class SharedSlots:
                              f"{data.dtype} of shape {tuple(data.shape)}")
         t0 = clock()
         data.copy_(t)
-        self.window.sync()  # the data before the flag, on every memory model
+        self._sync()  # the data before the flag, on every memory model
         flag[0] = step
-        self.comm.record_message("send", peer, tag, nbytes, dt, t0, "shared")
+        self._record("send", peer, tag, nbytes, dt, t0, "shared")
 
     def arrival(self, key: tuple[str, int, int], peer: int, step: int, tag: int) -> Arrival:
         return Arrival(self, self._recv[_key(key)], peer, step, tag, _key(key))
@@ -169,10 +172,10 @@ class Arrival:
     def test(self) -> bool:
         if not self._done and self._flag[0] == self._step:
             slots = self._slots
-            slots.window.sync()  # the flag before the data
+            slots._sync()  # the flag before the data
             self._done = True
             _, _, nbytes, dt = self._slot
-            slots.comm.record_message("recv", self._peer, self._tag, nbytes, dt, self._t0, "shared")
+            slots._record("recv", self._peer, self._tag, nbytes, dt, self._t0, "shared")
         return self._done
 
     def wait(self) -> torch.Tensor:
@@ -192,8 +195,10 @@ def _slot(segment: np.ndarray, offset: int, shape, dtype_name: str) -> tuple:
             _nbytes(shape, dtype), dtype_name)
 
 
-def _flag(segment: np.ndarray, offset: int) -> np.ndarray:
-    return segment[offset:offset + 8].view(np.int64)
+def _flag(segment: np.ndarray, offset: int) -> memoryview:
+    """A slot's flag, one int64: a memoryview, whose ``[0]`` reads and writes a Python int
+    (a NumPy element would build a scalar object on each poll)."""
+    return memoryview(segment[offset:offset + 8]).cast("B").cast("q")
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -30,6 +30,11 @@ micro-batch:
   ``comm.prepare_send``/``prepare_recv``, checked once per micro-batch and
   channel, so that posting a send right after the compute that made its
   tensor is the MPI call and little else;
+* the runs: what ``exchange`` needs of a run (its remote actions, their keys)
+  and what a send through the shared slots needs of a message (the consumer's
+  slot, the tag) are worked out once, so that the runtime's steps between two
+  compute actions, which run with the caches the compute has just filled, are
+  few;
 * the library: when every stage runs on one host, the first step's end lays
   out a shared-memory window with a slot per incoming message (``shared``),
   and the fast steps copy each tensor straight into its consumer's slot.
@@ -252,6 +257,11 @@ class Transport:
         # The fast steps' sends and receives, checked once (``comm.prepare_send``).
         self.prepared_sends: dict[tuple[str, int, int], object] = {}
         self.prepared_recvs: dict[tuple[str, int, int], object] = {}
+        # Send action -> (the consumer's key, its rank, tag, agreed layout): shared slots.
+        self.routes: dict[Action, tuple] = {}
+        # id(run) -> (run, its remote actions' (action, key, is a receive), any receive,
+        # the key its wait is timed under): ``exchange``'s work per run, done once.
+        self.runs: dict[int, tuple] = {}
         self.posted: dict[tuple[str, int, int], tuple] = {}
         self.waited: dict[tuple[str, int, int], float] = {}  # a group's wait, last step
         # The first step's sends, key -> (peer rank, shape, dtype, the consumer's key):
@@ -328,6 +338,26 @@ class Transport:
 
     def send(self, a: Action, t: torch.Tensor | packing.Packed, sends: list) -> None:
         """Post the send ``a`` of ``t`` (a header first on a step that agrees shapes)."""
+        if self.shared_on:
+            # The fast steps' common case, with what it needs worked out once per message:
+            # it runs right after the compute that made ``t``, when every lookup is cold.
+            route = self.routes.get(a)
+            if route is None:
+                key = key_of(a)
+                route = self.routes[a] = ((a.channel, a.peer, a.mb), self.rank_of(a.peer),
+                                          tag_of(a), self.sent_layouts.get(key))
+            theirs, peer, tag, agreed_layout = route
+            if type(t) is packing.Packed or agreed_layout is not None:
+                layout = t.layout if isinstance(t, packing.Packed) else None
+                if layout != agreed_layout:
+                    raise self._changed(a, ValueError(
+                        f"got {_describe(layout)}, agreed {_describe(agreed_layout)}"))
+                t = t.data if layout is not None else t
+            try:  # the slot checks the shape and dtype (the agreed ones: its layout's)
+                self.shared.send(theirs, peer, t, self.steps, tag)
+            except ValueError as exc:
+                raise self._changed(a, exc) from None
+            return
         tag, peer = tag_of(a), self.rank_of(a.peer)
         layout = t.layout if isinstance(t, packing.Packed) else None
         message = t.data if layout is not None else t
@@ -347,12 +377,6 @@ class Transport:
                           f"{agreed[2]} of shape {agreed[1]}"))
             raise self._changed(a, ValueError(f"got {_describe(got)}, agreed {_describe(want)}"))
         t = message
-        if self.shared_on:
-            try:
-                self.shared.send((a.channel, a.peer, a.mb), peer, t, self.steps, tag)
-            except ValueError as exc:
-                raise self._changed(a, exc) from None
-            return
         if not self.fresh and self.mpi:
             # Checked once per micro-batch and channel: right after a compute action,
             # wrapping a tensor for MPI runs cold and costs more than the message.
@@ -390,9 +414,35 @@ class Transport:
                 dtype).
             sends: the send requests, waited for by the caller at the end of the step.
         """
-        run = [a for a in run if self.remote(a)]
-        if not run:  # hand-overs between this rank's own stages only
+        ops = self.runs.get(id(run))
+        if ops is None or ops[0] is not run:
+            # Per run, once: its remote actions, their keys, and which are receives.
+            remote = [a for a in run if self.remote(a)]
+            ops = self.runs[id(run)] = (run, tuple(
+                (a, key_of(a), a.kind in (RECV_F, RECV_B)) for a in remote),
+                any(a.kind in (RECV_F, RECV_B) for a in remote),
+                None if not remote else (remote[0].kind, remote[0].stage, remote[0].mb))
+        _, items, receives, wait_key = ops
+        if not items:  # hand-overs between this rank's own stages only
             return
+        posted = self.posted
+        if self.mpi and not self.fresh and (posted or not receives):
+            # The fast steps: every receive was posted when the step started (start_step
+            # posts all or none), so a run is its sends, then waiting for its receives.
+            for a, key, is_recv in items:
+                if not is_recv and key in outgoing:
+                    self.send(a, outgoing.pop(key), sends)
+            if receives:
+                recvs = []
+                for _, key, is_recv in items:
+                    if is_recv:
+                        buf, req = posted.pop(key)
+                        incoming[key] = buf
+                        recvs.append(req)
+                self.waited[wait_key] = wait_all(recvs, sleep_s=self.sleep_s,
+                                                 expect_s=self.waited.get(wait_key, 0.0))
+            return
+        run = [a for a, _, _ in items]
         comm = self.checked if self.fresh else self.fast
         recvs = []
         if self.mpi:
