@@ -8,8 +8,10 @@ bubble and peak activations against 1F1B's, 1F1B's step against torch's
 Schedule1F1B (and torch's against the schedule's compute bound), GPipe with
 recomputation's memory against its model, interleaved 1F1B's bubble and ZB-V's
 idle time and peak against 1F1B's, the interleaved zero bubble's against
-interleaved 1F1B's, DualPipeV's against ZB-V's. Then the bench's own tables and a
-measured step drawn to scale, as printed.
+interleaved 1F1B's, DualPipeV's against ZB-V's. When the run launched the bench
+more than once (``small-2.json``, ...), the goals of every launch side by side,
+with their median: one launch's ratios move with the shared machine. Then the
+bench's own tables and a measured step drawn to scale, as printed.
 """
 
 from __future__ import annotations
@@ -139,6 +141,41 @@ def goals(rows: list[dict]) -> list[str]:
     return out
 
 
+def across(runs: list[list[dict]]) -> list[str]:
+    """The goal rows of several launches side by side: each launch's value, then their
+    median (a launch's ratios come from its own steps; the launches share nothing)."""
+    tables = [goals(rows) for rows in runs]
+    out = tables[0][:2]
+    for i, line in enumerate(tables[0][2:], start=2):
+        name = line.split(" | ")[0].removeprefix("| ")
+        if "(goal <=" not in name:
+            continue
+        cols = [t[i].strip("| ").split(" | ")[1:] for t in tables]
+        cells = []
+        for values in zip(*cols):
+            try:
+                numbers = sorted(float(v) for v in values)
+            except ValueError:  # a launch without that mode
+                cells.append(", ".join(values))
+                continue
+            k = len(numbers)
+            mid = numbers[k // 2] if k % 2 else (numbers[k // 2 - 1] + numbers[k // 2]) / 2
+            cells.append(f"{', '.join(values)} (median {mid:.2f})")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _launches(directory: str, preset: str) -> list[str]:
+    """The JSON of each launch of ``preset``: ``small.json`` (the first, the one printed
+    and drawn), then ``small-2.json``, ``small-3.json``, ..."""
+    paths, k = [], 1
+    while os.path.exists(path := os.path.join(directory, f"{preset}.json" if k == 1 else
+                                             f"{preset}-{k}.json")):
+        paths.append(path)
+        k += 1
+    return paths
+
+
 def page(directory: str, commit: str) -> str:
     machine = json.load(open(os.path.join(directory, "machine.json")))
     parts = ["# Pipeline benchmark", "",
@@ -148,12 +185,17 @@ def page(directory: str, commit: str) -> str:
              "steps went round-robin; each row is its mode's fastest step. The columns and the "
              "definitions are in [pipeline.md](pipeline.md#benchmark).", ""]
     for preset in ("small", "tiny"):
-        path = os.path.join(directory, f"{preset}.json")
-        if not os.path.exists(path):
+        paths = _launches(directory, preset)
+        if not paths:
             continue
-        rows = json.load(open(path))
+        runs = [json.load(open(path)) for path in paths]
         parts += [f"## {preset} ({PRESET_NOTES.get(preset, '')})", ""]
-        parts += goals(rows)
+        parts += goals(runs[0])
+        if len(runs) > 1:
+            parts += ["", f"The goals in each of the run's {len(runs)} launches of bench-pp "
+                      "(separate `mpiexec`s, one after the other; the table above and the "
+                      "output below are the first), and their median:", ""]
+            parts += across(runs)
         parts += ["", "As printed:", "", "```"]
         parts += open(os.path.join(directory, f"{preset}.txt")).read().rstrip().splitlines()
         parts += ["```", ""]

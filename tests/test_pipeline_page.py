@@ -127,3 +127,44 @@ def test_stage_input_sizes(stage):
     page = _page_module()
     want = 2 * 64 * (8 if stage == 0 else 4 * 256) / 2**20
     assert page._input_mib("small", 2, stage) == want
+
+
+def _launch(gpipe_bubble: float, torch_ms: float | None) -> list[dict]:
+    """A launch whose GPipe bubble and torch step differ from the others'."""
+    rows = [dict(r) for r in _rows(4) if torch_ms is not None or r["mode"] != "torch-1f1b"]
+    for r in rows:
+        if r["mode"] == "gpipe":
+            r["bubble"] = gpipe_bubble
+        if r["mode"] == "torch-1f1b":
+            r["step_ms"] = torch_ms
+    return rows
+
+
+def test_the_goals_of_every_launch_and_their_median(tmp_path):
+    page = _page_module()
+    runs = [_launch(0.30, 12.0), _launch(0.35, 10.0), _launch(0.26, 9.0)]
+    table = "\n".join(page.across(runs))
+    # GPipe's predicted bubble is 0.25: 1.20, 1.40, 1.04; 1F1B's step 9 ms against torch's.
+    assert ("| GPipe bubble, measured / predicted (goal <= 1.10) | 1.20, 1.40, 1.04 "
+            "(median 1.20) |") in table
+    assert ("| 1F1B step / torch Schedule1F1B step (goal <= 0.9) | 0.75, 0.90, 1.00 "
+            "(median 0.90) |") in table
+    assert "| 1F1B bubble, measured / predicted (goal <= 1.10) | 1.25, 1.25, 1.25 " in table
+    assert "the schedules' prediction" not in table  # only the goals' own rows
+    # An even count takes the middle two's mean; a launch without a mode leaves its dash.
+    table = "\n".join(page.across([_launch(0.30, 12.0), _launch(0.35, None)]))
+    assert "| 1.20, 1.40 (median 1.30) |" in table
+    assert "| 1F1B step / torch Schedule1F1B step (goal <= 0.9) | 0.75, - |" in table
+    # The page: small.json first (printed), then small-2.json, small-3.json.
+    for k, rows in enumerate(runs, start=1):
+        name = "tiny" if k == 1 else f"tiny-{k}"
+        (tmp_path / f"{name}.json").write_text(json.dumps(rows))
+    (tmp_path / "tiny.txt").write_text("the first launch's output\n")
+    (tmp_path / "machine.json").write_text('{"cores": 2, "load_before": "0.5", "load_after": "0.7"}')
+    text = page.page(str(tmp_path), "abc1234")
+    assert "The goals in each of the run's 3 launches" in text
+    assert "1.20, 1.40, 1.04 (median 1.20)" in text
+    assert "| GPipe bubble, measured / predicted (goal <= 1.10) | 1.20 |" in text  # launch 1
+    assert "the first launch's output" in text
+    (tmp_path / "tiny-2.json").unlink()  # launches are numbered without a gap
+    assert "launches" not in page.page(str(tmp_path), "abc1234")
