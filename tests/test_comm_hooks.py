@@ -186,6 +186,27 @@ def params_of(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.mark.parametrize("numel", [1001, 8, 0])
+def test_allreduce_hook_sums_the_status_tail_with_the_gradients(comm, numel):
+    """As the reducer without a hook: one AllReduce over gradients and tail, so the ring
+    cuts the same chunks and sums every element in the same order."""
+    from mpiring.parallel.data.bucketing import DEFAULT_BUCKET_ALGO
+    if comm.size == 1:
+        pytest.skip("nothing to reduce")
+    g = torch.Generator().manual_seed(comm.rank)
+    # Magnitudes apart by rank: the order of the sum shows in the last bits.
+    grads = torch.randn(numel, generator=g) * 10.0 ** comm.rank
+    status = torch.arange(comm.size + 3, dtype=torch.float32) + comm.rank
+    want = torch.cat([grads / comm.size, status])
+    comm.all_reduce(want, op="sum", algo=DEFAULT_BUCKET_ALGO, check=False)
+    flat = torch.cat([grads, status])
+    state = ch.HookState()
+    ch.run_comm_hook(state, ch.allreduce_hook, comm, 0, flat, numel, [torch.zeros(numel)], [0],
+                     True, numel, 0)
+    assert torch.equal(flat, want)  # the tail summed once, undivided
+    assert state.calls == 1
+
+
 def test_allreduce_hook_is_bitwise_plain_ddp_and_no_sync_works(comm):
     plain = DistributedDataParallel(make_tiny(), comm)
     hooked = DistributedDataParallel(make_tiny(), comm)

@@ -76,9 +76,13 @@ class GradBucket:
     """
 
     def __init__(self, index: int, buffer: torch.Tensor, params: Sequence[torch.Tensor],
-                 offsets: Sequence[int], is_last: bool, comm, iteration: int = 0):
+                 offsets: Sequence[int], is_last: bool, comm, iteration: int = 0, *,
+                 whole: torch.Tensor | None = None):
         self._index = index
         self._buffer = buffer
+        # The reducer's flat bucket, its status tail after ``buffer`` (None: no tail);
+        # ``allreduce_hook`` sums it whole and says so in ``_tail_summed``.
+        self._whole, self._tail_summed = whole, False
         self._params = list(params)
         self._offsets = list(offsets)
         self._is_last = is_last
@@ -171,10 +175,21 @@ def _all_reduce_mean_(state: Any, comm, buf: torch.Tensor,
 
 
 def allreduce_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
-    """The plain mean: divide by K, ring AllReduce. Same result as no hook."""
+    """The plain mean: divide by K, ring AllReduce. Same result as no hook, bit for bit."""
     if isinstance(state, HookState):
         state._count_dense(bucket.comm, bucket)
-    return _all_reduce_mean_(state, bucket.comm, bucket.buffer())
+    comm, buf, whole = bucket.comm, bucket.buffer(), bucket._whole
+    if whole is None or comm.size == 1:
+        return _all_reduce_mean_(state, comm, buf)
+    # A bucket with the reducer's status tail: summed with it in one AllReduce, as
+    # without a hook. The gradients alone are shorter, so the ring would cut its
+    # chunks elsewhere and sum some elements in another order (a last-bit difference).
+    buf.div_(comm.size)  # the tail's counts are summed undivided
+    comm.all_reduce(whole, op="sum", algo=DEFAULT_BUCKET_ALGO, check=False)
+    bucket._tail_summed = True
+    if isinstance(state, HookState):
+        state._count(comm, buf.numel(), buf.element_size())
+    return buf
 
 
 def fp16_compress_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
@@ -528,11 +543,14 @@ def run_comm_hook(state: Any, hook: Callable, comm, bucket_index: int, flat: tor
 
     The hook sees only the gradients (``flat[:numel]``); the reducer's status
     tail, if this bucket has one, is summed exactly with a plain AllReduce of
-    its own, since a compressing hook would corrupt the counts it carries.
-    The mean gradient ends up in ``flat[:numel]``.
+    its own, since a compressing hook would corrupt the counts it carries
+    (``allreduce_hook`` sums it with the gradients instead, as the reducer does
+    without a hook, so that the ring cuts the same chunks). The mean gradient
+    ends up in ``flat[:numel]``.
     """
     buffer = flat[:numel]
-    grad_bucket = GradBucket(bucket_index, buffer, params, offsets, is_last, comm, iteration)
+    grad_bucket = GradBucket(bucket_index, buffer, params, offsets, is_last, comm, iteration,
+                             whole=flat if tail is not None else None)
     result = hook(state, grad_bucket)
     if hasattr(result, "wait"):
         result = result.wait()
@@ -544,5 +562,5 @@ def run_comm_hook(state: Any, hook: Callable, comm, bucket_index: int, flat: tor
                         f"gradient, a tensor of {numel} elements like bucket.buffer()")
     if result.data_ptr() != buffer.data_ptr():
         buffer.copy_(result.reshape(-1))
-    if tail is not None and comm.size > 1:
+    if tail is not None and comm.size > 1 and not grad_bucket._tail_summed:
         comm.all_reduce(flat[tail:], op="sum", check=False)

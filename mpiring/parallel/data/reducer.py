@@ -391,8 +391,7 @@ class Reducer(BucketLayout, EndOfBackward):
 
     def _fill_tail(self, bucket: _Bucket) -> None:
         status = torch.zeros(self.size + len(self.params), dtype=torch.float32)
-        # One slot per rank for both (a longer tail would move the ring's chunk
-        # bounds, and with them the rounding, against a comm hook's reduction).
+        # A slot per rank (its error code and step) and one per parameter (unfired).
         status[self.rank] = float(self._error_code + _CODES * (self.iteration % STEP_MOD + 1))
         self._sent_code = self._error_code
         for i, fired in enumerate(self._fired):
