@@ -207,9 +207,11 @@ def test_allreduce_hook_sums_the_status_tail_with_the_gradients(comm, numel):
     assert state.calls == 1
 
 
-def test_allreduce_hook_is_bitwise_plain_ddp_and_no_sync_works(comm):
-    plain = DistributedDataParallel(make_tiny(), comm)
-    hooked = DistributedDataParallel(make_tiny(), comm)
+@pytest.mark.parametrize("algo", ["ring-seg", "recursive-doubling", "native"])
+def test_allreduce_hook_is_bitwise_plain_ddp_and_no_sync_works(comm, algo):
+    # Each with the model's algorithm: another one sums in another order.
+    plain = DistributedDataParallel(make_tiny(), comm, algo=algo)
+    hooked = DistributedDataParallel(make_tiny(), comm, algo=algo)
     state = ch.HookState()
     hooked.register_comm_hook(state, ch.allreduce_hook)
     train(plain, comm, 3, micro=2)

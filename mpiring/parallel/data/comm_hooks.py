@@ -77,12 +77,14 @@ class GradBucket:
 
     def __init__(self, index: int, buffer: torch.Tensor, params: Sequence[torch.Tensor],
                  offsets: Sequence[int], is_last: bool, comm, iteration: int = 0, *,
-                 whole: torch.Tensor | None = None):
+                 whole: torch.Tensor | None = None, algo: str = DEFAULT_BUCKET_ALGO):
         self._index = index
         self._buffer = buffer
         # The reducer's flat bucket, its status tail after ``buffer`` (None: no tail);
         # ``allreduce_hook`` sums it whole and says so in ``_tail_summed``.
         self._whole, self._tail_summed = whole, False
+        # The reducer's AllReduce algorithm: allreduce_hook sums in its order.
+        self._algo = algo
         self._params = list(params)
         self._offsets = list(offsets)
         self._is_last = is_last
@@ -154,7 +156,8 @@ class HookState:
 
 
 def _all_reduce_mean_(state: Any, comm, buf: torch.Tensor,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:
+                      dtype: torch.dtype | None = None,
+                      algo: str = DEFAULT_BUCKET_ALGO) -> torch.Tensor:
     """Mean of ``buf`` over the ranks, in place, sent as ``dtype`` (divide first, then sum)."""
     if comm.size > 1:
         buf.div_(comm.size)
@@ -163,10 +166,10 @@ def _all_reduce_mean_(state: Any, comm, buf: torch.Tensor,
     else:
         wire = buf.to(dtype)
     if comm.size > 1:
-        # The reducer's default algorithm (on the bucket communicator's 1 MiB
+        # The reducer's algorithm (default: ring-seg on the bucket communicator's 1 MiB
         # segments), so that allreduce_hook gives bit for bit what no hook gives
-        # (algo="auto" could pick another summation order).
-        comm.all_reduce(wire, op="sum", algo=DEFAULT_BUCKET_ALGO, check=False)
+        # (another algorithm sums in another order).
+        comm.all_reduce(wire, op="sum", algo=algo, check=False)
     if isinstance(state, HookState):
         state._count(comm, wire.numel(), wire.element_size())
     if wire is not buf:
@@ -180,13 +183,13 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
         state._count_dense(bucket.comm, bucket)
     comm, buf, whole = bucket.comm, bucket.buffer(), bucket._whole
     if whole is None or comm.size == 1:
-        return _all_reduce_mean_(state, comm, buf)
+        return _all_reduce_mean_(state, comm, buf, algo=bucket._algo)
     # A bucket with the reducer's status tail: summed with it in one AllReduce, as
     # without a hook. The gradients alone are shorter, so the ring would cut its
     # chunks elsewhere and sum some elements in another order (a last-bit difference).
     buf.div_(comm.size)  # the tail's counts are summed undivided
-    comm.all_reduce(whole, op="sum", algo=DEFAULT_BUCKET_ALGO, check=False)
-    bucket._tail_summed = True
+    comm.all_reduce(whole, op="sum", algo=bucket._algo, check=False)
+    bucket._tail_summed = True  # run_comm_hook must not sum it again
     if isinstance(state, HookState):
         state._count(comm, buf.numel(), buf.element_size())
     return buf
@@ -538,7 +541,8 @@ def make_hook(name: str, **options: Any) -> tuple[HookState | None, Callable | N
 
 def run_comm_hook(state: Any, hook: Callable, comm, bucket_index: int, flat: torch.Tensor,
                   numel: int, params: Sequence[torch.Tensor], offsets: Sequence[int],
-                  is_last: bool, tail: int | None, iteration: int) -> None:
+                  is_last: bool, tail: int | None, iteration: int, *,
+                  algo: str = DEFAULT_BUCKET_ALGO) -> None:
     """Reduce one reducer bucket through ``hook`` (called on the communication thread).
 
     The hook sees only the gradients (``flat[:numel]``); the reducer's status
@@ -550,7 +554,7 @@ def run_comm_hook(state: Any, hook: Callable, comm, bucket_index: int, flat: tor
     """
     buffer = flat[:numel]
     grad_bucket = GradBucket(bucket_index, buffer, params, offsets, is_last, comm, iteration,
-                             whole=flat if tail is not None else None)
+                             whole=flat if tail is not None else None, algo=algo)
     result = hook(state, grad_bucket)
     if hasattr(result, "wait"):
         result = result.wait()

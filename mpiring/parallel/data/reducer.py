@@ -374,7 +374,7 @@ class Reducer(BucketLayout, EndOfBackward):
             if hook is not None:
                 from mpiring.parallel.data.comm_hooks import run_comm_hook
 
-                run_comm_hook(hook[0], hook[1], comm, *hook_args)
+                run_comm_hook(hook[0], hook[1], comm, *hook_args, algo=algo)
             else:
                 # Pre-divided by K in the hook, so a sum gives the mean; the ring check
                 # is off because every rank built the same layout (checked at construction).
