@@ -10,6 +10,11 @@
 #   QUICK=1 scripts/pipeline_bench.sh       # a smoke run: the page stays in out/pipeline/
 # Measure on a quiet machine if you can: other jobs on the same cores move every number.
 source "$(dirname "$0")/_venv.sh"
+if [ -n "${LAUNCHES:-}" ] && ! [[ "$LAUNCHES" =~ ^[1-9][0-9]*$ ]]; then
+    # Checked before the old results go: a loop of no launches would write an empty page.
+    echo "scripts/pipeline_bench.sh: LAUNCHES=$LAUNCHES: give a whole number >= 1" >&2
+    exit 2
+fi
 OUT="${PIPE_DIR:-out/pipeline}"  # its own variable: PERF_DIR is performance.sh's
 mkdir -p "$OUT"
 rm -f "$OUT"/small*.json "$OUT"/small*.txt "$OUT"/tiny*.json "$OUT"/tiny*.txt "$OUT"/machine.json
