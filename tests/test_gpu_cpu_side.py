@@ -177,11 +177,24 @@ def test_agreement_raises_on_every_rank_with_every_rank_s_problem(world):
     assert f"on r{world.size - 1}: no CUDA device." in text and "Fix: check nvidia-smi" in text
 
 
+# Python's own excepthook writes a traceback in many small writes, and the two
+# ranks' pieces can interleave mid-line in the merged output; one os.write of a
+# few hundred bytes to the launcher's pipe arrives whole.
+_INIT_NCCL_REPORTING_IN_ONE_WRITE = """
+import os, sys, traceback, mpiring
+try:
+    mpiring.init(backend='nccl')
+except Exception:
+    os.write(2, traceback.format_exc().encode())
+    sys.exit(1)
+"""
+
+
 @pytest.mark.deadline(90)
 def test_init_nccl_without_gpu_fails_fast_and_clearly_on_every_rank(rank0_subprocess):
     if nccl_mod.probe(1)[0] is None:
         pytest.skip("NCCL can run on this machine: the no-GPU error cannot be produced")
-    result = rank0_subprocess(2, ["-c", "import mpiring; mpiring.init(backend='nccl')"], 60)
+    result = rank0_subprocess(2, ["-c", _INIT_NCCL_REPORTING_IN_ONE_WRITE], 60)
     if result is None:
         return
     rc, out, seconds = result
