@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -120,3 +122,26 @@ def test_the_check_sees_a_violation(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path / "mpiring"))
     with pytest.raises(AssertionError, match=r"mpiring.core.bad:1 \(core, floor 0\) imports"):
         test_no_import_runs_back_up_a_layer()
+
+
+def test_importing_mpiring_loads_ml_dtypes_only_when_bfloat16_is_asked_for():
+    # ml_dtypes takes most of a second to load, in every rank of every launch.
+    code = ("import sys, mpiring\n"
+            "assert 'ml_dtypes' not in sys.modules, 'import mpiring loaded ml_dtypes'\n"
+            "from mpiring.core.buffers import bfloat16\n"
+            "assert bfloat16().name == 'bfloat16' and 'ml_dtypes' in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_bfloat16_tensor_loads_the_dtype_on_first_use(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from mpiring.core import buffers
+
+    monkeypatch.setattr(buffers, "_BFLOAT16", None)  # as in a process that never asked
+    x = torch.arange(-3, 5, dtype=torch.bfloat16) / 4
+    buf = buffers.as_buffer(x)
+    assert buf.dtype == "bfloat16" and buf.array.dtype.name == "bfloat16"
+    assert buf.array.astype("float32").tolist() == x.float().tolist()
+    assert buffers.BFLOAT16 is buffers.bfloat16()

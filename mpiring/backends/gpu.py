@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from mpiring.core.buffers import BFLOAT16, Buffer
+from mpiring.core.buffers import Buffer, bfloat16
 
 #: Environment variable that overrides the CUDA-awareness probe (1/0, or "auto").
 CUDA_AWARE_ENV = "MPIRING_CUDA_AWARE"
@@ -315,11 +315,7 @@ def device_plan(be, buf: Buffer, collective: str, algo: str, op: str | None) -> 
 
 def host_dtype(name: str) -> np.dtype:
     """The NumPy dtype for a canonical dtype name (bfloat16 through ml_dtypes)."""
-    if name == "bfloat16":
-        if BFLOAT16 is None:  # pragma: no cover - ml_dtypes is a dependency
-            raise TypeError("bfloat16 staging needs ml_dtypes: pip install ml_dtypes")
-        return BFLOAT16
-    return np.dtype(name)
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def device_pointer(a) -> int:

@@ -29,12 +29,12 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import mpiring
-    from mpiring.core.buffers import BFLOAT16
+    from mpiring.core.buffers import bfloat16
     from mpiring.runtime.trace import fmt_bytes
 
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     to_dev, to_host, sync = _placement(args, comm)
-    dtype = BFLOAT16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
+    dtype = bfloat16() if args.dtype == "bfloat16" else np.dtype(args.dtype)
     n = max(parse_size(args.size) // dtype.itemsize, 0)
     # Rank- and index-dependent small integers: exact in every dtype, so the ring
     # and the native result must agree bit for bit.

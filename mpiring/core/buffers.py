@@ -24,13 +24,36 @@ from typing import Any
 
 import numpy as np
 
-try:  # bfloat16 for NumPy; optional so that the core stays importable without it
-    import ml_dtypes
+_BFLOAT16: np.dtype | None = None
 
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a default dependency
-    ml_dtypes = None
-    BFLOAT16 = None
+
+def bfloat16() -> np.dtype:
+    """NumPy's bfloat16 (``ml_dtypes.bfloat16``), imported on first use.
+
+    Not at import: loading ml_dtypes is most of the package's import time, paid
+    by every rank of every launch, and only a bfloat16 buffer needs it.
+
+    Raises:
+        TypeError: ml_dtypes is not installed (it is a default dependency).
+    """
+    global _BFLOAT16
+    if _BFLOAT16 is None:
+        try:
+            import ml_dtypes
+        except ImportError as exc:  # pragma: no cover - a default dependency
+            raise TypeError("bfloat16 on the CPU needs ml_dtypes: pip install ml_dtypes") from exc
+        _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+    return _BFLOAT16
+
+
+def __getattr__(name: str):
+    # ``BFLOAT16``, as a constant, for the code that imports it: loaded when asked for.
+    if name == "BFLOAT16":
+        try:
+            return bfloat16()
+        except TypeError:  # pragma: no cover
+            return None
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int32", "int64", "uint8")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -84,8 +107,8 @@ _CANONICAL: dict[Any, str] = {}
 def _canonical(dtype) -> str:
     name = _CANONICAL.get(dtype)  # every collective asks: one lookup after the first
     if name is None:
-        name = ("bfloat16" if BFLOAT16 is not None and dtype == BFLOAT16
-                else np.dtype(dtype).name)
+        # ml_dtypes' bfloat16 is named "bfloat16"; an array of it means ml_dtypes is loaded.
+        name = np.dtype(dtype).name
         _CANONICAL[dtype] = name
     return name
 
@@ -153,9 +176,7 @@ def _from_torch(x) -> Buffer:
     flat = x.reshape(-1)
     if x.device.type == "cpu":
         if name == "bfloat16":
-            if BFLOAT16 is None:  # pragma: no cover
-                raise TypeError("bfloat16 on the CPU needs ml_dtypes: pip install ml_dtypes")
-            array = np.from_dlpack(flat.view(torch.int16)).view(BFLOAT16)
+            array = np.from_dlpack(flat.view(torch.int16)).view(bfloat16())
         else:
             array = np.from_dlpack(flat)
         return Buffer(x, array, name, "cpu", "torch")

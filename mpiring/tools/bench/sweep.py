@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mpiring.comm import communicator as comm_module
-from mpiring.core.buffers import BFLOAT16
+from mpiring.core.buffers import bfloat16
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.costmodel import AlphaBeta, MemoryBound, membw_busbw_bound, model_fields, predict
 from mpiring.core.ops import finish, reducer
@@ -237,9 +237,7 @@ class SweepConfig:
 def np_dtype(name: str) -> np.dtype:
     """NumPy dtype for a bench dtype name (bfloat16 through ml_dtypes)."""
     if name == "bfloat16":
-        if BFLOAT16 is None:  # pragma: no cover
-            raise ValueError("bfloat16 needs ml_dtypes: pip install ml_dtypes")
-        return BFLOAT16
+        return bfloat16()
     try:
         return np.dtype(name)
     except TypeError as exc:
