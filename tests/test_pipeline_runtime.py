@@ -256,6 +256,9 @@ def test_bad_arguments_raise_on_every_rank(comm):
     x, y = data()
     with pytest.raises(ValueError, match="fewer than n_microbatches=4"):
         sched.step(x[:3] if stage.is_first else None, target=y[:3] if stage.is_last else None)
+    with pytest.raises(ValueError, match=r"0 rows \(an empty batch\): give at least "
+                                         r"n_microbatches=4 rows"):
+        sched.step(x[:0] if stage.is_first else None, target=y[:0] if stage.is_last else None)
     if comm.size > 1:
         with pytest.raises(ValueError, match="only the first stage takes the input"):
             sched.step(x, target=y if stage.is_last else None)

@@ -658,6 +658,9 @@ def _arg_error(where: str, first: bool, last: bool, num_stages: int, m: int, x, 
     def rows(name, t):
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return f"give {name} as a tensor with a batch dimension"
+        if t.shape[0] == 0:  # no micro-batch count fits: the batch is what is wrong
+            return (f"{name} has 0 rows (an empty batch): give at least n_microbatches={m} "
+                    "rows, one per micro-batch")
         if t.shape[0] < m:
             return (f"{name} has {t.shape[0]} rows, fewer than n_microbatches={m}: use at most "
                     f"{t.shape[0]} micro-batches or a larger batch")
