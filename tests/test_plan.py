@@ -563,3 +563,30 @@ def test_dualpipev_is_priced_on_zb_vs_v():
     m = row.batch // (lay.dp * lay.micro_batch)
     with pytest.raises(ValueError, match="dualpipev needs m >= 2 pp micro-batches"):
         step_time(g, c, lay.with_(micro_batch=m // 8), row.batch)
+
+
+def test_the_plan_command_starts_without_torch():
+    # `python -m mpiring plan` builds the parser of that command alone: train's parser
+    # imports torch (seconds), which the planner never needs.
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from mpiring.cli import main\n"
+            "rc = main(['plan', '--check'])\n"
+            "assert rc == 0, rc\n"
+            "assert 'torch' not in sys.modules, 'the plan command imported torch'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "llama-3.1-405b" in proc.stdout
+
+
+def test_the_full_parser_still_lists_every_command():
+    from mpiring.cli import _commands, build_parser
+
+    parser = build_parser()
+    choices = next(a for a in parser._actions if a.dest == "command").choices
+    assert sorted(choices) == sorted(_commands()) and "train" in choices
+    only = next(a for a in build_parser("plan")._actions if a.dest == "command").choices
+    assert list(only) == ["plan"]

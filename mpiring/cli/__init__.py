@@ -22,13 +22,18 @@ def _commands() -> dict[str, object]:
     return found
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command, or with ``only`` (a command's name)
+    that one alone, so that running it imports no other command's module (train's
+    import torch)."""
     parser = argparse.ArgumentParser(
         prog="python -m mpiring",
         description="Ring collectives and DDP from first principles. Run collective "
                     "commands under mpiexec, e.g. mpiexec -n 4 python -m mpiring allreduce.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in sorted(_commands().items()):
+        if only is not None and name != only:
+            continue
         module = importlib.import_module(f"{__name__}.{module_name}")
         doc = (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
         p = sub.add_parser(name, help=doc, description=module.__doc__,
@@ -117,7 +122,11 @@ def non_negative_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A known command first: only its parser. Anything else (--help, a typo) gets them
+    # all, so that the usage lists every command.
+    only = argv[0] if argv and argv[0] in _commands() else None
+    args = build_parser(only).parse_args(argv)
     from mpiring.core.errors import BackendUnavailable
 
     try:
