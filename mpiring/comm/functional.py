@@ -1,0 +1,320 @@
+"""torch.distributed's collective and point-to-point functions, over mpiring's Communicator.
+
+    import mpiring as dist                       # where a script had torch.distributed
+    dist.init_process_group()
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # mpiring's ring, traced and deadline-checked
+    dist.broadcast(weights, src=0)
+    dist.barrier()
+
+Each function takes torch's arguments and runs the Communicator's own call on
+``group`` (a Communicator; None: the default one from ``init_process_group``).
+As in torch, ``src``/``dst`` are ranks of the whole job (``group_src``/``group_dst``:
+ranks of ``group``), and ``all_gather_into_tensor``/``reduce_scatter_tensor`` take
+an output and an input of ``group.size`` equal parts.
+
+The collectives finish before they return: ``async_op=True`` gives a handle whose
+``wait()`` returns at once. ``isend``/``irecv`` return the Communicator's request,
+which does overlap. A receive names its source: MPI's any-source receive is not
+offered, so ``recv(src=None)`` is an error that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpiring.comm.communicator import Communicator
+from mpiring.comm.default import default_comm, resolve
+
+__all__ = ["ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_single",
+           "all_reduce", "barrier", "reduce_scatter_single",
+           "broadcast", "get_backend", "get_global_rank", "get_process_group_ranks",
+           "irecv", "is_available", "isend", "new_group", "recv", "reduce",
+           "reduce_scatter_tensor", "send"]
+
+
+class ReduceOp:
+    """torch's reduction names, as the strings mpiring's collectives take."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "prod"
+    MIN = "min"
+    MAX = "max"
+
+
+_TORCH_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
+
+
+def _op(op: Any, what: str) -> str:
+    """mpiring's op for ``op``: ours, or torch.distributed.ReduceOp's member of that name."""
+    if isinstance(op, str) and op in _TORCH_OPS.values():
+        return op
+    # torch's ReduceOp.SUM prints as "RedOpType.SUM" (or "ReduceOp.SUM"): its last part.
+    name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
+    if name in _TORCH_OPS:
+        return _TORCH_OPS[name]
+    raise ValueError(f"{what}: op={op!r}: use ReduceOp.SUM, AVG, PRODUCT, MIN or MAX (the "
+                     "bitwise BAND, BOR and BXOR have no ring reduction here)")
+
+
+class Work:
+    """What ``async_op=True`` returns: the collective has already completed."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+_DONE = Work()
+
+
+def _done(async_op: bool) -> Work | None:
+    return _DONE if async_op else None
+
+
+def _group_rank(comm: Communicator, world_rank: int | None, group_rank: int | None,
+                what: str, name: str) -> int:
+    """``group``'s rank for torch's ``src``/``dst`` (a job rank) or ``group_src``/``group_dst``."""
+    if (world_rank is None) == (group_rank is None):
+        raise ValueError(f"{what}: give exactly one of {name}= (a rank of the job) and "
+                         f"group_{name}= (a rank of the group)")
+    if group_rank is not None:
+        if not 0 <= int(group_rank) < comm.size:
+            raise ValueError(f"{what}: group_{name}={group_rank} is not a rank of this "
+                             f"{comm.size}-rank group")
+        return int(group_rank)
+    ranks = comm.world_ranks
+    if int(world_rank) not in ranks:
+        raise ValueError(f"{what}: {name}={world_rank} is not in the group (its ranks in the "
+                         f"job: {list(ranks)}); pass a member, or group_{name}= for a rank of "
+                         "the group")
+    return ranks.index(int(world_rank))
+
+
+def is_available() -> bool:
+    """True: mpiring's collectives are always built (torch's check for its C extension)."""
+    return True
+
+
+def get_backend(group: Communicator | None = None) -> str:
+    """The group's backend: "mpi" or "nccl"."""
+    return resolve(group, "get_backend").backend
+
+
+def get_process_group_ranks(group: Communicator | None = None) -> list[int]:
+    """The job ranks of ``group``'s members, in group-rank order."""
+    return list(resolve(group, "get_process_group_ranks").world_ranks)
+
+
+def get_global_rank(group: Communicator | None, group_rank: int) -> int:
+    """The job rank of ``group``'s rank ``group_rank``."""
+    comm = resolve(group, "get_global_rank")
+    return comm.world_ranks[_group_rank(comm, None, group_rank, "get_global_rank", "rank")]
+
+
+def barrier(group: Communicator | None = None, async_op: bool = False,
+            device_ids: Any = None, timeout: Any = None) -> Work | None:
+    """Wait until every rank of the group has called it (``device_ids``, ``timeout``:
+    accepted; the group's own deadline bounds the wait)."""
+    resolve(group, "barrier").barrier()
+    return _done(async_op)
+
+
+def all_reduce(tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None,
+               async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` over the group, in place, on every rank."""
+    resolve(group, "all_reduce").all_reduce(tensor, op=_op(op, "all_reduce"))
+    return _done(async_op)
+
+
+def broadcast(tensor, src: int | None = None, group: Communicator | None = None,
+              async_op: bool = False, group_src: int | None = None) -> Work | None:
+    """Copy ``src``'s ``tensor`` into every rank's."""
+    comm = resolve(group, "broadcast")
+    comm.broadcast(tensor, root=_group_rank(comm, src, group_src, "broadcast", "src"))
+    return _done(async_op)
+
+
+def reduce(tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
+           group: Communicator | None = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """Reduce ``tensor`` over the group into ``dst``'s ``tensor``."""
+    comm = resolve(group, "reduce")
+    comm.reduce(tensor, root=_group_rank(comm, dst, group_dst, "reduce", "dst"),
+                op=_op(op, "reduce"))
+    return _done(async_op)
+
+
+def _numel(x) -> int:
+    n = getattr(x, "numel", None)
+    return int(n()) if callable(n) else int(x.size)
+
+
+def _parts_error(what: str, whole, part, k: int, whole_name: str, part_name: str) -> str | None:
+    if whole.dtype != part.dtype:
+        return f"{what}: {whole_name} is {whole.dtype} and {part_name} {part.dtype}: give one dtype"
+    if _numel(whole) != k * _numel(part):
+        return (f"{what}: {whole_name} has {_numel(whole)} elements, {part_name} "
+                f"{_numel(part)}: {whole_name} must hold the group's {k} parts, "
+                f"{k} x {_numel(part)} elements")
+    return None
+
+
+def _raise_together(comm: Communicator, problem: str | None) -> None:
+    """Every rank raises (with every rank's problem) or none does, before a byte moves."""
+    problems = comm.control.allgather_json(problem) if comm.size > 1 else [problem]
+    bad = [f"r{r}: {p}" for r, p in enumerate(problems) if p]
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | None = None,
+                           async_op: bool = False) -> Work | None:
+    """Concatenate every rank's ``input_tensor`` into each rank's ``output_tensor``
+    (group.size equal parts, in group-rank order)."""
+    comm = resolve(group, "all_gather_into_tensor")
+    _raise_together(comm, _parts_error("all_gather_into_tensor", output_tensor, input_tensor,
+                                       comm.size, "output_tensor", "input_tensor"))
+    n = _numel(input_tensor)
+    flat = output_tensor.reshape(-1)
+    flat[comm.rank * n:(comm.rank + 1) * n] = input_tensor.reshape(-1)
+    comm.all_gather(output_tensor)  # its chunks (array_split's) are the n-element parts
+    return _done(async_op)
+
+
+def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
+               async_op: bool = False) -> Work | None:
+    """Fill ``tensor_list[r]`` with rank r's ``tensor``, on every rank."""
+    comm = resolve(group, "all_gather")
+    problem = None
+    if len(tensor_list) != comm.size:
+        problem = (f"all_gather: tensor_list has {len(tensor_list)} tensors: give one per rank "
+                   f"of the group ({comm.size})")
+    else:
+        for i, t in enumerate(tensor_list):
+            if t.dtype != tensor.dtype or _numel(t) != _numel(tensor):
+                problem = (f"all_gather: tensor_list[{i}] is {tuple(t.shape)} {t.dtype}, the "
+                           f"tensor {tuple(tensor.shape)} {tensor.dtype}: give tensors like it")
+                break
+    _raise_together(comm, problem)
+    n = _numel(tensor)
+    flat = _empty_like_flat(tensor, comm.size * n)
+    flat[comm.rank * n:(comm.rank + 1) * n] = tensor.reshape(-1)
+    comm.all_gather(flat)
+    for r, t in enumerate(tensor_list):
+        t.reshape(-1)[:] = flat[r * n:(r + 1) * n]
+    return _done(async_op)
+
+
+def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 - torch's name
+                          group: Communicator | None = None,
+                          async_op: bool = False) -> Work | None:
+    """Reduce ``input`` (group.size equal parts) over the group; rank r's ``output``
+    gets part r. ``input`` is left as it was, as in torch."""
+    comm = resolve(group, "reduce_scatter_tensor")
+    mine = _op(op, "reduce_scatter_tensor")
+    _raise_together(comm, _parts_error("reduce_scatter_tensor", input, output, comm.size,
+                                       "input", "output"))
+    work = _empty_like_flat(input, _numel(input))
+    work[:] = input.reshape(-1)
+    part = comm.reduce_scatter(work, op=mine)
+    output.reshape(-1)[:] = part
+    return _done(async_op)
+
+
+# torch 2.13's names for the two (the old ones warn there that they are deprecated).
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
+
+
+def _empty_like_flat(x, n: int):
+    """A new flat buffer of ``n`` elements of ``x``'s kind, dtype and device."""
+    if hasattr(x, "new_empty"):  # torch
+        return x.new_empty(n)
+    import numpy as np
+
+    if isinstance(x, np.ndarray):
+        return np.empty(n, dtype=x.dtype)
+    from mpiring.backends.gpu import empty_like_device  # a CuPy array
+
+    return empty_like_device(x, n)
+
+
+def send(tensor, dst: int | None = None, group: Communicator | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
+    """Send ``tensor`` to ``dst``; returns once the buffer may be reused."""
+    comm = resolve(group, "send")
+    comm.send(tensor, _group_rank(comm, dst, group_dst, "send", "dst"), tag)
+
+
+def recv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
+         group_src: int | None = None) -> int:
+    """Receive into ``tensor`` from ``src``; returns ``src`` (torch returns the sender)."""
+    comm = resolve(group, "recv")
+    peer = _group_rank(comm, _named_source(src, group_src, "recv"), group_src, "recv", "src")
+    comm.recv(tensor, peer, tag)
+    return comm.world_ranks[peer]
+
+
+def isend(tensor, dst: int | None = None, group: Communicator | None = None, tag: int = 0,
+          group_dst: int | None = None):
+    """Start sending ``tensor`` to ``dst``; the request's ``wait()`` completes it."""
+    comm = resolve(group, "isend")
+    return comm.isend(tensor, _group_rank(comm, dst, group_dst, "isend", "dst"), tag)
+
+
+def irecv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
+          group_src: int | None = None):
+    """Start receiving into ``tensor`` from ``src``; the request's ``wait()`` completes it."""
+    comm = resolve(group, "irecv")
+    peer = _group_rank(comm, _named_source(src, group_src, "irecv"), group_src, "irecv", "src")
+    return comm.irecv(tensor, peer, tag)
+
+
+def _named_source(src, group_src, what: str):
+    if src is None and group_src is None:
+        raise ValueError(f"{what}: src=None (any sender) is not offered: name the sender "
+                         "with src= (or group_src=); each message's source is part of its "
+                         "deadline and trace")
+    return src
+
+
+def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any = None,
+              pg_options: Any = None, use_local_synchronization: bool = False,
+              group_desc: str | None = None, device_id: Any = None):
+    """A group of the job's ``ranks`` (all of them: None), as torch's ``new_group``.
+
+    Collective over the default group: every rank calls it with the same ranks.
+    Members get a Communicator (ranks in ascending order, as torch orders them);
+    the others get None (torch's ``GroupMember.NON_GROUP_MEMBER``).
+
+    Raises:
+        ValueError: on every rank, when the ranks differ across ranks, repeat, or
+            are not ranks of the job.
+    """
+    comm = default_comm()
+    if comm is None:
+        raise ValueError("new_group: the default process group is not initialized: call "
+                         "mpiring.init_process_group() first")
+    wanted = list(range(comm.size)) if ranks is None else sorted(int(r) for r in ranks)
+    problem = None
+    if len(set(wanted)) != len(wanted) or any(not 0 <= r < comm.size for r in wanted):
+        problem = f"ranks={ranks!r}: give distinct ranks of the job, 0..{comm.size - 1}"
+    seen = comm.control.allgather_json([wanted, problem]) if comm.size > 1 else [[wanted,
+                                                                                  problem]]
+    bad = [f"r{r}: {p}" for r, (_, p) in enumerate(seen) if p]
+    if not bad and any(w != wanted for w, _ in seen):
+        bad = [f"the ranks differ: {', '.join(f'r{r} gave {w}' for r, (w, _) in enumerate(seen))}"
+               "; every rank passes the same list"]
+    if bad:
+        raise ValueError("new_group: " + "; ".join(bad))
+    me = comm.world_ranks[comm.rank]
+    sub = comm.split(0 if me in wanted else None, key=me)
+    if sub is not None and timeout is not None:
+        sub.timeout = getattr(timeout, "total_seconds", lambda: timeout)()
+    return sub

@@ -1,0 +1,150 @@
+"""torch.distributed's functions on mpiring (``import mpiring as dist``): the results
+against the arithmetic, on 1-4 ranks, with sizes that are empty, tiny and odd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tdist = pytest.importorskip("torch.distributed")
+
+import mpiring as dist  # noqa: E402 - after the skip: the functions take torch tensors
+
+SIZES = (0, 1, 7)
+
+
+def _x(rank: int, n: int, dtype=torch.float64, salt: int = 0):
+    """Rank- and index-dependent small integers: every sum is exact."""
+    return ((torch.arange(n) * 3 + rank * 5 + salt) % 11).to(dtype)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int32])
+def test_all_reduce_broadcast_reduce(comm, n, dtype):
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    want = sum(_x(r, n, dtype) for r in range(k)) if k else None
+
+    x = _x(me, n, dtype)
+    assert dist.all_reduce(x, group=comm) is None
+    assert torch.equal(x, want)
+    x = _x(me, n, dtype)
+    dist.all_reduce(x, op=tdist.ReduceOp.MAX, group=comm)  # torch's own ReduceOp
+    assert torch.equal(x, torch.stack([_x(r, n, dtype) for r in range(k)]).amax(0))
+
+    last = k - 1
+    x = _x(me, n, dtype, salt=1)
+    work = dist.broadcast(x, src=jobs[last], group=comm, async_op=True)
+    assert work.wait() and work.is_completed()
+    assert torch.equal(x, _x(last, n, dtype, salt=1))
+
+    x = _x(me, n, dtype)
+    dist.reduce(x, group_dst=last, op=dist.ReduceOp.SUM, group=comm)
+    assert torch.equal(x, want if me == last else _x(me, n, dtype))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_all_gather_in_each_form(comm, n):
+    k, me = comm.size, comm.rank
+    parts = [_x(r, n) for r in range(k)]
+    flat = torch.full((k * n,), -1.0, dtype=torch.float64)
+    dist.all_gather_into_tensor(flat, _x(me, n), group=comm)
+    assert torch.equal(flat, torch.cat(parts))
+    # torch's stacked form: the same memory order
+    stacked = torch.full((k, n), -1.0, dtype=torch.float64)
+    dist.all_gather_single(stacked, _x(me, n), group=comm)  # torch 2.13's name
+    assert torch.equal(stacked, torch.stack(parts))
+    got = [torch.full((n,), -1.0, dtype=torch.float64) for _ in range(k)]
+    dist.all_gather(got, _x(me, n), group=comm)
+    assert all(torch.equal(g, p) for g, p in zip(got, parts))
+    arrays = [np.full(n, -1.0) for _ in range(k)]  # NumPy buffers take the same calls
+    dist.all_gather(arrays, _x(me, n).numpy(), group=comm)
+    assert all(np.array_equal(a, p.numpy()) for a, p in zip(arrays, parts))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", ["SUM", "AVG"])
+def test_reduce_scatter_tensor_leaves_the_input(comm, n, op):
+    k, me = comm.size, comm.rank
+    inp = _x(me, k * n)
+    before = inp.clone()
+    out = torch.full((n,), -1.0, dtype=torch.float64)
+    scatter = dist.reduce_scatter_tensor if op == "SUM" else dist.reduce_scatter_single
+    scatter(out, inp, op=getattr(dist.ReduceOp, op), group=comm)
+    total = sum(_x(r, k * n) for r in range(k))
+    if op == "AVG":
+        total = total / k
+    torch.testing.assert_close(out, total[me * n:(me + 1) * n], rtol=1e-12, atol=1e-12)
+    assert torch.equal(inp, before)
+
+
+def test_point_to_point_names_job_ranks(comm):
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    if k == 1:
+        return
+    right, left = (me + 1) % k, (me - 1) % k
+    got = torch.zeros(5, dtype=torch.float64)
+    if me % 2 == 0:
+        dist.send(_x(me, 5), dst=jobs[right], group=comm, tag=3)
+        assert dist.recv(got, src=jobs[left], group=comm, tag=3) == jobs[left]
+    else:
+        assert dist.recv(got, group_src=left, group=comm, tag=3) == jobs[left]
+        dist.send(_x(me, 5), group_dst=right, group=comm, tag=3)
+    assert torch.equal(got, _x(left, 5))
+    got = torch.zeros(3, dtype=torch.float64)
+    reqs = [dist.irecv(got, src=jobs[left], group=comm),
+            dist.isend(_x(me, 3, salt=2), dst=jobs[right], group=comm)]
+    for r in reqs:
+        r.wait()
+    assert torch.equal(got, _x(left, 3, salt=2))
+    with pytest.raises(ValueError, match="any sender"):
+        dist.recv(got, group=comm)
+
+
+def test_bad_arguments_raise_on_every_rank_before_anything_moves(comm):
+    k, me, last = comm.size, comm.rank, comm.size - 1
+    wrong = torch.zeros(k * 2 + (1 if me == last else 0))  # one rank's output is too long
+    with pytest.raises(ValueError, match=rf"r{last}: all_gather_into_tensor: output_tensor has "
+                                         rf"{k * 2 + 1} elements"):
+        dist.all_gather_into_tensor(wrong, torch.ones(2), group=comm)
+    with pytest.raises(ValueError, match="tensor_list has"):
+        dist.all_gather([torch.zeros(2)] * (k + 1), torch.ones(2), group=comm)
+    with pytest.raises(ValueError, match="BAND"):
+        dist.all_reduce(torch.ones(2), op=tdist.ReduceOp.BAND, group=comm)
+    with pytest.raises(ValueError, match="not in the group"):
+        dist.broadcast(torch.ones(2), src=max(comm.world_ranks) + 10, group=comm)
+    x = torch.ones(2)  # and the group still works after the refusals
+    dist.all_reduce(x, group=comm)
+    assert torch.equal(x, torch.full((2,), float(k)))
+
+
+def test_default_group_and_new_group(world):
+    comm = dist.init_process_group()
+    try:
+        assert dist.is_available() and dist.get_backend() == "mpi"
+        assert dist.get_process_group_ranks() == list(range(world.size))
+        x = _x(world.rank, 4)
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+        torch.testing.assert_close(x, sum(_x(r, 4) for r in range(world.size)) / world.size)
+        dist.barrier()
+        members = sorted({0, world.size - 1})
+        sub = dist.new_group(list(reversed(members)))  # torch orders the ranks itself
+        assert (sub is not None) == (world.rank in members)
+        if sub is not None:
+            assert dist.get_process_group_ranks(sub) == members
+            assert dist.get_global_rank(sub, len(members) - 1) == members[-1]
+            y = torch.full((3,), float(world.rank))
+            dist.all_reduce(y, group=sub)
+            assert torch.equal(y, torch.full((3,), float(sum(members))))
+            z = _x(world.rank, 3)
+            dist.broadcast(z, src=members[-1], group=sub)  # a job rank, not the group's
+            assert torch.equal(z, _x(members[-1], 3))
+            sub.free()
+        if world.size > 1:
+            with pytest.raises(ValueError, match="the ranks differ"):
+                dist.new_group([world.rank])
+        with pytest.raises(ValueError, match="distinct ranks"):
+            dist.new_group([0, 0])
+    finally:
+        dist.destroy_process_group()
+    assert comm is not None
