@@ -148,3 +148,19 @@ def test_default_group_and_new_group(world):
     finally:
         dist.destroy_process_group()
     assert comm is not None
+
+
+def test_parameters_are_written_in_place_as_torch_does(comm):
+    # torch's collectives take a parameter (dist.broadcast(p, 0) syncs a model) and write
+    # it outside autograd; the Communicator's own calls still refuse one.
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    p = torch.nn.Parameter(_x(me, 4))
+    dist.broadcast(p, src=jobs[0], group=comm)
+    assert torch.equal(p.detach(), _x(0, 4)) and p.requires_grad and p.grad_fn is None
+    dist.all_reduce(p, group=comm)
+    assert torch.equal(p.detach(), k * _x(0, 4)) and p.is_leaf
+    out = torch.zeros(k * 4, dtype=torch.float64)
+    dist.all_gather_into_tensor(out, torch.nn.Parameter(_x(me, 4)), group=comm)
+    assert torch.equal(out, torch.cat([_x(r, 4) for r in range(k)])) and not out.requires_grad
+    with pytest.raises(ValueError, match="requires grad"):
+        comm.all_reduce(p)

@@ -77,6 +77,16 @@ def _done(async_op: bool) -> Work | None:
     return _DONE if async_op else None
 
 
+def _data(x):
+    """``x``, or for a tensor that requires grad its detached alias (the same memory).
+
+    torch's collectives write a parameter in place outside autograd
+    (``dist.broadcast(p, 0)`` syncs a model); the Communicator refuses such a
+    tensor so that its own callers notice, and a ported script keeps torch's rule.
+    """
+    return x.detach() if getattr(x, "requires_grad", False) else x
+
+
 def _group_rank(comm: Communicator, world_rank: int | None, group_rank: int | None,
                 what: str, name: str) -> int:
     """``group``'s rank for torch's ``src``/``dst`` (a job rank) or ``group_src``/``group_dst``."""
@@ -128,7 +138,7 @@ def barrier(group: Communicator | None = None, async_op: bool = False,
 def all_reduce(tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` over the group, in place, on every rank."""
-    resolve(group, "all_reduce").all_reduce(tensor, op=_op(op, "all_reduce"))
+    resolve(group, "all_reduce").all_reduce(_data(tensor), op=_op(op, "all_reduce"))
     return _done(async_op)
 
 
@@ -136,7 +146,7 @@ def broadcast(tensor, src: int | None = None, group: Communicator | None = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's."""
     comm = resolve(group, "broadcast")
-    comm.broadcast(tensor, root=_group_rank(comm, src, group_src, "broadcast", "src"))
+    comm.broadcast(_data(tensor), root=_group_rank(comm, src, group_src, "broadcast", "src"))
     return _done(async_op)
 
 
@@ -145,7 +155,7 @@ def reduce(tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
            group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` over the group into ``dst``'s ``tensor``."""
     comm = resolve(group, "reduce")
-    comm.reduce(tensor, root=_group_rank(comm, dst, group_dst, "reduce", "dst"),
+    comm.reduce(_data(tensor), root=_group_rank(comm, dst, group_dst, "reduce", "dst"),
                 op=_op(op, "reduce"))
     return _done(async_op)
 
@@ -181,8 +191,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | No
     _raise_together(comm, _parts_error("all_gather_into_tensor", output_tensor, input_tensor,
                                        comm.size, "output_tensor", "input_tensor"))
     n = _numel(input_tensor)
+    output_tensor = _data(output_tensor)
     flat = output_tensor.reshape(-1)
-    flat[comm.rank * n:(comm.rank + 1) * n] = input_tensor.reshape(-1)
+    flat[comm.rank * n:(comm.rank + 1) * n] = _data(input_tensor).reshape(-1)
     comm.all_gather(output_tensor)  # its chunks (array_split's) are the n-element parts
     return _done(async_op)
 
@@ -204,10 +215,10 @@ def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
     _raise_together(comm, problem)
     n = _numel(tensor)
     flat = _empty_like_flat(tensor, comm.size * n)
-    flat[comm.rank * n:(comm.rank + 1) * n] = tensor.reshape(-1)
+    flat[comm.rank * n:(comm.rank + 1) * n] = _data(tensor).reshape(-1)
     comm.all_gather(flat)
     for r, t in enumerate(tensor_list):
-        t.reshape(-1)[:] = flat[r * n:(r + 1) * n]
+        _data(t).reshape(-1)[:] = flat[r * n:(r + 1) * n]
     return _done(async_op)
 
 
@@ -221,9 +232,9 @@ def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 -
     _raise_together(comm, _parts_error("reduce_scatter_tensor", input, output, comm.size,
                                        "input", "output"))
     work = _empty_like_flat(input, _numel(input))
-    work[:] = input.reshape(-1)
+    work[:] = _data(input).reshape(-1)
     part = comm.reduce_scatter(work, op=mine)
-    output.reshape(-1)[:] = part
+    _data(output).reshape(-1)[:] = part
     return _done(async_op)
 
 
@@ -249,7 +260,7 @@ def send(tensor, dst: int | None = None, group: Communicator | None = None, tag:
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to ``dst``; returns once the buffer may be reused."""
     comm = resolve(group, "send")
-    comm.send(tensor, _group_rank(comm, dst, group_dst, "send", "dst"), tag)
+    comm.send(_data(tensor), _group_rank(comm, dst, group_dst, "send", "dst"), tag)
 
 
 def recv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
@@ -257,7 +268,7 @@ def recv(tensor, src: int | None = None, group: Communicator | None = None, tag:
     """Receive into ``tensor`` from ``src``; returns ``src`` (torch returns the sender)."""
     comm = resolve(group, "recv")
     peer = _group_rank(comm, _named_source(src, group_src, "recv"), group_src, "recv", "src")
-    comm.recv(tensor, peer, tag)
+    comm.recv(_data(tensor), peer, tag)
     return comm.world_ranks[peer]
 
 
@@ -265,7 +276,7 @@ def isend(tensor, dst: int | None = None, group: Communicator | None = None, tag
           group_dst: int | None = None):
     """Start sending ``tensor`` to ``dst``; the request's ``wait()`` completes it."""
     comm = resolve(group, "isend")
-    return comm.isend(tensor, _group_rank(comm, dst, group_dst, "isend", "dst"), tag)
+    return comm.isend(_data(tensor), _group_rank(comm, dst, group_dst, "isend", "dst"), tag)
 
 
 def irecv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
@@ -273,7 +284,7 @@ def irecv(tensor, src: int | None = None, group: Communicator | None = None, tag
     """Start receiving into ``tensor`` from ``src``; the request's ``wait()`` completes it."""
     comm = resolve(group, "irecv")
     peer = _group_rank(comm, _named_source(src, group_src, "irecv"), group_src, "irecv", "src")
-    return comm.irecv(tensor, peer, tag)
+    return comm.irecv(_data(tensor), peer, tag)
 
 
 def _named_source(src, group_src, what: str):
