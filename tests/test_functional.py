@@ -164,3 +164,41 @@ def test_parameters_are_written_in_place_as_torch_does(comm):
     assert torch.equal(out, torch.cat([_x(r, 4) for r in range(k)])) and not out.requires_grad
     with pytest.raises(ValueError, match="requires grad"):
         comm.all_reduce(p)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_gather_and_scatter_at_every_root(comm, n):
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    for root in range(k):
+        got = [torch.full((n,), -1.0, dtype=torch.float64) for _ in range(k)] if me == root \
+            else None
+        dist.gather(_x(me, n, salt=root), got, dst=jobs[root], group=comm)
+        if me == root:
+            assert all(torch.equal(g, _x(r, n, salt=root)) for r, g in enumerate(got))
+        mine = torch.full((n,), -1.0, dtype=torch.float64)
+        parts = [_x(r, n, salt=7 + root) for r in range(k)] if me == root else None
+        dist.scatter(mine, parts, group_src=root, group=comm)
+        assert torch.equal(mine, _x(me, n, salt=7 + root))
+
+
+def test_all_to_all_single_equal_and_uneven(comm):
+    k, me = comm.size, comm.rank
+    # Equal parts: part b of rank a's input is 100 a + 10 b + (0, 1).
+    inp = torch.tensor([100.0 * me + 10 * b + i for b in range(k) for i in range(2)])
+    out = torch.full((2 * k,), -1.0)
+    dist.all_to_all_single(out, inp, group=comm)
+    assert out.tolist() == [100.0 * a + 10 * me + i for a in range(k) for i in range(2)]
+    # Rows in uneven splits (MoE): rank a sends (a + b) % 3 rows of width 2 to rank b.
+    sends = [(me + b) % 3 for b in range(k)]
+    recvs = [(a + me) % 3 for a in range(k)]
+    inp = torch.cat([torch.full((s, 2), 10.0 * me + b) for b, s in enumerate(sends)])
+    out = torch.full((sum(recvs), 2), -1.0)
+    dist.all_to_all_single(out, inp, recvs, sends, group=comm)
+    want = torch.cat([torch.full((s, 2), 10.0 * a + me) for a, s in enumerate(recvs)])
+    assert torch.equal(out, want)
+    if k > 1:  # what r0 sends and what r1 expects disagree: refused everywhere
+        wrong = [s + (1 if me == 1 and b == 0 else 0) for b, s in enumerate(recvs)]
+        with pytest.raises(ValueError, match="do not match across ranks"):
+            dist.all_to_all_single(torch.zeros(sum(wrong), 2), inp, wrong, sends, group=comm)
+    with pytest.raises(ValueError, match="gather_list"):
+        dist.gather(torch.ones(2), [torch.ones(3)] * k, group_dst=0, group=comm)

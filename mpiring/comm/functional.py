@@ -26,7 +26,8 @@ from mpiring.comm.communicator import Communicator
 from mpiring.comm.default import default_comm, resolve
 
 __all__ = ["ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_single",
-           "all_reduce", "barrier", "reduce_scatter_single",
+           "all_reduce", "all_to_all_single", "barrier", "gather", "reduce_scatter_single",
+           "scatter",
            "broadcast", "get_backend", "get_global_rank", "get_process_group_ranks",
            "irecv", "is_available", "isend", "new_group", "recv", "reduce",
            "reduce_scatter_tensor", "send"]
@@ -241,6 +242,139 @@ def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 -
 # torch 2.13's names for the two (the old ones warn there that they are deprecated).
 all_gather_single = all_gather_into_tensor
 reduce_scatter_single = reduce_scatter_tensor
+
+
+def _like_error(what: str, name: str, parts, like, k: int) -> str | None:
+    """Why ``parts`` is not k contiguous buffers of ``like``'s dtype and size (None: it is)."""
+    if parts is None or len(parts) != k:
+        return (f"{what}: {name} has {0 if parts is None else len(parts)} tensors: give one "
+                f"per rank of the group ({k})")
+    for i, t in enumerate(parts):
+        if t.dtype != like.dtype or _numel(t) != _numel(like):
+            return (f"{what}: {name}[{i}] is {tuple(t.shape)} {t.dtype}, the tensor "
+                    f"{tuple(like.shape)} {like.dtype}: give tensors like it")
+        if not _contiguous(t):
+            return f"{what}: {name}[{i}] is not contiguous: pass .contiguous() tensors"
+    return None
+
+
+def _contiguous(x) -> bool:
+    f = getattr(x, "is_contiguous", None)
+    return f() if callable(f) else bool(x.flags.c_contiguous)
+
+
+def _exchange(comm: Communicator, sends: list, recvs: list) -> None:
+    """Post every receive, then every send, on a private duplicate of ``comm`` (so that
+    no message can meet the caller's own point-to-point traffic); wait for all.
+
+    ``sends``/``recvs``: (group rank, buffer) pairs.
+    """
+    private = comm.dup()
+    try:
+        reqs = [private.irecv(buf, peer, 0) for peer, buf in recvs]
+        reqs += [private.isend(buf, peer, 0) for peer, buf in sends]
+        for r in reqs:
+            r.wait()
+    finally:
+        private.free()
+
+
+def _rooted(what: str, tensor, parts, root_rank, group_root, group, async_op: bool,
+            to_root: bool) -> Work | None:
+    """gather (``to_root``: every rank's ``tensor`` into the root's ``parts``) and scatter
+    (the root's ``parts`` into every rank's ``tensor``): one message per other rank."""
+    comm = resolve(group, what)
+    end, listname = ("dst", "gather_list") if to_root else ("src", "scatter_list")
+    root = _group_rank(comm, root_rank, group_root, what, end)
+    if comm.rank == root:
+        problem = _like_error(what, listname, parts, tensor, comm.size)
+    else:
+        problem = (f"{what}: {listname} is given on a rank that is not {end}: pass it on "
+                   f"{end} only" if parts else None)
+    _raise_together(comm, problem)
+    mine = _data(tensor)
+    if comm.rank == root:
+        own = _data(parts[root]).reshape(-1)
+        if to_root:
+            own[:] = mine.reshape(-1)
+        else:
+            mine.reshape(-1)[:] = own
+        others = [(r, _data(t)) for r, t in enumerate(parts) if r != root]
+        _exchange(comm, [] if to_root else others, others if to_root else [])
+    else:
+        _exchange(comm, [(root, mine)] if to_root else [], [] if to_root else [(root, mine)])
+    return _done(async_op)
+
+
+def gather(tensor, gather_list: list | None = None, dst: int | None = None,
+           group: Communicator | None = None, async_op: bool = False,
+           group_dst: int | None = None) -> Work | None:
+    """``dst``'s ``gather_list[r]`` gets rank r's ``tensor``; the other ranks pass no list."""
+    return _rooted("gather", tensor, gather_list, dst, group_dst, group, async_op, True)
+
+
+def scatter(tensor, scatter_list: list | None = None, src: int | None = None,
+            group: Communicator | None = None, async_op: bool = False,
+            group_src: int | None = None) -> Work | None:
+    """Rank r's ``tensor`` gets ``src``'s ``scatter_list[r]``; the other ranks pass no list."""
+    return _rooted("scatter", tensor, scatter_list, src, group_src, group, async_op, False)
+
+
+def all_to_all_single(output, input, output_split_sizes: list[int] | None = None,  # noqa: A002
+                      input_split_sizes: list[int] | None = None,
+                      group: Communicator | None = None, async_op: bool = False) -> Work | None:
+    """Rank a's part b of ``input`` goes to rank b's part a of ``output``: equal parts of
+    the flat tensors, or rows of dimension 0 in the given split sizes (MoE's dispatch)."""
+    comm = resolve(group, "all_to_all_single")
+    k = comm.size
+    problem, ins, outs = _split_plan(output, input, output_split_sizes, input_split_sizes, k)
+    rows = comm.control.allgather_json([problem, ins, outs]) if k > 1 else [[problem, ins, outs]]
+    bad = [f"r{r}: {p}" for r, (p, _, _) in enumerate(rows) if p]
+    if not bad:  # what a sends to b is what b expects from a
+        bad = [f"r{a} sends {rows[a][1][b]} elements to r{b}, which expects {rows[b][2][a]}"
+               for a in range(k) for b in range(k) if rows[a][1][b] != rows[b][2][a]]
+        if bad:
+            bad = ["all_to_all_single: the split sizes do not match across ranks: "
+                   + "; ".join(bad[:4]) + " (rank b's output_split_sizes[a] is rank a's "
+                   "input_split_sizes[b])"]
+    if bad:
+        raise ValueError("; ".join(bad))
+    src, dst = _data(input).reshape(-1), _data(output).reshape(-1)
+    lo_in = [sum(ins[:r]) for r in range(k)]
+    lo_out = [sum(outs[:r]) for r in range(k)]
+    me = comm.rank
+    dst[lo_out[me]:lo_out[me] + outs[me]] = src[lo_in[me]:lo_in[me] + ins[me]]
+    # Zero-length parts are not sent: both ends know the count and skip them alike.
+    _exchange(comm,
+              [(r, src[lo_in[r]:lo_in[r] + ins[r]]) for r in range(k) if r != me and ins[r]],
+              [(r, dst[lo_out[r]:lo_out[r] + outs[r]]) for r in range(k) if r != me and outs[r]])
+    return _done(async_op)
+
+
+def _split_plan(output, input, out_sizes, in_sizes, k: int):  # noqa: A002
+    """(problem, elements sent to each rank, elements received from each rank)."""
+    what = "all_to_all_single"
+    if output.dtype != input.dtype:
+        return f"{what}: output is {output.dtype} and input {input.dtype}: give one dtype", [], []
+    if not (_contiguous(output) and _contiguous(input)):
+        return f"{what}: pass contiguous tensors (.contiguous())", [], []
+    counts = []
+    for name, t, sizes in (("input", input, in_sizes), ("output", output, out_sizes)):
+        n = _numel(t)
+        if sizes is None:
+            if n % k:
+                return (f"{what}: {name} has {n} elements, not {k} equal parts: give "
+                        f"{name}_split_sizes", [], [])
+            counts.append([n // k] * k)
+            continue
+        sizes = [int(s) for s in sizes]
+        rows = t.shape[0] if len(t.shape) else 1
+        if len(sizes) != k or min(sizes, default=0) < 0 or sum(sizes) != rows:
+            return (f"{what}: {name}_split_sizes={sizes}: give {k} sizes >= 0 that sum to "
+                    f"{name}'s {rows} rows", [], [])
+        per_row = n // rows if rows else 0
+        counts.append([s * per_row for s in sizes])
+    return None, counts[0], counts[1]
 
 
 def _empty_like_flat(x, n: int):
