@@ -109,6 +109,16 @@ def test_bad_arguments_raise_on_every_rank_before_anything_moves(comm):
         dist.all_gather_into_tensor(wrong, torch.ones(2), group=comm)
     with pytest.raises(ValueError, match="tensor_list has"):
         dist.all_gather([torch.zeros(2)] * (k + 1), torch.ones(2), group=comm)
+    # A tensor that a write through reshape(-1) would miss: refused, not left unwritten.
+    strided = [torch.zeros(2, 2).t() if r == 0 and me == last else torch.zeros(2, 2)
+               for r in range(k)]
+    with pytest.raises(ValueError, match=rf"r{last}: all_gather: tensor_list\[0\] is not "
+                                         "contiguous"):
+        dist.all_gather(strided, torch.ones(2, 2), group=comm)
+    out = torch.zeros(2, 2).t() if me == last else torch.zeros(2, 2)
+    with pytest.raises(ValueError, match=rf"r{last}: reduce_scatter_tensor: output is not "
+                                         "contiguous"):
+        dist.reduce_scatter_tensor(out, torch.ones(4 * k), group=comm)
     with pytest.raises(ValueError, match="BAND"):
         dist.all_reduce(torch.ones(2), op=tdist.ReduceOp.BAND, group=comm)
     with pytest.raises(ValueError, match="not in the group"):

@@ -176,74 +176,6 @@ def _parts_error(what: str, whole, part, k: int, whole_name: str, part_name: str
     return None
 
 
-def _raise_together(comm: Communicator, problem: str | None) -> None:
-    """Every rank raises (with every rank's problem) or none does, before a byte moves."""
-    problems = comm.control.allgather_json(problem) if comm.size > 1 else [problem]
-    bad = [f"r{r}: {p}" for r, p in enumerate(problems) if p]
-    if bad:
-        raise ValueError("; ".join(bad))
-
-
-def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | None = None,
-                           async_op: bool = False) -> Work | None:
-    """Concatenate every rank's ``input_tensor`` into each rank's ``output_tensor``
-    (group.size equal parts, in group-rank order)."""
-    comm = resolve(group, "all_gather_into_tensor")
-    _raise_together(comm, _parts_error("all_gather_into_tensor", output_tensor, input_tensor,
-                                       comm.size, "output_tensor", "input_tensor"))
-    n = _numel(input_tensor)
-    output_tensor = _data(output_tensor)
-    flat = output_tensor.reshape(-1)
-    flat[comm.rank * n:(comm.rank + 1) * n] = _data(input_tensor).reshape(-1)
-    comm.all_gather(output_tensor)  # its chunks (array_split's) are the n-element parts
-    return _done(async_op)
-
-
-def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
-               async_op: bool = False) -> Work | None:
-    """Fill ``tensor_list[r]`` with rank r's ``tensor``, on every rank."""
-    comm = resolve(group, "all_gather")
-    problem = None
-    if len(tensor_list) != comm.size:
-        problem = (f"all_gather: tensor_list has {len(tensor_list)} tensors: give one per rank "
-                   f"of the group ({comm.size})")
-    else:
-        for i, t in enumerate(tensor_list):
-            if t.dtype != tensor.dtype or _numel(t) != _numel(tensor):
-                problem = (f"all_gather: tensor_list[{i}] is {tuple(t.shape)} {t.dtype}, the "
-                           f"tensor {tuple(tensor.shape)} {tensor.dtype}: give tensors like it")
-                break
-    _raise_together(comm, problem)
-    n = _numel(tensor)
-    flat = _empty_like_flat(tensor, comm.size * n)
-    flat[comm.rank * n:(comm.rank + 1) * n] = _data(tensor).reshape(-1)
-    comm.all_gather(flat)
-    for r, t in enumerate(tensor_list):
-        _data(t).reshape(-1)[:] = flat[r * n:(r + 1) * n]
-    return _done(async_op)
-
-
-def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 - torch's name
-                          group: Communicator | None = None,
-                          async_op: bool = False) -> Work | None:
-    """Reduce ``input`` (group.size equal parts) over the group; rank r's ``output``
-    gets part r. ``input`` is left as it was, as in torch."""
-    comm = resolve(group, "reduce_scatter_tensor")
-    mine = _op(op, "reduce_scatter_tensor")
-    _raise_together(comm, _parts_error("reduce_scatter_tensor", input, output, comm.size,
-                                       "input", "output"))
-    work = _empty_like_flat(input, _numel(input))
-    work[:] = _data(input).reshape(-1)
-    part = comm.reduce_scatter(work, op=mine)
-    _data(output).reshape(-1)[:] = part
-    return _done(async_op)
-
-
-# torch 2.13's names for the two (the old ones warn there that they are deprecated).
-all_gather_single = all_gather_into_tensor
-reduce_scatter_single = reduce_scatter_tensor
-
-
 def _like_error(what: str, name: str, parts, like, k: int) -> str | None:
     """Why ``parts`` is not k contiguous buffers of ``like``'s dtype and size (None: it is)."""
     if parts is None or len(parts) != k:
@@ -261,6 +193,79 @@ def _like_error(what: str, name: str, parts, like, k: int) -> str | None:
 def _contiguous(x) -> bool:
     f = getattr(x, "is_contiguous", None)
     return f() if callable(f) else bool(x.flags.c_contiguous)
+
+
+def _refuse_if(comm: Communicator, collective: str, problem: str | None) -> None:
+    """Refuse the coming ``collective`` on every rank when this rank has a ``problem``:
+    the collective's own argument check carries it to the others (``Communicator.refuse``),
+    so a good call costs no exchange of its own."""
+    if problem:
+        comm.refuse(collective, ValueError(f"r{comm.rank}: {problem}"))
+
+
+def _raise_together(comm: Communicator, problem: str | None) -> None:
+    """Every rank raises (with every rank's problem) or none does, before a byte moves:
+    for the calls made of point-to-point messages, which have no argument check."""
+    problems = comm.control.allgather_json(problem) if comm.size > 1 else [problem]
+    bad = [f"r{r}: {p}" for r, p in enumerate(problems) if p]
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | None = None,
+                           async_op: bool = False) -> Work | None:
+    """Concatenate every rank's ``input_tensor`` into each rank's ``output_tensor``
+    (group.size equal parts, in group-rank order)."""
+    comm = resolve(group, "all_gather_into_tensor")
+    _refuse_if(comm, "all_gather", _parts_error("all_gather_into_tensor", output_tensor,
+                                                input_tensor, comm.size, "output_tensor",
+                                                "input_tensor"))
+    n = _numel(input_tensor)
+    output_tensor = _data(output_tensor)
+    flat = output_tensor.reshape(-1)
+    flat[comm.rank * n:(comm.rank + 1) * n] = _data(input_tensor).reshape(-1)
+    comm.all_gather(output_tensor)  # its chunks (array_split's) are the n-element parts
+    return _done(async_op)
+
+
+def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
+               async_op: bool = False) -> Work | None:
+    """Fill ``tensor_list[r]`` with rank r's ``tensor``, on every rank."""
+    comm = resolve(group, "all_gather")
+    # The list's tensors are written through reshape(-1): each must be contiguous, or the
+    # write would land in a copy.
+    _refuse_if(comm, "all_gather",
+               _like_error("all_gather", "tensor_list", tensor_list, tensor, comm.size))
+    n = _numel(tensor)
+    flat = _empty_like_flat(tensor, comm.size * n)
+    flat[comm.rank * n:(comm.rank + 1) * n] = _data(tensor).reshape(-1)
+    comm.all_gather(flat)
+    for r, t in enumerate(tensor_list):
+        _data(t).reshape(-1)[:] = flat[r * n:(r + 1) * n]
+    return _done(async_op)
+
+
+def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 - torch's name
+                          group: Communicator | None = None,
+                          async_op: bool = False) -> Work | None:
+    """Reduce ``input`` (group.size equal parts) over the group; rank r's ``output``
+    gets part r. ``input`` is left as it was, as in torch."""
+    comm = resolve(group, "reduce_scatter_tensor")
+    mine = _op(op, "reduce_scatter_tensor")
+    problem = _parts_error("reduce_scatter_tensor", input, output, comm.size, "input", "output")
+    if problem is None and not _contiguous(output):  # written through reshape(-1)
+        problem = "reduce_scatter_tensor: output is not contiguous: pass output.contiguous()"
+    _refuse_if(comm, "reduce_scatter", problem)
+    work = _empty_like_flat(input, _numel(input))
+    work[:] = _data(input).reshape(-1)
+    part = comm.reduce_scatter(work, op=mine)
+    _data(output).reshape(-1)[:] = part
+    return _done(async_op)
+
+
+# torch 2.13's names for the two (the old ones warn there that they are deprecated).
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
 
 
 def _exchange(comm: Communicator, sends: list, recvs: list) -> None:
