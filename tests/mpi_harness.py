@@ -35,6 +35,7 @@ import time
 import pytest
 from mpi4py import MPI
 
+from mpiring.runtime import watchdog
 from mpiring.runtime.watchdog import REPORT_GRACE
 
 WORLD = MPI.COMM_WORLD
@@ -56,11 +57,30 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "one_rank: a pure test (no communication, the same "
                             "on every rank): rank 0 runs it, the others wait without spinning")
     _arm_stack_dumps()
+    _reports_to_the_terminal(config)
     if RANK != 0:
         # Rank 0 speaks for the job; the others report only their own failures.
         reporter = config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
+
+
+def _reports_to_the_terminal(config) -> None:
+    """Point mpiring's own reports (a stall, a desync, an error on a thread) at the real stderr.
+
+    mpiring writes them to fd 2 and aborts the job; pytest's capture holds fd 2 in a
+    file that it reads back only when the test ends, which an abort never reaches, so
+    the job would end with exit 124 and not a word. A copy of fd 2 taken while the
+    capture is suspended is the terminal's (or the launcher's pipe).
+    """
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=False)
+    try:
+        watchdog.REPORT_FD = os.dup(2)
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
 
 
 def _arm_stack_dumps() -> None:

@@ -55,6 +55,17 @@ def test_a_timeout_prints_the_stacks_of_the_other_ranks(rank0_subprocess):
 
 
 @pytest.mark.deadline(90)
+def test_an_mpiring_stall_inside_a_test_is_reported_not_swallowed(rank0_subprocess):
+    """mpiring's watchdog writes its report and aborts: pytest's capture of fd 2 must not
+    keep it (it did: the job ended with exit 124 and printed nothing)."""
+    out = aborted_job(rank0_subprocess, 2, "case_mpiring_stall.py")
+    if out is None:
+        return
+    assert re.search(r"\[r[01]\] mpiring (stall|desync)", out), out
+    assert "case_mpiring_stall.py" in out, f"the report must say where:\n{out}"
+
+
+@pytest.mark.deadline(90)
 def test_passing_run_reads_like_one_report(rank0_subprocess):
     result = rank0_subprocess(3, [*HARNESS, "tests/harness_cases/case_pass.py"], timeout=60)
     if result is None:

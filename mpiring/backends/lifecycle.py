@@ -116,7 +116,7 @@ def _abort_for(kind: str, exc_type, exc, tb, where: str = "") -> None:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - the report matters more than stdout
         pass
-    os.write(2, message.encode(errors="replace"))
+    os.write(watchdog.REPORT_FD, message.encode(errors="replace"))
     flush_all()
     time.sleep(watchdog.REPORT_GRACE)  # let the launcher forward the report
     MPI.COMM_WORLD.Abort(1)

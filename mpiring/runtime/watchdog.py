@@ -71,6 +71,11 @@ REPORT_GRACE = 0.5
 #: that it exited (``mpiring.backends.lifecycle``): its last messages, already
 #: sent, arrive within that; a wait that outlasts it can never end.
 EXIT_GRACE = 2.0
+#: The file descriptor reports are written to: stderr. Written with os.write, so a
+#: report gets out of a process whose Python buffers an abort would drop; a runner
+#: that redirects fd 2 into a file of its own (pytest's capture, which an abort never
+#: reads back) points this at a copy of the real stderr.
+REPORT_FD = 2
 
 now = time.monotonic
 
@@ -444,7 +449,8 @@ def _check_desync(at: float) -> None:
         text = detector.check(records, at, probe)
     except Exception as exc:  # noqa: BLE001 - a broken detector must not stop the deadlines
         _detector = None
-        os.write(2, f"[r{detector.rank}] mpiring: desync detection stopped: {exc!r}\n".encode())
+        os.write(REPORT_FD,
+                 f"[r{detector.rank}] mpiring: desync detection stopped: {exc!r}\n".encode())
         return
     if text is None or not records:
         return
@@ -468,7 +474,7 @@ def fire(act: Activity, text: str, grace: float = REPORT_GRACE) -> None:
         sys.stdout.flush()
     except Exception:  # noqa: BLE001 - the report matters more than stdout
         pass
-    os.write(2, text.encode(errors="replace"))
+    os.write(REPORT_FD, text.encode(errors="replace"))
     flush_all()  # the trace up to the stall is what explains it
     time.sleep(grace)
     backstop = threading.Timer(ABORT_GRACE, os._exit, args=(STALL_EXIT_CODE,))
