@@ -58,6 +58,8 @@ _LAZY = {
     "scatter": "mpiring.comm.functional",
     "all_to_all_single": "mpiring.comm.functional",
     "send": "mpiring.comm.functional",
+    "P2POp": "mpiring.comm.functional",
+    "batch_isend_irecv": "mpiring.comm.functional",
     "recv": "mpiring.comm.functional",
     "isend": "mpiring.comm.functional",
     "irecv": "mpiring.comm.functional",

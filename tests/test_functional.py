@@ -212,3 +212,60 @@ def test_all_to_all_single_equal_and_uneven(comm):
             dist.all_to_all_single(torch.zeros(sum(wrong), 2), inp, wrong, sends, group=comm)
     with pytest.raises(ValueError, match="gather_list"):
         dist.gather(torch.ones(2), [torch.ones(3)] * k, group_dst=0, group=comm)
+
+
+@pytest.mark.parametrize("n", [0, 1, 200_003])  # the last is past MPI's eager size: a
+def test_batch_isend_irecv_any_order(comm, n):    # blocking post in list order would deadlock
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    right, left = (me + 1) % k, (me - 1) % k
+    from_left = torch.full((n,), -1.0, dtype=torch.float64)
+    from_right = torch.full((n,), -1.0, dtype=torch.float64)
+    sends = [dist.P2POp(dist.isend, _x(me, n, salt=1), jobs[right], group=comm, tag=1),
+             dist.P2POp(tdist.isend, _x(me, n, salt=2), group_peer=left, group=comm, tag=2)]
+    recvs = [dist.P2POp(dist.irecv, from_left, jobs[left], group=comm, tag=1),
+             dist.P2POp(tdist.irecv, from_right, group_peer=right, group=comm, tag=2)]
+    # Each rank lists them in another order: sends first on even ranks, receives first
+    # on odd ones, and the two sends swapped on every third.
+    if me % 3 == 2:
+        sends.reverse()
+    reqs = dist.batch_isend_irecv(sends + recvs if me % 2 == 0 else recvs + sends)
+    assert len(reqs) == 4
+    for r in reqs:
+        r.wait()
+    assert torch.equal(from_left, _x(left, n, salt=1))
+    assert torch.equal(from_right, _x(right, n, salt=2))
+
+
+def test_batch_isend_irecv_refuses_a_bad_batch_before_posting(comm):
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    right, left = (me + 1) % k, (me - 1) % k
+    with pytest.raises(ValueError, match="non-empty list of P2POp"):
+        dist.batch_isend_irecv([])
+    good = dist.P2POp(dist.isend, torch.ones(3), jobs[right], group=comm)
+    with pytest.raises(ValueError, match=r"p2p_op_list\[1\] is tuple, not a P2POp"):
+        dist.batch_isend_irecv([good, (dist.isend, torch.ones(3), jobs[right])])
+    with pytest.raises(ValueError, match="pass isend or irecv"):
+        dist.P2POp(dist.send, torch.ones(3), jobs[right], group=comm)
+    with pytest.raises(ValueError, match="any sender"):
+        dist.P2POp(dist.irecv, torch.ones(3), group=comm)
+    with pytest.raises(ValueError, match="not in the group"):
+        dist.P2POp(dist.isend, torch.ones(3), max(jobs) + 10, group=comm)
+    with pytest.raises(ValueError, match="contiguous"):
+        dist.P2POp(dist.isend, torch.ones(2, 2).t(), jobs[right], group=comm)
+    with pytest.raises(ValueError, match="tag"):
+        dist.P2POp(dist.isend, torch.ones(3), jobs[right], group=comm, tag=-1)
+    other = comm.dup()
+    try:
+        mixed = [good, dist.P2POp(dist.irecv, torch.ones(3), jobs[left], group=other)]
+        with pytest.raises(ValueError, match=r"p2p_op_list\[1\] is on another group"):
+            dist.batch_isend_irecv(mixed)
+        # Nothing of the refused batches was posted: the next message on comm is this one.
+        got = torch.zeros(3, dtype=torch.float64)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, jobs[left], group=comm),
+                                       dist.P2POp(dist.isend, _x(me, 3), jobs[right],
+                                                  group=comm)])
+        for r in reqs:
+            r.wait()
+        assert torch.equal(got, _x(left, 3))
+    finally:
+        other.free()

@@ -24,9 +24,11 @@ from typing import Any
 
 from mpiring.comm.communicator import Communicator
 from mpiring.comm.default import default_comm, resolve
+from mpiring.comm.p2p import check_tag
+from mpiring.core.buffers import as_buffer
 
-__all__ = ["ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_single",
-           "all_reduce", "all_to_all_single", "barrier", "gather", "reduce_scatter_single",
+__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_single",
+           "all_reduce", "all_to_all_single", "barrier", "batch_isend_irecv", "gather", "reduce_scatter_single",
            "scatter",
            "broadcast", "get_backend", "get_global_rank", "get_process_group_ranks",
            "irecv", "is_available", "isend", "new_group", "recv", "reduce",
@@ -424,6 +426,77 @@ def irecv(tensor, src: int | None = None, group: Communicator | None = None, tag
     comm = resolve(group, "irecv")
     peer = _group_rank(comm, _named_source(src, group_src, "irecv"), group_src, "irecv", "src")
     return comm.irecv(_data(tensor), peer, tag)
+
+
+class P2POp:
+    """One send or receive of a ``batch_isend_irecv``, as torch's ``P2POp``.
+
+    ``op`` is ``isend`` or ``irecv`` (this module's, or torch.distributed's);
+    ``peer`` is a rank of the job, ``group_peer`` one of ``group``. The peer is
+    resolved and the tensor and tag checked when the op is made, so a bad one
+    raises here, before anything of its batch is posted.
+    """
+
+    __slots__ = ("op", "tensor", "group", "tag", "group_peer", "peer")
+
+    def __init__(self, op, tensor, peer: int | None = None, group: Communicator | None = None,
+                 tag: int = 0, group_peer: int | None = None):
+        kind = _p2p_kind(op)
+        comm = resolve(group, "P2POp")
+        name = "dst" if kind == "isend" else "src"
+        if kind == "irecv" and peer is None and group_peer is None:
+            _named_source(None, None, "P2POp(irecv)")
+        as_buffer(_data(tensor))  # a tensor no post could take: TypeError/ValueError now
+        self.op, self.tensor, self.group, self.tag = kind, tensor, comm, check_tag(tag)
+        self.group_peer = _group_rank(comm, peer, group_peer, f"P2POp({kind})", name)
+        self.peer = comm.world_ranks[self.group_peer]
+
+    def __repr__(self) -> str:
+        return (f"P2POp({self.op}, {tuple(getattr(self.tensor, 'shape', ()))}, "
+                f"peer={self.peer}, tag={self.tag})")
+
+
+def _p2p_kind(op) -> str:
+    """"isend" or "irecv" for ``op``: this module's function or torch.distributed's."""
+    name = getattr(op, "__name__", None)
+    module = getattr(op, "__module__", "") or ""
+    if name in ("isend", "irecv") and (op in (isend, irecv)
+                                       or module.startswith("torch.distributed")):
+        return name
+    raise ValueError(f"P2POp: op={op!r}: pass isend or irecv (mpiring's, or "
+                     "torch.distributed's)")
+
+
+def batch_isend_irecv(p2p_op_list: list) -> list:
+    """Post every ``P2POp`` of the list and return their requests, as torch's.
+
+    Every op is checked before the first is posted, so a bad list moves nothing.
+    All of them are posted before any is waited for, in the list's order: each
+    rank may list its sends and receives in any order without deadlocking its
+    neighbours (on NCCL they are issued together, in one group, at the first wait).
+
+    Raises:
+        ValueError: the list is empty, holds something that is not a P2POp, or
+            mixes groups (torch asks one group of a batch, and so does NCCL).
+    """
+    ops = list(p2p_op_list) if isinstance(p2p_op_list, (list, tuple)) else None
+    if not ops:
+        raise ValueError("batch_isend_irecv: p2p_op_list must be a non-empty list of "
+                         f"P2POp, got {p2p_op_list!r}")
+    for i, op in enumerate(ops):
+        if not isinstance(op, P2POp):
+            raise ValueError(f"batch_isend_irecv: p2p_op_list[{i}] is {type(op).__name__}, "
+                             "not a P2POp: build each op as P2POp(isend or irecv, tensor, "
+                             "peer)")
+    comm = ops[0].group
+    for i, op in enumerate(ops):
+        if op.group is not comm:
+            raise ValueError(f"batch_isend_irecv: p2p_op_list[{i}] is on another group "
+                             "than p2p_op_list[0]: one batch takes one group; call it once "
+                             "per group")
+    return [(comm.isend if op.op == "isend" else comm.irecv)(_data(op.tensor), op.group_peer,
+                                                               op.tag)
+            for op in ops]
 
 
 def _named_source(src, group_src, what: str):
