@@ -3,6 +3,8 @@ against the arithmetic, on 1-4 ranks, with sizes that are empty, tiny and odd.""
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 import pytest
 
@@ -269,3 +271,75 @@ def test_batch_isend_irecv_refuses_a_bad_batch_before_posting(comm):
         assert torch.equal(got, _x(left, 3))
     finally:
         other.free()
+
+
+def _obj(r: int):
+    """A rank-dependent object of every kind that travels without pickle."""
+    return {"rank": r, (r, "t"): ("x" * r, None, 1.5 * r), 7: {r, -r}, "b": bytes(range(r)),
+            "arr": np.arange(r * 2, dtype=np.int16).reshape(r, 2), "np": np.float32(r / 4),
+            "ten": torch.arange(r, dtype=torch.bfloat16), "nan": float("nan"),
+            "fs": frozenset({str(r)}), "empty": []}
+
+
+def _same(a, b) -> bool:
+    """Deep equality that also asks the same types (and NaN equal to itself)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (np.ndarray, np.generic)):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, float) and a != a:
+        return b != b
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_object_calls_without_pickle(comm):
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    got = [None] * k
+    assert dist.all_gather_object(got, _obj(me), group=comm) is None
+    assert all(_same(g, _obj(r)) for r, g in enumerate(got)), got
+    for root in range(k):
+        mine = [_obj(me), ("from", me), None]
+        kept = list(mine)
+        dist.broadcast_object_list(mine, src=jobs[root], group=comm)
+        if me == root:
+            assert all(m is o for m, o in zip(mine, kept))  # the source's list is left alone
+        assert _same(mine, [_obj(root), ("from", root), None])
+        into = [None] * k if me == root else None
+        dist.gather_object(_obj(me), into, group_dst=root, group=comm)
+        assert into is None or all(_same(g, _obj(r)) for r, g in enumerate(into))
+        out = [None]
+        dist.scatter_object_list(out, [(r, root) for r in range(k)] if me == root else None,
+                                 src=jobs[root], group=comm)
+        assert out == [(me, root)]
+
+
+def test_object_calls_refuse_on_every_rank(comm):
+    k, me, last = comm.size, comm.rank, comm.size - 1
+    bad = {"f": print} if me == last else {"f": 1}
+    with pytest.raises(TypeError, match=rf"r{last}: all_gather_object: obj\['f'\] is a "
+                                        r"builtins.builtin_function_or_method"):
+        dist.all_gather_object([None] * k, bad, group=comm)
+    with pytest.raises(ValueError, match=rf"r0: all_gather_object: object_list has {k + 1} "
+                                         "entries"):
+        dist.all_gather_object([None] * (k + (1 if me == 0 else 0)), me, group=comm)
+    if k > 1:
+        with pytest.raises(ValueError, match=r"the lists differ in length \(r0: 2, r1: 3"):
+            dist.broadcast_object_list([1, 2] if me == 0 else [None] * 3, group_src=0,
+                                       group=comm)
+    point = namedtuple("Point", "x y")  # a tuple subclass: it would come back a plain tuple
+    with pytest.raises(TypeError, match=r"r0: broadcast_object_list: object_list\[0\] is a "
+                                        r".*Point.*x._asdict\(\)"):
+        dist.broadcast_object_list([point(1, 2)], group_src=0, group=comm)
+    with pytest.raises(ValueError, match=rf"r{last}: scatter_object_list: "
+                                         rf"scatter_object_input_list has {k + 1} entries"):
+        dist.scatter_object_list([None], [0] * (k + 1) if me == last else None, group_src=last,
+                                 group=comm)
+    got = [None] * k  # and nothing of the refused calls is left to meet the next one
+    dist.all_gather_object(got, ("ok", me), group=comm)
+    assert got == [("ok", r) for r in range(k)]

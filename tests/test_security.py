@@ -159,3 +159,26 @@ def test_trace_file_is_not_written_through_a_planted_symlink(tmp_path):
     tracer = Tracer(0, str(traces))  # a plain file is fine
     tracer.close()
     assert (traces / "rank0.jsonl").is_file() and not (traces / "rank0.jsonl").is_symlink()
+
+
+class _Boom:
+    def __reduce__(self):  # what a pickle would run on the receiving rank
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.one_rank
+def test_objects_from_a_peer_make_values_and_never_run_code():
+    """dist.*_object's bytes: a pickle, a callable's name or an object dtype is refused."""
+    from mpiring.core import objects
+
+    with pytest.raises(ValueError, match="not an encoded object"):
+        objects.decode(pickle.dumps(_Boom()))
+    with pytest.raises(TypeError, match="_Boom, which mpiring does not send"):
+        objects.encode({"x": _Boom()})
+    forged = [b'{"~":"tensor","dtype":"load","shape":[],"v":""}',     # torch.load by name
+              b'{"~":"ndarray","dtype":"|O","shape":[1],"v":"AAAAAAAAAAA="}',  # object dtype
+              b'{"~":"os.system","v":"echo pwned"}']
+    for blob in forged:
+        with pytest.raises(ValueError, match="not an encoded object"):
+            objects.decode(blob)
+    assert objects.decode(objects.encode((1, {"~": "tuple"}))) == (1, {"~": "tuple"})

@@ -25,9 +25,11 @@ from typing import Any
 from mpiring.comm.communicator import Communicator
 from mpiring.comm.default import default_comm, resolve
 from mpiring.comm.p2p import check_tag
+from mpiring.core import objects
 from mpiring.core.buffers import as_buffer
 
-__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor", "all_gather_single",
+__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_object",
+           "broadcast_object_list", "gather_object", "scatter_object_list", "all_gather_into_tensor", "all_gather_single",
            "all_reduce", "all_to_all_single", "barrier", "batch_isend_irecv", "gather", "reduce_scatter_single",
            "scatter",
            "broadcast", "get_backend", "get_global_rank", "get_process_group_ranks",
@@ -505,6 +507,117 @@ def _named_source(src, group_src, what: str):
                          "with src= (or group_src=); each message's source is part of its "
                          "deadline and trace")
     return src
+
+
+# --- objects: torch pickles them; here they travel as mpiring.core.objects encodes them ---
+# Each call is one allgather of every rank's frame on the control plane: a payload, or
+# the problem this rank found, so that every rank raises together before anything is
+# unpacked. Objects are small (configurations, metrics), which is what makes sending
+# every frame to every rank, even for a gather or a scatter, the simple choice.
+
+def _frame(what: str, comm: Communicator, problem: str | None, make) -> bytes:
+    """This rank's frame: ``make()``'s bytes, or a problem (``V``: bad arguments, ``T``: an
+    object that cannot be sent)."""
+    if problem is not None:
+        return b"V" + f"r{comm.rank}: {what}: {problem}".encode()
+    try:
+        return b"=" + make()
+    except TypeError as exc:
+        return b"T" + f"r{comm.rank}: {what}: {exc}".encode()
+
+
+def _frames(comm: Communicator, frame: bytes) -> list[bytes]:
+    """Every rank's payload, in rank order; or, on every rank, every rank's problem."""
+    frames = comm.control.allgather_bytes(frame) if comm.size > 1 else [frame]
+    bad = [f for f in frames if f[:1] != b"="]
+    if bad:
+        kind = TypeError if all(f[:1] == b"T" for f in bad) else ValueError
+        raise kind("; ".join(f[1:].decode(errors="replace") for f in bad))
+    return [f[1:] for f in frames]
+
+
+def _list_problem(name: str, value, k: int | None) -> str | None:
+    """A problem when ``value`` is not a list (of ``k`` entries; None: of at least one)."""
+    if not isinstance(value, list):
+        return f"{name} is a {type(value).__name__}: give a list"
+    if k is None and not value:
+        return f"{name} is empty: give a list of one entry (e.g. [None]) to receive into"
+    if k is not None and len(value) != k:
+        return (f"{name} has {len(value)} entries: give one per rank of the group "
+                f"(e.g. [None] * {k})")
+    return None
+
+
+def all_gather_object(object_list: list, obj: Any, group: Communicator | None = None) -> None:
+    """Fill ``object_list`` (one entry per rank of ``group``) with every rank's ``obj``.
+
+    Objects travel without pickle (mpiring.core.objects says which types do).
+
+    Raises:
+        ValueError / TypeError: on every rank, naming each rank's problem, when a
+            list has the wrong length or an ``obj`` holds a type that cannot be sent.
+    """
+    comm = resolve(group, "all_gather_object")
+    problem = _list_problem("object_list", object_list, comm.size)
+    payloads = _frames(comm, _frame("all_gather_object", comm, problem,
+                                    lambda: objects.encode(obj, "obj")))
+    object_list[:] = [objects.decode(p) for p in payloads]
+
+
+def broadcast_object_list(object_list: list, src: int | None = None,
+                          group: Communicator | None = None, device: Any = None,
+                          group_src: int | None = None) -> None:
+    """Replace ``object_list``'s entries on every rank by those of ``src``'s, in place.
+
+    Every rank passes a list of the same length (torch's rule), checked across ranks;
+    tensors in the objects arrive on ``device`` (None: the CPU).
+    """
+    comm = resolve(group, "broadcast_object_list")
+    root = _group_rank(comm, src, group_src, "broadcast_object_list", "src")
+    problem = _list_problem("object_list", object_list, None)
+    mine = (lambda: objects.encode(object_list, "object_list")) if comm.rank == root \
+        else (lambda: str(len(object_list)).encode())
+    payloads = _frames(comm, _frame("broadcast_object_list", comm, problem, mine))
+    got = objects.decode(payloads[root], device)
+    lengths = {r: len(got) if r == root else int(p) for r, p in enumerate(payloads)}
+    if len(set(lengths.values())) > 1:
+        raise ValueError("broadcast_object_list: the lists differ in length ("
+                         + ", ".join(f"r{r}: {n}" for r, n in lengths.items())
+                         + "): give every rank a list as long as the source's")
+    if comm.rank != root:
+        object_list[:] = got
+
+
+def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | None = None,
+                  group: Communicator | None = None, group_dst: int | None = None) -> None:
+    """On ``dst``, fill ``object_gather_list`` (one entry per rank) with every rank's ``obj``;
+    the list is not used on the other ranks."""
+    comm = resolve(group, "gather_object")
+    root = _group_rank(comm, dst, group_dst, "gather_object", "dst")
+    problem = (_list_problem("object_gather_list", object_gather_list, comm.size)
+               if comm.rank == root else None)
+    payloads = _frames(comm, _frame("gather_object", comm, problem,
+                                    lambda: objects.encode(obj, "obj")))
+    if comm.rank == root:
+        object_gather_list[:] = [objects.decode(p) for p in payloads]
+
+
+def scatter_object_list(scatter_object_output_list: list,
+                        scatter_object_input_list: list | None = None, src: int | None = None,
+                        group: Communicator | None = None,
+                        group_src: int | None = None) -> None:
+    """Put entry ``r`` of ``src``'s input list into ``scatter_object_output_list[0]`` on
+    group rank ``r`` (torch's output: a list of at least one entry)."""
+    comm = resolve(group, "scatter_object_list")
+    root = _group_rank(comm, src, group_src, "scatter_object_list", "src")
+    problem = _list_problem("scatter_object_output_list", scatter_object_output_list, None)
+    if problem is None and comm.rank == root:
+        problem = _list_problem("scatter_object_input_list", scatter_object_input_list,
+                                comm.size)
+    mine = (lambda: objects.encode(scatter_object_input_list, "scatter_object_input_list")) \
+        if comm.rank == root else (lambda: b"")
+    payloads = _frames(comm, _frame("scatter_object_list", comm, problem, mine))
+    scatter_object_output_list[0] = objects.decode(payloads[root])[comm.rank]
 
 
 def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any = None,
