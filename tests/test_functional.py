@@ -343,3 +343,65 @@ def test_object_calls_refuse_on_every_rank(comm):
     got = [None] * k  # and nothing of the refused calls is left to meet the next one
     dist.all_gather_object(got, ("ok", me), group=comm)
     assert got == [("ok", r) for r in range(k)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", ["SUM", "MAX"])
+def test_reduce_scatter_list_form(comm, n, op):
+    k, me = comm.size, comm.rank
+    inputs = [_x(me, n, salt=r) for r in range(k)]
+    before = [t.clone() for t in inputs]
+    out = torch.full((n,), -1.0, dtype=torch.float64)
+    dist.reduce_scatter(out, inputs, op=getattr(dist.ReduceOp, op), group=comm)
+    everyone = torch.stack([_x(a, n, salt=me) for a in range(k)])
+    assert torch.equal(out, everyone.sum(0) if op == "SUM" else everyone.amax(0))
+    assert all(torch.equal(t, b) for t, b in zip(inputs, before))
+    with pytest.raises(ValueError, match=rf"r0: reduce_scatter: input_list has {k + 1} "):
+        dist.reduce_scatter(out, inputs + [out] if me == 0 else inputs, group=comm)
+
+
+def test_all_to_all_list_form_with_a_size_per_pair(comm):
+    k, me = comm.size, comm.rank
+    size = lambda a, b: (a * 2 + b * 3) % 4  # noqa: E731 - rank a's part for rank b
+    # Rank me's part for rank b, strided for b odd (sent from a copy), and what it expects.
+    ins = [_x(me, size(me, b), salt=b) if b % 2 == 0
+           else _x(me, 2 * size(me, b), salt=b)[::2] for b in range(k)]
+    outs = [torch.full((size(a, me),), -1.0, dtype=torch.float64) for a in range(k)]
+    dist.all_to_all(outs, ins, group=comm)
+    for a in range(k):
+        want = (_x(a, size(a, me), salt=me) if me % 2 == 0
+                else _x(a, 2 * size(a, me), salt=me)[::2])
+        assert torch.equal(outs[a], want), (a, outs[a], want)
+    if k > 1:  # r0 expects one element too many from r1: every rank hears of it
+        wrong = [torch.zeros(size(a, me) + (1 if me == 0 and a == 1 else 0),
+                             dtype=torch.float64) for a in range(k)]
+        with pytest.raises(ValueError, match=r"all_to_all: the sizes do not match across "
+                                             r"ranks: r1 sends \d+ elements to r0, which "
+                                             r"expects \d+"):
+            dist.all_to_all(wrong, ins, group=comm)
+        mixed = [t.float() for t in ins] if me == k - 1 else ins
+        outs32 = [t.float() for t in outs] if me == k - 1 else outs
+        with pytest.raises(ValueError, match=r"differ in dtype"):
+            dist.all_to_all(outs32, mixed, group=comm)
+
+
+def test_group_world_and_group_ranks(world):
+    with pytest.raises(ValueError, match="init_process_group"):
+        dist.group.WORLD  # noqa: B018 - reading it is the test
+    dist.init_process_group()
+    try:
+        assert dist.group.WORLD is dist.GroupMember.WORLD
+        assert dist.group.WORLD.size == world.size and dist.GroupMember.NON_GROUP_MEMBER is None
+        x = _x(world.rank, 3)
+        dist.all_reduce(x, group=dist.group.WORLD)
+        assert torch.equal(x, sum(_x(r, 3) for r in range(world.size)))
+        dist.monitored_barrier(dist.group.WORLD, wait_all_ranks=True)
+        last = world.size - 1
+        sub = dist.new_group([last])
+        if sub is not None:
+            assert dist.get_group_rank(sub, last) == 0
+            with pytest.raises(ValueError, match="not in the group"):
+                dist.get_group_rank(sub, last + 1)
+            sub.free()
+    finally:
+        dist.destroy_process_group()

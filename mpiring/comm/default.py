@@ -165,6 +165,21 @@ def default_comm() -> Communicator | None:
     return _default
 
 
+class GroupMember:
+    """torch's ``dist.group`` / ``dist.GroupMember``: ``WORLD`` is the default group (looked
+    up when read, so it follows ``init_process_group``), ``NON_GROUP_MEMBER`` what
+    ``new_group`` gives a rank outside the group (None)."""
+
+    NON_GROUP_MEMBER = None
+
+    @property
+    def WORLD(self) -> Communicator:  # noqa: N802 - torch's name
+        return _require("group.WORLD")
+
+
+group = GroupMember = GroupMember()
+
+
 def resolve(comm: Communicator | None, what: str = "mpiring") -> Communicator:
     """``comm`` if given, else the default Communicator.
 

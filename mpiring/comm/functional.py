@@ -28,7 +28,8 @@ from mpiring.comm.p2p import check_tag
 from mpiring.core import objects
 from mpiring.core.buffers import as_buffer
 
-__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_object",
+__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_object", "all_to_all",
+           "get_group_rank", "monitored_barrier", "reduce_scatter",
            "broadcast_object_list", "gather_object", "scatter_object_list", "all_gather_into_tensor", "all_gather_single",
            "all_reduce", "all_to_all_single", "barrier", "batch_isend_irecv", "gather", "reduce_scatter_single",
            "scatter",
@@ -130,6 +131,19 @@ def get_global_rank(group: Communicator | None, group_rank: int) -> int:
     """The job rank of ``group``'s rank ``group_rank``."""
     comm = resolve(group, "get_global_rank")
     return comm.world_ranks[_group_rank(comm, None, group_rank, "get_global_rank", "rank")]
+
+
+def get_group_rank(group: Communicator | None, global_rank: int) -> int:
+    """``group``'s rank of the job's rank ``global_rank``."""
+    comm = resolve(group, "get_group_rank")
+    return _group_rank(comm, global_rank, None, "get_group_rank", "global_rank")
+
+
+def monitored_barrier(group: Communicator | None = None, timeout: Any = None,
+                      wait_all_ranks: bool = False) -> None:
+    """``barrier``: torch's debugging barrier names the ranks that did not arrive, which
+    mpiring's deadline report does for every wait (``timeout``: the group's deadline)."""
+    resolve(group, "monitored_barrier").barrier()
 
 
 def barrier(group: Communicator | None = None, async_op: bool = False,
@@ -267,6 +281,24 @@ def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 -
     return _done(async_op)
 
 
+def reduce_scatter(output, input_list: list, op: Any = ReduceOp.SUM,
+                   group: Communicator | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``input_list`` (one tensor like ``output`` per rank) over the group; rank r's
+    ``output`` gets the reduction of every rank's ``input_list[r]``."""
+    comm = resolve(group, "reduce_scatter")
+    mine = _op(op, "reduce_scatter")
+    problem = _like_error("reduce_scatter", "input_list", input_list, output, comm.size)
+    if problem is None and not _contiguous(output):  # written through reshape(-1)
+        problem = "reduce_scatter: output is not contiguous: pass output.contiguous()"
+    _refuse_if(comm, "reduce_scatter", problem)
+    n = _numel(output)
+    work = _empty_like_flat(output, comm.size * n)
+    for r, t in enumerate(input_list):  # the parts side by side: the ring's n-element chunks
+        work[r * n:(r + 1) * n] = _data(t).reshape(-1)
+    _data(output).reshape(-1)[:] = comm.reduce_scatter(work, op=mine)
+    return _done(async_op)
+
+
 # torch 2.13's names for the two (the old ones warn there that they are deprecated).
 all_gather_single = all_gather_into_tensor
 reduce_scatter_single = reduce_scatter_tensor
@@ -337,17 +369,8 @@ def all_to_all_single(output, input, output_split_sizes: list[int] | None = None
     comm = resolve(group, "all_to_all_single")
     k = comm.size
     problem, ins, outs = _split_plan(output, input, output_split_sizes, input_split_sizes, k)
-    rows = comm.control.allgather_json([problem, ins, outs]) if k > 1 else [[problem, ins, outs]]
-    bad = [f"r{r}: {p}" for r, (p, _, _) in enumerate(rows) if p]
-    if not bad:  # what a sends to b is what b expects from a
-        bad = [f"r{a} sends {rows[a][1][b]} elements to r{b}, which expects {rows[b][2][a]}"
-               for a in range(k) for b in range(k) if rows[a][1][b] != rows[b][2][a]]
-        if bad:
-            bad = ["all_to_all_single: the split sizes do not match across ranks: "
-                   + "; ".join(bad[:4]) + " (rank b's output_split_sizes[a] is rank a's "
-                   "input_split_sizes[b])"]
-    if bad:
-        raise ValueError("; ".join(bad))
+    _counts_agree(comm, "all_to_all_single", problem, ins, outs, str(input.dtype),
+                  "rank b's output_split_sizes[a] is rank a's input_split_sizes[b]")
     src, dst = _data(input).reshape(-1), _data(output).reshape(-1)
     lo_in = [sum(ins[:r]) for r in range(k)]
     lo_out = [sum(outs[:r]) for r in range(k)]
@@ -358,6 +381,70 @@ def all_to_all_single(output, input, output_split_sizes: list[int] | None = None
               [(r, src[lo_in[r]:lo_in[r] + ins[r]]) for r in range(k) if r != me and ins[r]],
               [(r, dst[lo_out[r]:lo_out[r] + outs[r]]) for r in range(k) if r != me and outs[r]])
     return _done(async_op)
+
+
+def all_to_all(output_tensor_list: list, input_tensor_list: list,
+               group: Communicator | None = None, async_op: bool = False) -> Work | None:
+    """Rank a's ``input_tensor_list[b]`` goes to rank b's ``output_tensor_list[a]``; the
+    pairs may differ in size (checked across ranks before anything moves)."""
+    comm = resolve(group, "all_to_all")
+    k, me = comm.size, comm.rank
+    problem, ins, outs = None, [], []
+    for name, parts in (("input_tensor_list", input_tensor_list),
+                        ("output_tensor_list", output_tensor_list)):
+        given = len(parts) if isinstance(parts, (list, tuple)) else 0
+        if problem is None and given != k:
+            problem = (f"all_to_all: {name} has {given} tensors: give one per rank of the "
+                       f"group ({k})")
+    dtype = ""
+    if problem is None:
+        dtypes = {str(t.dtype) for t in [*input_tensor_list, *output_tensor_list]}
+        if len(dtypes) > 1:
+            problem = f"all_to_all: the tensors mix dtypes {sorted(dtypes)}: give one dtype"
+        elif not all(_contiguous(t) for t in output_tensor_list):
+            problem = "all_to_all: pass contiguous output tensors (.contiguous())"
+        ins = [_numel(t) for t in input_tensor_list]
+        outs = [_numel(t) for t in output_tensor_list]
+        dtype = dtypes.pop()
+    _counts_agree(comm, "all_to_all", problem, ins, outs, dtype,
+                  "rank b's output_tensor_list[a] has as many elements as rank a's "
+                  "input_tensor_list[b]")
+    _data(output_tensor_list[me]).reshape(-1)[:] = _data(input_tensor_list[me]).reshape(-1)
+    _exchange(comm,  # an input may be strided: sent from a contiguous copy
+              [(r, _flat(t)) for r, t in enumerate(input_tensor_list) if r != me and ins[r]],
+              [(r, _data(t).reshape(-1)) for r, t in enumerate(output_tensor_list)
+               if r != me and outs[r]])
+    return _done(async_op)
+
+
+def _flat(x):
+    """``x`` as one flat contiguous buffer: itself, or a copy when it is strided."""
+    x = _data(x)
+    if not _contiguous(x):
+        x = x.contiguous() if hasattr(x, "contiguous") else x.copy()  # copy(): C order
+    return x.reshape(-1)
+
+
+def _counts_agree(comm: Communicator, what: str, problem: str | None, ins: list[int],
+                  outs: list[int], dtype: str, rule: str) -> None:
+    """Every rank raises, naming each rank's problem, the dtypes or each pair whose counts
+    differ, or none does: what rank a sends rank b must be what b expects from a."""
+    k = comm.size
+    mine = [problem, ins, outs, dtype]
+    rows = comm.control.allgather_json(mine) if k > 1 else [mine]
+    bad = [f"r{r}: {p}" for r, (p, _, _, _) in enumerate(rows) if p]
+    if not bad and len({d for _, _, _, d in rows}) > 1:
+        bad = [f"{what}: the ranks' tensors differ in dtype ("
+               + ", ".join(f"r{r}: {d}" for r, (_, _, _, d) in enumerate(rows))
+               + "): give every rank one dtype"]
+    if not bad:
+        bad = [f"r{a} sends {rows[a][1][b]} elements to r{b}, which expects {rows[b][2][a]}"
+               for a in range(k) for b in range(k) if rows[a][1][b] != rows[b][2][a]]
+        if bad:
+            bad = [f"{what}: the sizes do not match across ranks: " + "; ".join(bad[:4])
+                   + f" ({rule})"]
+    if bad:
+        raise ValueError("; ".join(bad))
 
 
 def _split_plan(output, input, out_sizes, in_sizes, k: int):  # noqa: A002
