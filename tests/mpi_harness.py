@@ -71,15 +71,19 @@ def _reports_to_the_terminal(config) -> None:
     mpiring writes them to fd 2 and aborts the job; pytest's capture holds fd 2 in a
     file that it reads back only when the test ends, which an abort never reaches, so
     the job would end with exit 124 and not a word. A copy of fd 2 taken while the
-    capture is suspended is the terminal's (or the launcher's pipe).
+    capture is off is the terminal's (or the launcher's pipe).
     """
+    # pytest configures its plugins with the capture suspended (it runs during conftest
+    # loading and collection only); where it runs, it is suspended around the copy and
+    # resumed, and where it does not, resuming would start it early and swallow the header.
     capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
+    running = getattr(getattr(capman, "_global_capturing", None), "_state", None) == "started"
+    if running:
         capman.suspend_global_capture(in_=False)
     try:
         watchdog.REPORT_FD = os.dup(2)
     finally:
-        if capman is not None:
+        if running:
             capman.resume_global_capture()
 
 

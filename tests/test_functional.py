@@ -405,3 +405,42 @@ def test_group_world_and_group_ranks(world):
             sub.free()
     finally:
         dist.destroy_process_group()
+
+
+def test_object_calls_agree_on_the_root_and_on_every_failure(comm):
+    k, me, jobs, last = comm.size, comm.rank, comm.world_ranks, comm.size - 1
+    # torch's default root is the job's rank 0 (in every test group here).
+    into = [None] * k if jobs[me] == 0 else None
+    dist.gather_object(("g", me), into, group=comm)
+    assert into is None or into == [("g", r) for r in range(k)]
+    box = [{"t": torch.tensor([float("nan"), 2.0], requires_grad=True)}] if me == 0 else [None]
+    dist.broadcast_object_list(box, group=comm, device="cpu")
+    t = box[0]["t"]
+    assert t.requires_grad and t.is_leaf and torch.isnan(t[0]) and t[1] == 2.0
+    # Failures other than a type on one rank reach every rank before anything is unpacked.
+    loop = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match=rf"r{last}: all_gather_object: the object nests "
+                                         "too deeply or contains itself"):
+        dist.all_gather_object([None] * k, loop if me == last else [1], group=comm)
+    with pytest.raises(ValueError, match=rf"r{last}: all_gather_object: ValueError: "):
+        dist.all_gather_object([None] * k, 10 ** 5000 if me == last else 1, group=comm)
+    with pytest.raises(ValueError, match=rf"r{last}: gather_object: dst=\d+ is not in the "
+                                         "group"):
+        dist.gather_object(1, [None] * k, dst=max(jobs) + 1 if me == last else jobs[0],
+                           group=comm)
+    if k > 1:  # each rank its own root: every rank hears of it
+        with pytest.raises(ValueError, match=r"the ranks name different roots \(r0: group "
+                                             r"rank 0, r1: group rank 1"):
+            dist.gather_object(1, [None] * k, group_dst=me, group=comm)
+        with pytest.raises(ValueError, match="the ranks name different roots"):
+            dist.scatter_object_list([None], list(range(k)), group_src=me, group=comm)
+    got = [None] * k
+    dist.all_gather_object(got, me, group=comm)
+    assert got == list(range(k))
+
+
+def test_p2pop_keeps_the_callers_function(comm):
+    right = comm.world_ranks[(comm.rank + 1) % comm.size]
+    for fn in (dist.isend, tdist.isend):
+        assert dist.P2POp(fn, torch.ones(1), right, group=comm).op is fn

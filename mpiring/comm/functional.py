@@ -526,7 +526,7 @@ class P2POp:
     raises here, before anything of its batch is posted.
     """
 
-    __slots__ = ("op", "tensor", "group", "tag", "group_peer", "peer")
+    __slots__ = ("op", "tensor", "group", "tag", "group_peer", "peer", "_kind")
 
     def __init__(self, op, tensor, peer: int | None = None, group: Communicator | None = None,
                  tag: int = 0, group_peer: int | None = None):
@@ -535,13 +535,18 @@ class P2POp:
         name = "dst" if kind == "isend" else "src"
         if kind == "irecv" and peer is None and group_peer is None:
             _named_source(None, None, "P2POp(irecv)")
-        as_buffer(_data(tensor))  # a tensor no post could take: TypeError/ValueError now
-        self.op, self.tensor, self.group, self.tag = kind, tensor, comm, check_tag(tag)
+        buf = as_buffer(_data(tensor))  # a tensor no post could take: TypeError/ValueError now
+        be = comm._be
+        if getattr(be, "accepts_cuda", False):  # NCCL: GPU memory of this rank's device
+            be.check_buffer(buf, "send" if kind == "isend" else "recv", "p2p", None)
+        # op stays the caller's function, as torch keeps it (code may call p.op itself).
+        self.op, self._kind, self.tensor, self.group = op, kind, tensor, comm
+        self.tag = check_tag(tag)
         self.group_peer = _group_rank(comm, peer, group_peer, f"P2POp({kind})", name)
         self.peer = comm.world_ranks[self.group_peer]
 
     def __repr__(self) -> str:
-        return (f"P2POp({self.op}, {tuple(getattr(self.tensor, 'shape', ()))}, "
+        return (f"P2POp({self._kind}, {tuple(getattr(self.tensor, 'shape', ()))}, "
                 f"peer={self.peer}, tag={self.tag})")
 
 
@@ -583,8 +588,8 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
             raise ValueError(f"batch_isend_irecv: p2p_op_list[{i}] is on another group "
                              "than p2p_op_list[0]: one batch takes one group; call it once "
                              "per group")
-    return [(comm.isend if op.op == "isend" else comm.irecv)(_data(op.tensor), op.group_peer,
-                                                               op.tag)
+    return [(comm.isend if op._kind == "isend" else comm.irecv)(_data(op.tensor),
+                                                                  op.group_peer, op.tag)
             for op in ops]
 
 
@@ -602,25 +607,50 @@ def _named_source(src, group_src, what: str):
 # unpacked. Objects are small (configurations, metrics), which is what makes sending
 # every frame to every rank, even for a gather or a scatter, the simple choice.
 
-def _frame(what: str, comm: Communicator, problem: str | None, make) -> bytes:
-    """This rank's frame: ``make()``'s bytes, or a problem (``V``: bad arguments, ``T``: an
-    object that cannot be sent)."""
+def _frame(what: str, comm: Communicator, problem: str | None, make, root: int = -1) -> bytes:
+    """This rank's frame: a kind byte (``=``: a payload; ``V``: bad arguments; ``T``: an
+    object of a type that cannot be sent), the root this rank named (-1: none), then
+    ``make()``'s bytes or the problem."""
+    head = root.to_bytes(8, "little", signed=True)
     if problem is not None:
-        return b"V" + f"r{comm.rank}: {what}: {problem}".encode()
+        return b"V" + head + f"r{comm.rank}: {what}: {problem}".encode()
     try:
-        return b"=" + make()
+        return b"=" + head + make()
     except TypeError as exc:
-        return b"T" + f"r{comm.rank}: {what}: {exc}".encode()
+        return b"T" + head + f"r{comm.rank}: {what}: {exc}".encode()
+    except RecursionError:
+        return b"V" + head + (f"r{comm.rank}: {what}: the object nests too deeply or "
+                              "contains itself: send a flat copy").encode()
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach every rank
+        return b"V" + head + f"r{comm.rank}: {what}: {type(exc).__name__}: {exc}".encode()
 
 
-def _frames(comm: Communicator, frame: bytes) -> list[bytes]:
-    """Every rank's payload, in rank order; or, on every rank, every rank's problem."""
+def _frames(comm: Communicator, what: str, frame: bytes) -> list[bytes]:
+    """Every rank's payload, in rank order; or, on every rank, every rank's problem, or
+    the roots when the ranks named different ones."""
     frames = comm.control.allgather_bytes(frame) if comm.size > 1 else [frame]
     bad = [f for f in frames if f[:1] != b"="]
     if bad:
         kind = TypeError if all(f[:1] == b"T" for f in bad) else ValueError
-        raise kind("; ".join(f[1:].decode(errors="replace") for f in bad))
-    return [f[1:] for f in frames]
+        raise kind("; ".join(f[9:].decode(errors="replace") for f in bad))
+    roots = [int.from_bytes(f[1:9], "little", signed=True) for f in frames]
+    if len(set(roots)) > 1:
+        raise ValueError(f"{what}: the ranks name different roots ("
+                         + ", ".join(f"r{r}: group rank {x}" for r, x in enumerate(roots))
+                         + "): pass the same src/dst on every rank")
+    return [f[9:] for f in frames]
+
+
+def _object_root(comm: Communicator, what: str, rank: int | None, group_rank: int | None,
+                 name: str) -> tuple[int, str | None]:
+    """(``group``'s root, problem): the job's rank 0 when neither is given, as torch's
+    ``*_object`` calls default; a bad root is a problem for every rank to raise."""
+    if rank is None and group_rank is None:
+        rank = 0
+    try:
+        return _group_rank(comm, rank, group_rank, what, name), None
+    except ValueError as exc:
+        return -1, str(exc).removeprefix(f"{what}: ")
 
 
 def _list_problem(name: str, value, k: int | None) -> str | None:
@@ -642,33 +672,36 @@ def all_gather_object(object_list: list, obj: Any, group: Communicator | None = 
 
     Raises:
         ValueError / TypeError: on every rank, naming each rank's problem, when a
-            list has the wrong length or an ``obj`` holds a type that cannot be sent.
+            list has the wrong length or an ``obj`` cannot be sent.
     """
-    comm = resolve(group, "all_gather_object")
+    what = "all_gather_object"
+    comm = resolve(group, what)
     problem = _list_problem("object_list", object_list, comm.size)
-    payloads = _frames(comm, _frame("all_gather_object", comm, problem,
-                                    lambda: objects.encode(obj, "obj")))
+    payloads = _frames(comm, what, _frame(what, comm, problem,
+                                          lambda: objects.encode(obj, "obj")))
     object_list[:] = [objects.decode(p) for p in payloads]
 
 
 def broadcast_object_list(object_list: list, src: int | None = None,
                           group: Communicator | None = None, device: Any = None,
                           group_src: int | None = None) -> None:
-    """Replace ``object_list``'s entries on every rank by those of ``src``'s, in place.
+    """Replace ``object_list``'s entries on every rank by those of ``src`` (default: the
+    job's rank 0), in place.
 
     Every rank passes a list of the same length (torch's rule), checked across ranks;
     tensors in the objects arrive on ``device`` (None: the CPU).
     """
-    comm = resolve(group, "broadcast_object_list")
-    root = _group_rank(comm, src, group_src, "broadcast_object_list", "src")
-    problem = _list_problem("object_list", object_list, None)
+    what = "broadcast_object_list"
+    comm = resolve(group, what)
+    root, problem = _object_root(comm, what, src, group_src, "src")
+    problem = problem or _list_problem("object_list", object_list, None)
     mine = (lambda: objects.encode(object_list, "object_list")) if comm.rank == root \
         else (lambda: str(len(object_list)).encode())
-    payloads = _frames(comm, _frame("broadcast_object_list", comm, problem, mine))
+    payloads = _frames(comm, what, _frame(what, comm, problem, mine, root))
     got = objects.decode(payloads[root], device)
     lengths = {r: len(got) if r == root else int(p) for r, p in enumerate(payloads)}
     if len(set(lengths.values())) > 1:
-        raise ValueError("broadcast_object_list: the lists differ in length ("
+        raise ValueError(f"{what}: the lists differ in length ("
                          + ", ".join(f"r{r}: {n}" for r, n in lengths.items())
                          + "): give every rank a list as long as the source's")
     if comm.rank != root:
@@ -677,14 +710,15 @@ def broadcast_object_list(object_list: list, src: int | None = None,
 
 def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | None = None,
                   group: Communicator | None = None, group_dst: int | None = None) -> None:
-    """On ``dst``, fill ``object_gather_list`` (one entry per rank) with every rank's ``obj``;
-    the list is not used on the other ranks."""
-    comm = resolve(group, "gather_object")
-    root = _group_rank(comm, dst, group_dst, "gather_object", "dst")
-    problem = (_list_problem("object_gather_list", object_gather_list, comm.size)
-               if comm.rank == root else None)
-    payloads = _frames(comm, _frame("gather_object", comm, problem,
-                                    lambda: objects.encode(obj, "obj")))
+    """On ``dst`` (default: the job's rank 0), fill ``object_gather_list`` (one entry per
+    rank) with every rank's ``obj``; the list is not used on the other ranks."""
+    what = "gather_object"
+    comm = resolve(group, what)
+    root, problem = _object_root(comm, what, dst, group_dst, "dst")
+    if problem is None and comm.rank == root:
+        problem = _list_problem("object_gather_list", object_gather_list, comm.size)
+    payloads = _frames(comm, what, _frame(what, comm, problem,
+                                          lambda: objects.encode(obj, "obj"), root))
     if comm.rank == root:
         object_gather_list[:] = [objects.decode(p) for p in payloads]
 
@@ -693,17 +727,20 @@ def scatter_object_list(scatter_object_output_list: list,
                         scatter_object_input_list: list | None = None, src: int | None = None,
                         group: Communicator | None = None,
                         group_src: int | None = None) -> None:
-    """Put entry ``r`` of ``src``'s input list into ``scatter_object_output_list[0]`` on
-    group rank ``r`` (torch's output: a list of at least one entry)."""
-    comm = resolve(group, "scatter_object_list")
-    root = _group_rank(comm, src, group_src, "scatter_object_list", "src")
-    problem = _list_problem("scatter_object_output_list", scatter_object_output_list, None)
+    """Put entry ``r`` of ``src``'s input list (default: the job's rank 0) into
+    ``scatter_object_output_list[0]`` on group rank ``r`` (torch's output: a list of at
+    least one entry)."""
+    what = "scatter_object_list"
+    comm = resolve(group, what)
+    root, problem = _object_root(comm, what, src, group_src, "src")
+    problem = problem or _list_problem("scatter_object_output_list",
+                                       scatter_object_output_list, None)
     if problem is None and comm.rank == root:
         problem = _list_problem("scatter_object_input_list", scatter_object_input_list,
                                 comm.size)
     mine = (lambda: objects.encode(scatter_object_input_list, "scatter_object_input_list")) \
         if comm.rank == root else (lambda: b"")
-    payloads = _frames(comm, _frame("scatter_object_list", comm, problem, mine))
+    payloads = _frames(comm, what, _frame(what, comm, problem, mine, root))
     scatter_object_output_list[0] = objects.decode(payloads[root])[comm.rank]
 
 

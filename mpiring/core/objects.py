@@ -52,11 +52,15 @@ def decode(data: bytes, device: Any = None) -> Any:
     """The object that ``encode`` wrote; tensors are put on ``device`` (None: the CPU).
 
     Raises:
-        ValueError: the bytes are not such an encoding (nothing is run either way).
+        ValueError: the bytes are not such an encoding (nothing is run either way),
+            whatever in them is wrong: a tag, a dtype, a length, the nesting.
     """
     try:
         return _dec(json.loads(data.decode()), device)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except RecursionError:
+        raise ValueError("not an encoded object: nested too deeply") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError,
+            OverflowError) as exc:
         raise ValueError(f"not an encoded object: {exc}") from None
 
 
@@ -123,7 +127,10 @@ def _enc_tensor(t: Any, where: str) -> dict:
                                  f"{', '.join(_TORCH_DTYPES)}")
     if t.requires_grad and not t.is_leaf:  # torch's pickling refuses it too
         raise _refused(t, where, "a tensor computed from others with grad; send t.detach()")
-    data = t.detach().to("cpu").contiguous()
+    if t.device.type == "meta":
+        raise _refused(t, where, "a meta tensor has no data; send a real one")
+    # A conjugate or negative view holds its bit lazily: the bytes must be the values.
+    data = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
     # Raw bytes through a 1-byte view: bfloat16 has no NumPy dtype of its own.
     raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
     return {TAG: "tensor", "dtype": name, "shape": list(data.shape), "v": _b64(raw),
@@ -150,12 +157,27 @@ def _dec(x: Any, device: Any) -> Any:
         dtype = np.dtype(x["dtype"])
         if dtype.kind not in _NP_KINDS or dtype.hasobject:
             raise ValueError(f"dtype {dtype} is not a number dtype")
-        arr = np.frombuffer(base64.b64decode(v, validate=True), dtype=dtype)
-        arr = arr.reshape([int(n) for n in x["shape"]]).copy()  # writable, as the sender's
+        raw = base64.b64decode(v, validate=True)
+        shape = _shape(x["shape"], len(raw), dtype.itemsize)
+        if kind == "npscalar" and shape:
+            raise ValueError("a NumPy scalar with a shape")
+        arr = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()  # writable, as sent
         return arr if kind == "ndarray" else arr[()]
     if kind == "tensor":
         return _dec_tensor(x, device)
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def _shape(shape: Any, nbytes: int, itemsize: int) -> list[int]:
+    """The sent shape, checked against the bytes that came with it."""
+    if type(shape) is not list or any(type(n) is not int or n < 0 for n in shape):
+        raise ValueError(f"shape {shape!r} is not a list of sizes")
+    count = 1
+    for n in shape:
+        count *= n
+    if count * itemsize != nbytes:
+        raise ValueError(f"shape {shape} of {itemsize}-byte elements came with {nbytes} bytes")
+    return shape
 
 
 def _dec_tensor(x: dict, device: Any) -> Any:
@@ -166,7 +188,11 @@ def _dec_tensor(x: dict, device: Any) -> Any:
         raise ValueError(f"tensor dtype {name!r} is not one of {', '.join(_TORCH_DTYPES)}")
     dtype = getattr(torch, name)
     raw = bytearray(base64.b64decode(x["v"], validate=True))
+    shape = _shape(x["shape"], len(raw), torch.empty(0, dtype=dtype).element_size())
+    grad = x.get("grad") is True
+    if grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"a {name} tensor cannot require grad")
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    t = flat.view(dtype).reshape([int(n) for n in x["shape"]])
+    t = flat.view(dtype).reshape(shape)
     t = t if device is None else t.to(device)
-    return t.requires_grad_() if x.get("grad") is True else t
+    return t.requires_grad_() if grad else t
