@@ -3,7 +3,9 @@ against the arithmetic, on 1-4 ranks, with sizes that are empty, tiny and odd.""
 
 from __future__ import annotations
 
+import warnings
 from collections import namedtuple
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -141,8 +143,9 @@ def test_default_group_and_new_group(world):
         dist.barrier()
         members = sorted({0, world.size - 1})
         sub = dist.new_group(list(reversed(members)))  # torch orders the ranks itself
-        assert (sub is not None) == (world.rank in members)
-        if sub is not None:
+        outside = sub is dist.GroupMember.NON_GROUP_MEMBER
+        assert outside == (world.rank not in members)
+        if not outside:
             assert dist.get_process_group_ranks(sub) == members
             assert dist.get_global_rank(sub, len(members) - 1) == members[-1]
             y = torch.full((3,), float(world.rank))
@@ -386,25 +389,83 @@ def test_all_to_all_list_form_with_a_size_per_pair(comm):
 
 
 def test_group_world_and_group_ranks(world):
-    with pytest.raises(ValueError, match="init_process_group"):
-        dist.group.WORLD  # noqa: B018 - reading it is the test
+    assert dist.group.WORLD is None  # before init_process_group, as torch's
     dist.init_process_group()
     try:
-        assert dist.group.WORLD is dist.GroupMember.WORLD
-        assert dist.group.WORLD.size == world.size and dist.GroupMember.NON_GROUP_MEMBER is None
+        assert dist.group.WORLD is dist.GroupMember.WORLD is dist.comm.default.default_comm()
         x = _x(world.rank, 3)
         dist.all_reduce(x, group=dist.group.WORLD)
         assert torch.equal(x, sum(_x(r, 3) for r in range(world.size)))
-        dist.monitored_barrier(dist.group.WORLD, wait_all_ranks=True)
+        kept = world.timeout
+        dist.monitored_barrier(dist.group.WORLD, timeout=timedelta(seconds=7))
+        assert world.timeout == kept
+        with pytest.raises(ValueError, match="non-negative number of seconds"):
+            dist.monitored_barrier(timeout=-1)  # refused before the barrier, on every rank
+        assert world.timeout == kept
         last = world.size - 1
         sub = dist.new_group([last])
-        if sub is not None:
+        if world.rank == last:
             assert dist.get_group_rank(sub, last) == 0
             with pytest.raises(ValueError, match="not in the group"):
                 dist.get_group_rank(sub, last + 1)
+        else:  # torch's rule: outside the group a call does nothing, with a warning
+            assert sub is dist.GroupMember.NON_GROUP_MEMBER
+            y = _x(world.rank, 3)
+            with pytest.warns(UserWarning, match="all_reduce: this rank is not in the group"):
+                assert dist.all_reduce(y, group=sub) is None
+            assert torch.equal(y, _x(world.rank, 3))
+            assert dist.get_rank(sub) == dist.get_world_size(sub) == -1
+            with pytest.raises(ValueError, match="not in the group .*NON_GROUP_MEMBER"):
+                dist.get_process_group_ranks(sub)
+        # Every rank calls the group's collective, as a torch script does: no hang.
+        z = torch.ones(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist.all_reduce(z, group=sub)
+            dist.barrier(group=sub)
+        assert torch.equal(z, torch.ones(2))
+        if world.rank == last:
             sub.free()
     finally:
         dist.destroy_process_group()
+
+
+def test_roots_are_job_ranks_where_group_and_job_ranks_differ(world):
+    """A group whose rank order is the job's reversed: src is a job rank, group_src the
+    group's, and the *_object calls' default root is the job's rank 0 (group rank k-1)."""
+    k, me = world.size, world.rank
+    rev = world.split(0, key=-me)
+    try:
+        assert list(rev.world_ranks) == list(reversed(range(k)))
+        x = _x(me, 4)
+        dist.broadcast(x, src=k - 1, group=rev)  # job rank k-1 = group rank 0
+        assert torch.equal(x, _x(k - 1, 4))
+        y = _x(me, 4, salt=1)
+        dist.broadcast(y, group_src=k - 1, group=rev)  # group rank k-1 = job rank 0
+        assert torch.equal(y, _x(0, 4, salt=1))
+        box = [("from", me)]
+        dist.broadcast_object_list(box, group=rev)
+        assert box == [("from", 0)]
+        into = [None] * k if me == 0 else None
+        dist.gather_object(me, into, group=rev)  # group rank r is job rank k-1-r
+        assert into is None or into == list(reversed(range(k)))
+        assert dist.get_group_rank(rev, 0) == k - 1 and dist.get_global_rank(rev, 0) == k - 1
+    finally:
+        rev.free()
+
+
+def test_a_list_that_holds_no_tensor_is_refused_on_every_rank(comm):
+    k, me, last = comm.size, comm.rank, comm.size - 1
+    parts = [torch.zeros(2) for _ in range(k)]
+    odd = [None if (me == last and r == 0) else t for r, t in enumerate(parts)]
+    with pytest.raises(ValueError, match=rf"r{last}: reduce_scatter: input_list\[0\] is a "
+                                         "NoneType: give tensors"):
+        dist.reduce_scatter(torch.zeros(2), odd, group=comm)
+    with pytest.raises(ValueError, match=rf"r{last}: all_to_all: the lists hold a NoneType"):
+        dist.all_to_all(parts, odd, group=comm)
+    with pytest.raises(ValueError, match=rf"r{last}: gather_object: dst=\[0\] is not a rank"):
+        dist.gather_object(1, [None] * k, dst=[0] if me == last else comm.world_ranks[0],
+                           group=comm)
 
 
 def test_object_calls_agree_on_the_root_and_on_every_failure(comm):

@@ -151,12 +151,18 @@ def is_initialized() -> bool:
 
 
 def get_rank(group: Communicator | None = None) -> int:
-    """This process's rank in ``group`` (default: the default group)."""
+    """This process's rank in ``group`` (default: the default group; -1 outside it, as
+    torch's)."""
+    if group is NON_GROUP_MEMBER:
+        return -1
     return (group if group is not None else _require("get_rank")).rank
 
 
 def get_world_size(group: Communicator | None = None) -> int:
-    """The number of ranks in ``group`` (default: the default group)."""
+    """The number of ranks in ``group`` (default: the default group; -1 outside it, as
+    torch's)."""
+    if group is NON_GROUP_MEMBER:
+        return -1
     return (group if group is not None else _require("get_world_size")).size
 
 
@@ -165,16 +171,33 @@ def default_comm() -> Communicator | None:
     return _default
 
 
+class NotInGroup(ValueError):
+    """A call on ``NON_GROUP_MEMBER``: this rank is not in the group ``new_group`` made."""
+
+
+class _NonGroupMember:
+    """What ``new_group`` gives a rank outside the group (torch's
+    ``GroupMember.NON_GROUP_MEMBER``). torch.distributed's functions called with it do
+    nothing on that rank, as torch's (a script calls a group's collective on every
+    rank); mpiring's own calls refuse it."""
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+
+NON_GROUP_MEMBER = _NonGroupMember()
+
+
 class GroupMember:
     """torch's ``dist.group`` / ``dist.GroupMember``: ``WORLD`` is the default group (looked
-    up when read, so it follows ``init_process_group``), ``NON_GROUP_MEMBER`` what
-    ``new_group`` gives a rank outside the group (None)."""
+    up when read, so it follows ``init_process_group``; None before it, as torch's),
+    ``NON_GROUP_MEMBER`` what ``new_group`` gives a rank outside the group."""
 
-    NON_GROUP_MEMBER = None
+    NON_GROUP_MEMBER = NON_GROUP_MEMBER
 
     @property
-    def WORLD(self) -> Communicator:  # noqa: N802 - torch's name
-        return _require("group.WORLD")
+    def WORLD(self) -> Communicator | None:  # noqa: N802 - torch's name
+        return _default
 
 
 group = GroupMember = GroupMember()
@@ -190,6 +213,9 @@ def resolve(comm: Communicator | None, what: str = "mpiring") -> Communicator:
     Raises:
         ValueError: ``comm`` is None and ``init_process_group()`` has not run.
     """
+    if comm is NON_GROUP_MEMBER:
+        raise NotInGroup(f"{what}: this rank is not in the group (new_group gave it "
+                         "NON_GROUP_MEMBER): call it on the group's members only")
     if comm is not None:
         return comm
     if _default is None:

@@ -20,10 +20,12 @@ offered, so ``recv(src=None)`` is an error that says so.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 from mpiring.comm.communicator import Communicator
-from mpiring.comm.default import default_comm, resolve
+from mpiring.comm.default import NON_GROUP_MEMBER, NotInGroup, default_comm, resolve
 from mpiring.comm.p2p import check_tag
 from mpiring.core import objects
 from mpiring.core.buffers import as_buffer
@@ -83,6 +85,21 @@ def _done(async_op: bool) -> Work | None:
     return _DONE if async_op else None
 
 
+def _members_only(fn):
+    """torch's rule for a rank outside ``group`` (``new_group`` gave it NON_GROUP_MEMBER):
+    the call does nothing there but warn, so a script may call a group's collective on
+    every rank. (resolve() raises NotInGroup first thing, before any byte moves.)"""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NotInGroup:
+            warnings.warn(f"{fn.__name__}: this rank is not in the group it was given "
+                          "(NON_GROUP_MEMBER): nothing done here", stacklevel=2)
+            return None
+    return call
+
+
 def _data(x):
     """``x``, or for a tensor that requires grad its detached alias (the same memory).
 
@@ -139,13 +156,28 @@ def get_group_rank(group: Communicator | None, global_rank: int) -> int:
     return _group_rank(comm, global_rank, None, "get_group_rank", "global_rank")
 
 
+@_members_only
 def monitored_barrier(group: Communicator | None = None, timeout: Any = None,
                       wait_all_ranks: bool = False) -> None:
-    """``barrier``: torch's debugging barrier names the ranks that did not arrive, which
-    mpiring's deadline report does for every wait (``timeout``: the group's deadline)."""
-    resolve(group, "monitored_barrier").barrier()
+    """``barrier`` under ``timeout`` (a timedelta or seconds; None: the group's deadline).
+
+    Past it the job ends with mpiring's stall report, which names the ranks that did
+    not arrive (torch raises there instead; the report is what its message says).
+    """
+    comm = resolve(group, "monitored_barrier")
+    if timeout is None:
+        comm.barrier()
+        return
+    seconds = getattr(timeout, "total_seconds", lambda: timeout)()
+    kept = comm.timeout
+    comm.timeout = seconds  # refused (ValueError, naming the fix) unless seconds >= 0
+    try:
+        comm.barrier()
+    finally:
+        comm.timeout = kept
 
 
+@_members_only
 def barrier(group: Communicator | None = None, async_op: bool = False,
             device_ids: Any = None, timeout: Any = None) -> Work | None:
     """Wait until every rank of the group has called it (``device_ids``, ``timeout``:
@@ -154,6 +186,7 @@ def barrier(group: Communicator | None = None, async_op: bool = False,
     return _done(async_op)
 
 
+@_members_only
 def all_reduce(tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` over the group, in place, on every rank."""
@@ -161,6 +194,7 @@ def all_reduce(tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None
     return _done(async_op)
 
 
+@_members_only
 def broadcast(tensor, src: int | None = None, group: Communicator | None = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's."""
@@ -169,6 +203,7 @@ def broadcast(tensor, src: int | None = None, group: Communicator | None = None,
     return _done(async_op)
 
 
+@_members_only
 def reduce(tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
            group: Communicator | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
@@ -200,12 +235,19 @@ def _like_error(what: str, name: str, parts, like, k: int) -> str | None:
         return (f"{what}: {name} has {0 if parts is None else len(parts)} tensors: give one "
                 f"per rank of the group ({k})")
     for i, t in enumerate(parts):
+        if not _is_buffer(t):
+            return f"{what}: {name}[{i}] is a {type(t).__name__}: give tensors"
         if t.dtype != like.dtype or _numel(t) != _numel(like):
             return (f"{what}: {name}[{i}] is {tuple(t.shape)} {t.dtype}, the tensor "
                     f"{tuple(like.shape)} {like.dtype}: give tensors like it")
         if not _contiguous(t):
             return f"{what}: {name}[{i}] is not contiguous: pass .contiguous() tensors"
     return None
+
+
+def _is_buffer(x) -> bool:
+    """A tensor or an array: what the checks below may ask for dtype, shape and layout."""
+    return hasattr(x, "dtype") and hasattr(x, "shape")
 
 
 def _contiguous(x) -> bool:
@@ -230,6 +272,7 @@ def _raise_together(comm: Communicator, problem: str | None) -> None:
         raise ValueError("; ".join(bad))
 
 
+@_members_only
 def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | None = None,
                            async_op: bool = False) -> Work | None:
     """Concatenate every rank's ``input_tensor`` into each rank's ``output_tensor``
@@ -246,6 +289,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | No
     return _done(async_op)
 
 
+@_members_only
 def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
                async_op: bool = False) -> Work | None:
     """Fill ``tensor_list[r]`` with rank r's ``tensor``, on every rank."""
@@ -263,6 +307,7 @@ def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
     return _done(async_op)
 
 
+@_members_only
 def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 - torch's name
                           group: Communicator | None = None,
                           async_op: bool = False) -> Work | None:
@@ -281,6 +326,7 @@ def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 -
     return _done(async_op)
 
 
+@_members_only
 def reduce_scatter(output, input_list: list, op: Any = ReduceOp.SUM,
                    group: Communicator | None = None, async_op: bool = False) -> Work | None:
     """Reduce ``input_list`` (one tensor like ``output`` per rank) over the group; rank r's
@@ -347,6 +393,7 @@ def _rooted(what: str, tensor, parts, root_rank, group_root, group, async_op: bo
     return _done(async_op)
 
 
+@_members_only
 def gather(tensor, gather_list: list | None = None, dst: int | None = None,
            group: Communicator | None = None, async_op: bool = False,
            group_dst: int | None = None) -> Work | None:
@@ -354,6 +401,7 @@ def gather(tensor, gather_list: list | None = None, dst: int | None = None,
     return _rooted("gather", tensor, gather_list, dst, group_dst, group, async_op, True)
 
 
+@_members_only
 def scatter(tensor, scatter_list: list | None = None, src: int | None = None,
             group: Communicator | None = None, async_op: bool = False,
             group_src: int | None = None) -> Work | None:
@@ -361,6 +409,7 @@ def scatter(tensor, scatter_list: list | None = None, src: int | None = None,
     return _rooted("scatter", tensor, scatter_list, src, group_src, group, async_op, False)
 
 
+@_members_only
 def all_to_all_single(output, input, output_split_sizes: list[int] | None = None,  # noqa: A002
                       input_split_sizes: list[int] | None = None,
                       group: Communicator | None = None, async_op: bool = False) -> Work | None:
@@ -383,6 +432,7 @@ def all_to_all_single(output, input, output_split_sizes: list[int] | None = None
     return _done(async_op)
 
 
+@_members_only
 def all_to_all(output_tensor_list: list, input_tensor_list: list,
                group: Communicator | None = None, async_op: bool = False) -> Work | None:
     """Rank a's ``input_tensor_list[b]`` goes to rank b's ``output_tensor_list[a]``; the
@@ -397,6 +447,10 @@ def all_to_all(output_tensor_list: list, input_tensor_list: list,
             problem = (f"all_to_all: {name} has {given} tensors: give one per rank of the "
                        f"group ({k})")
     dtype = ""
+    if problem is None:
+        strange = [t for t in [*input_tensor_list, *output_tensor_list] if not _is_buffer(t)]
+        if strange:
+            problem = f"all_to_all: the lists hold a {type(strange[0]).__name__}: give tensors"
     if problem is None:
         dtypes = {str(t.dtype) for t in [*input_tensor_list, *output_tensor_list]}
         if len(dtypes) > 1:
@@ -486,6 +540,7 @@ def _empty_like_flat(x, n: int):
     return empty_like_device(x, n)
 
 
+@_members_only
 def send(tensor, dst: int | None = None, group: Communicator | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to ``dst``; returns once the buffer may be reused."""
@@ -493,6 +548,7 @@ def send(tensor, dst: int | None = None, group: Communicator | None = None, tag:
     comm.send(_data(tensor), _group_rank(comm, dst, group_dst, "send", "dst"), tag)
 
 
+@_members_only
 def recv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Receive into ``tensor`` from ``src``; returns ``src`` (torch returns the sender)."""
@@ -502,6 +558,7 @@ def recv(tensor, src: int | None = None, group: Communicator | None = None, tag:
     return comm.world_ranks[peer]
 
 
+@_members_only
 def isend(tensor, dst: int | None = None, group: Communicator | None = None, tag: int = 0,
           group_dst: int | None = None):
     """Start sending ``tensor`` to ``dst``; the request's ``wait()`` completes it."""
@@ -509,6 +566,7 @@ def isend(tensor, dst: int | None = None, group: Communicator | None = None, tag
     return comm.isend(_data(tensor), _group_rank(comm, dst, group_dst, "isend", "dst"), tag)
 
 
+@_members_only
 def irecv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
           group_src: int | None = None):
     """Start receiving into ``tensor`` from ``src``; the request's ``wait()`` completes it."""
@@ -651,6 +709,9 @@ def _object_root(comm: Communicator, what: str, rank: int | None, group_rank: in
         return _group_rank(comm, rank, group_rank, what, name), None
     except ValueError as exc:
         return -1, str(exc).removeprefix(f"{what}: ")
+    except TypeError:  # not a number at all
+        given = f"{name}={rank!r}" if group_rank is None else f"group_{name}={group_rank!r}"
+        return -1, f"{given} is not a rank: give an int"
 
 
 def _list_problem(name: str, value, k: int | None) -> str | None:
@@ -665,6 +726,7 @@ def _list_problem(name: str, value, k: int | None) -> str | None:
     return None
 
 
+@_members_only
 def all_gather_object(object_list: list, obj: Any, group: Communicator | None = None) -> None:
     """Fill ``object_list`` (one entry per rank of ``group``) with every rank's ``obj``.
 
@@ -682,6 +744,7 @@ def all_gather_object(object_list: list, obj: Any, group: Communicator | None = 
     object_list[:] = [objects.decode(p) for p in payloads]
 
 
+@_members_only
 def broadcast_object_list(object_list: list, src: int | None = None,
                           group: Communicator | None = None, device: Any = None,
                           group_src: int | None = None) -> None:
@@ -708,6 +771,7 @@ def broadcast_object_list(object_list: list, src: int | None = None,
         object_list[:] = got
 
 
+@_members_only
 def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | None = None,
                   group: Communicator | None = None, group_dst: int | None = None) -> None:
     """On ``dst`` (default: the job's rank 0), fill ``object_gather_list`` (one entry per
@@ -723,6 +787,7 @@ def gather_object(obj: Any, object_gather_list: list | None = None, dst: int | N
         object_gather_list[:] = [objects.decode(p) for p in payloads]
 
 
+@_members_only
 def scatter_object_list(scatter_object_output_list: list,
                         scatter_object_input_list: list | None = None, src: int | None = None,
                         group: Communicator | None = None,
@@ -751,7 +816,8 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any 
 
     Collective over the default group: every rank calls it with the same ranks.
     Members get a Communicator (ranks in ascending order, as torch orders them);
-    the others get None (torch's ``GroupMember.NON_GROUP_MEMBER``).
+    the others get ``GroupMember.NON_GROUP_MEMBER``, as torch's: the functions here do
+    nothing on a rank given it, and mpiring's own calls refuse it.
 
     Raises:
         ValueError: on every rank, when the ranks differ across ranks, repeat, or
@@ -775,6 +841,8 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any 
         raise ValueError("new_group: " + "; ".join(bad))
     me = comm.world_ranks[comm.rank]
     sub = comm.split(0 if me in wanted else None, key=me)
-    if sub is not None and timeout is not None:
+    if sub is None:
+        return NON_GROUP_MEMBER
+    if timeout is not None:
         sub.timeout = getattr(timeout, "total_seconds", lambda: timeout)()
     return sub

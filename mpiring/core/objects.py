@@ -54,14 +54,21 @@ def decode(data: bytes, device: Any = None) -> Any:
     Raises:
         ValueError: the bytes are not such an encoding (nothing is run either way),
             whatever in them is wrong: a tag, a dtype, a length, the nesting.
+        DeviceError: ``device`` cannot hold the tensors.
     """
     try:
         return _dec(json.loads(data.decode()), device)
+    except DeviceError:
+        raise
     except RecursionError:
         raise ValueError("not an encoded object: nested too deeply") from None
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError,
             OverflowError) as exc:
         raise ValueError(f"not an encoded object: {exc}") from None
+
+
+class DeviceError(RuntimeError):
+    """``decode``'s ``device`` cannot take the tensors (the bytes were fine)."""
 
 
 def _b64(raw: bytes) -> str:
@@ -143,9 +150,13 @@ def _dec(x: Any, device: Any) -> Any:
     if type(x) is not dict:
         return x  # a JSON scalar
     kind, v = x[TAG], x.get("v")
+    if kind in ("tuple", "dict", "set", "frozenset") and type(v) is not list:
+        raise ValueError(f"a {kind} without its list")
     if kind == "tuple":
         return tuple(_dec(e, device) for e in v)
     if kind == "dict":
+        if any(type(e) is not list or len(e) != 2 for e in v):
+            raise ValueError("a dict entry that is not a [key, value] pair")
         return {_dec(k, device): _dec(e, device) for k, e in v}
     if kind == "set":
         return {_dec(e, device) for e in v}
@@ -161,6 +172,7 @@ def _dec(x: Any, device: Any) -> Any:
         shape = _shape(x["shape"], len(raw), dtype.itemsize)
         if kind == "npscalar" and shape:
             raise ValueError("a NumPy scalar with a shape")
+        _bools(raw, dtype.kind == "b")
         arr = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()  # writable, as sent
         return arr if kind == "ndarray" else arr[()]
     if kind == "tensor":
@@ -170,7 +182,8 @@ def _dec(x: Any, device: Any) -> Any:
 
 def _shape(shape: Any, nbytes: int, itemsize: int) -> list[int]:
     """The sent shape, checked against the bytes that came with it."""
-    if type(shape) is not list or any(type(n) is not int or n < 0 for n in shape):
+    if type(shape) is not list or any(type(n) is not int or not 0 <= n < 1 << 48
+                                      for n in shape):
         raise ValueError(f"shape {shape!r} is not a list of sizes")
     count = 1
     for n in shape:
@@ -192,7 +205,18 @@ def _dec_tensor(x: dict, device: Any) -> Any:
     grad = x.get("grad") is True
     if grad and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"a {name} tensor cannot require grad")
+    _bools(raw, dtype is torch.bool)
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     t = flat.view(dtype).reshape(shape)
-    t = t if device is None else t.to(device)
+    if device is not None:
+        try:
+            t = t.to(device)
+        except (RuntimeError, TypeError, ValueError) as exc:  # the caller's device, not the bytes
+            raise DeviceError(f"device={device!r}: {exc}") from None
     return t.requires_grad_() if grad else t
+
+
+def _bools(raw: bytes, is_bool: bool) -> None:
+    """A bool is one byte, 0 or 1: any other byte would make a value no bool holds."""
+    if is_bool and raw.strip(b"\x00\x01"):
+        raise ValueError("a bool byte that is neither 0 nor 1")
