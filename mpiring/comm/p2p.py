@@ -72,6 +72,10 @@ class Request:
             self.wait()
         return self._done
 
+    def is_completed(self) -> bool:
+        """``test()`` under torch's name for it (a Work's ``is_completed``)."""
+        return self.test()
+
 
 class _Sent:
     """What a prepared send's Request records of its message: not the prepared tensor,
