@@ -463,20 +463,38 @@ def all_to_all(output_tensor_list: list, input_tensor_list: list,
     _counts_agree(comm, "all_to_all", problem, ins, outs, dtype,
                   "rank b's output_tensor_list[a] has as many elements as rank a's "
                   "input_tensor_list[b]")
+    # An input that shares memory with an output (the same list passed twice) would be
+    # overwritten by a receive before it left: those are sent from copies.
+    sends = [(r, _flat(t, copy=any(_shares(t, o) for o in output_tensor_list)))
+             for r, t in enumerate(input_tensor_list) if r != me and ins[r]]
     _data(output_tensor_list[me]).reshape(-1)[:] = _data(input_tensor_list[me]).reshape(-1)
     _exchange(comm,  # an input may be strided: sent from a contiguous copy
-              [(r, _flat(t)) for r, t in enumerate(input_tensor_list) if r != me and ins[r]],
+              sends,
               [(r, _data(t).reshape(-1)) for r, t in enumerate(output_tensor_list)
                if r != me and outs[r]])
     return _done(async_op)
 
 
-def _flat(x):
-    """``x`` as one flat contiguous buffer: itself, or a copy when it is strided."""
+def _flat(x, copy: bool = False):
+    """``x`` as one flat contiguous buffer: itself, or a copy when it is strided (or
+    ``copy``)."""
     x = _data(x)
+    if copy:
+        return (x.clone() if hasattr(x, "clone") else x.copy()).reshape(-1)  # C order
     if not _contiguous(x):
-        x = x.contiguous() if hasattr(x, "contiguous") else x.copy()  # copy(): C order
+        x = x.contiguous() if hasattr(x, "contiguous") else x.copy()
     return x.reshape(-1)
+
+
+def _shares(a, b) -> bool:
+    """Whether ``a`` and ``b`` may share memory (a torch storage, a NumPy base; else: yes)."""
+    if hasattr(a, "untyped_storage") and hasattr(b, "untyped_storage"):
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    import numpy as np
+
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    return True  # another kind (CuPy, a mix): a copy is always right
 
 
 def _counts_agree(comm: Communicator, what: str, problem: str | None, ins: list[int],
