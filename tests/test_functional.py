@@ -211,6 +211,19 @@ def test_all_to_all_single_equal_and_uneven(comm):
     dist.all_to_all_single(out, inp, recvs, sends, group=comm)
     want = torch.cat([torch.full((s, 2), 10.0 * a + me) for a, s in enumerate(recvs)])
     assert torch.equal(out, want)
+    # In place, in parts past MPI's eager size: equal parts, then uneven rows laid out
+    # differently on the way out and back (rank a sends ((a - b) % k + 1) n rows to b;
+    # every rank sends as many rows as it receives, as one tensor both ways needs).
+    n = 50_000
+    t = torch.cat([torch.full((n,), 100.0 * me + b) for b in range(k)])
+    dist.all_to_all_single(t, t, group=comm)
+    assert torch.equal(t, torch.cat([torch.full((n,), 100.0 * a + me) for a in range(k)]))
+    rows = [n * ((me - b) % k + 1) for b in range(k)]
+    back = [n * ((a - me) % k + 1) for a in range(k)]
+    t = torch.cat([torch.full((r, 1), 10.0 * me + b) for b, r in enumerate(rows)])
+    dist.all_to_all_single(t, t, back, rows, group=comm)
+    assert torch.equal(t, torch.cat([torch.full((r, 1), 10.0 * a + me)
+                                     for a, r in enumerate(back)]))
     if k > 1:  # what r0 sends and what r1 expects disagree: refused everywhere
         wrong = [s + (1 if me == 1 and b == 0 else 0) for b, s in enumerate(recvs)]
         with pytest.raises(ValueError, match="do not match across ranks"):

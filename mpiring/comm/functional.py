@@ -420,7 +420,7 @@ def all_to_all_single(output, input, output_split_sizes: list[int] | None = None
     problem, ins, outs = _split_plan(output, input, output_split_sizes, input_split_sizes, k)
     _counts_agree(comm, "all_to_all_single", problem, ins, outs, str(input.dtype),
                   "rank b's output_split_sizes[a] is rank a's input_split_sizes[b]")
-    src, dst = _data(input).reshape(-1), _data(output).reshape(-1)
+    src, dst = _unaliased(input, [output]), _data(output).reshape(-1)
     lo_in = [sum(ins[:r]) for r in range(k)]
     lo_out = [sum(outs[:r]) for r in range(k)]
     me = comm.rank
@@ -463,9 +463,7 @@ def all_to_all(output_tensor_list: list, input_tensor_list: list,
     _counts_agree(comm, "all_to_all", problem, ins, outs, dtype,
                   "rank b's output_tensor_list[a] has as many elements as rank a's "
                   "input_tensor_list[b]")
-    # An input that shares memory with an output (the same list passed twice) would be
-    # overwritten by a receive before it left: those are sent from copies.
-    sends = [(r, _flat(t, copy=any(_shares(t, o) for o in output_tensor_list)))
+    sends = [(r, _unaliased(t, output_tensor_list))
              for r, t in enumerate(input_tensor_list) if r != me and ins[r]]
     _data(output_tensor_list[me]).reshape(-1)[:] = _data(input_tensor_list[me]).reshape(-1)
     _exchange(comm,  # an input may be strided: sent from a contiguous copy
@@ -475,11 +473,16 @@ def all_to_all(output_tensor_list: list, input_tensor_list: list,
     return _done(async_op)
 
 
-def _flat(x, copy: bool = False):
-    """``x`` as one flat contiguous buffer: itself, or a copy when it is strided (or
-    ``copy``)."""
+def _unaliased(x, outputs: list):
+    """``x`` as one flat contiguous buffer to send from: itself, or a copy when it is
+    strided or shares memory with one of ``outputs``.
+
+    An all-to-all called in place (the same tensor or list as input and output) would
+    otherwise receive into memory that is still to be sent, or copy its own part over
+    it: the copy is taken before anything is written.
+    """
     x = _data(x)
-    if copy:
+    if any(_shares(x, o) for o in outputs):
         return (x.clone() if hasattr(x, "clone") else x.copy()).reshape(-1)  # C order
     if not _contiguous(x):
         x = x.contiguous() if hasattr(x, "contiguous") else x.copy()
