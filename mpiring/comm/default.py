@@ -76,13 +76,18 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                          "ProcessGroup options; mpiring's ranks come from MPI: leave them None")
     from mpiring.comm.start import init
 
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    comm = init(backend=BACKEND_NAMES[name], timeout=seconds)
+    comm = init(backend=BACKEND_NAMES[name], timeout=seconds(timeout))
     if device_id is not None:
         _check_device(comm, device_id)
     _check_agrees(comm, world_size, rank)
     _default = comm
     return comm
+
+
+def seconds(timeout: Any) -> Any:
+    """torch's ``timeout`` (a timedelta) as the seconds mpiring's deadlines take; anything
+    else as it is, for the deadline's own check to accept or refuse."""
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
 
 
 def _check_device(comm: Communicator, device_id: Any) -> None:

@@ -25,7 +25,7 @@ import warnings
 from typing import Any
 
 from mpiring.comm.communicator import Communicator
-from mpiring.comm.default import NON_GROUP_MEMBER, NotInGroup, default_comm, resolve
+from mpiring.comm.default import NON_GROUP_MEMBER, NotInGroup, default_comm, resolve, seconds
 from mpiring.comm.p2p import check_tag
 from mpiring.core import objects
 from mpiring.core.buffers import as_buffer
@@ -168,9 +168,8 @@ def monitored_barrier(group: Communicator | None = None, timeout: Any = None,
     if timeout is None:
         comm.barrier()
         return
-    seconds = getattr(timeout, "total_seconds", lambda: timeout)()
     kept = comm.timeout
-    comm.timeout = seconds  # refused (ValueError, naming the fix) unless seconds >= 0
+    comm.timeout = seconds(timeout)  # refused (ValueError, naming the fix) unless seconds >= 0
     try:
         comm.barrier()
     finally:
@@ -865,5 +864,5 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any 
     if sub is None:
         return NON_GROUP_MEMBER
     if timeout is not None:
-        sub.timeout = getattr(timeout, "total_seconds", lambda: timeout)()
+        sub.timeout = seconds(timeout)
     return sub
