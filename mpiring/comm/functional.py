@@ -30,14 +30,14 @@ from mpiring.comm.p2p import check_tag
 from mpiring.core import objects
 from mpiring.core.buffers import as_buffer
 
-__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_object", "all_to_all",
-           "get_group_rank", "monitored_barrier", "reduce_scatter",
-           "broadcast_object_list", "gather_object", "scatter_object_list", "all_gather_into_tensor", "all_gather_single",
-           "all_reduce", "all_to_all_single", "barrier", "batch_isend_irecv", "gather", "reduce_scatter_single",
-           "scatter",
-           "broadcast", "get_backend", "get_global_rank", "get_process_group_ranks",
-           "irecv", "is_available", "isend", "new_group", "recv", "reduce",
-           "reduce_scatter_tensor", "send"]
+__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor",
+           "all_gather_object", "all_gather_single", "all_reduce", "all_to_all",
+           "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
+           "broadcast_object_list", "gather", "gather_object", "get_backend",
+           "get_global_rank", "get_group_rank", "get_process_group_ranks", "irecv",
+           "is_available", "isend", "monitored_barrier", "new_group", "recv", "reduce",
+           "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
+           "scatter_object_list", "send"]
 
 
 class ReduceOp:
