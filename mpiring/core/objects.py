@@ -80,9 +80,9 @@ def _enc(x: Any, where: str) -> Any:
     if kind in _SCALARS:
         return x
     if kind is list:
-        return [_enc(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        return _items(x, where)
     if kind is tuple:
-        return {TAG: "tuple", "v": [_enc(v, f"{where}[{i}]") for i, v in enumerate(x)]}
+        return {TAG: "tuple", "v": _items(x, where)}
     if kind is dict:
         return {TAG: "dict", "v": [[_enc(k, f"{where} key {k!r}"), _enc(v, f"{where}[{k!r}]")]
                                    for k, v in x.items()]}
@@ -112,6 +112,12 @@ def _enc(x: Any, where: str) -> Any:
     elif hasattr(x, "__dataclass_fields__"):
         hint = "a dataclass: send dataclasses.asdict(x)"
     raise _refused(x, where, hint)
+
+
+def _items(x: list | tuple, where: str) -> list:
+    # Plain values go as they are: a list of a million numbers (gathered predictions)
+    # must not build a million path strings that only an error would print.
+    return [v if type(v) in _SCALARS else _enc(v, f"{where}[{i}]") for i, v in enumerate(x)]
 
 
 def _refused(x: Any, where: str, hint: str) -> TypeError:
