@@ -65,6 +65,25 @@ def test_three_steps_equal_the_full_gpt(tp, sp, t):  # noqa: F811
                                    msg=lambda m, n=name: f"{n} after three steps: {m}")
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_an_empty_batch_gives_what_the_full_gpt_gives(tp, sp):  # noqa: F811
+    full, model = pair(tp, sequence_parallel=sp)
+    x = torch.zeros(0, T, dtype=torch.long)
+    assert full(x).shape == (0, T, CFG.vocab_size)
+    # This rank's vocabulary columns, as for any batch.
+    assert model(x).shape == (0, *model(batch(0)[0]).shape[1:])
+
+
+def test_frozen_parameters_stay_frozen_in_the_split_model(tp):  # noqa: F811
+    torch.manual_seed(7)
+    full = GPT(CFG).double()
+    for part in (full.tok, full.pos, full.blocks[0].ln1, full.blocks[1].fc):
+        part.requires_grad_(False)
+    model = TensorParallelGPT.from_full(full, tp)
+    frozen = {n for n, p in full.named_parameters() if not p.requires_grad}
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen
+
+
 def test_default_init_is_the_full_gpt(tp):  # noqa: F811
     torch.manual_seed(3)
     full = GPT(CFG)

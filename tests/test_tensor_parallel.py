@@ -111,6 +111,18 @@ def test_sequence_gather_and_reduce_scatter_are_adjoint(tp, n):
     close(x.grad, torch.cat([grads[i][rows_of(k, i, n)] for i in range(k)]), "backward gathers")
 
 
+def test_feature_reduce_scatter_is_contiguous_and_sums(tp):
+    k, r, n = tp.size, tp.rank, 11
+    xs = [torch.arange(2 * 3 * n, dtype=torch.float64).view(2, 3, n) * (i + 1) - i
+          for i in range(k)]
+    x = xs[r].clone().requires_grad_()
+    y = reduce_scatter_forward_all_gather_backward(x, tp, -1, [hi - lo for lo, hi in
+                                                              chunk_bounds(n, k)])
+    close(y.detach(), sum(xs)[..., rows(tp, n)], "reduce-scatter along the last dim")
+    assert y.is_contiguous(), y.stride()
+    assert y.view(-1).numel() == y.numel()
+
+
 def rows_of(k: int, i: int, n: int) -> slice:
     lo, hi = chunk_bounds(n, k)[i]
     return slice(lo, hi)
@@ -129,9 +141,14 @@ def test_feature_gather_and_split_are_adjoint(tp):
     y.backward(g)
     close(x.grad, g[..., rows(tp, n)], "its backward keeps this rank's columns")
 
+    # Contiguous, as nn.Linear's output is: a caller's .view() must not fail.
+    assert y.is_contiguous(), y.stride()
+    assert y.view(-1).shape == (whole.numel(),)
+
     x = whole.clone().requires_grad_()
     y = split_forward_all_gather_backward(x, tp, -1)
     close(y.detach(), mine, "split keeps this rank's columns")
+    assert y.is_contiguous(), y.stride()
     y.backward(mine * (r + 1))
     want = torch.cat([whole[..., rows_of(k, i, n)] * (i + 1) for i in range(k)], dim=-1)
     close(x.grad, want, "split's backward gathers every rank's gradient")
@@ -157,6 +174,7 @@ def test_column_parallel_equals_linear(tp, seq, shape, mode):
     mine = layer.ranges
     xin = (x.detach()[rows(tp, seq)] if mode == "sequence" else x.detach()).clone().requires_grad_()
     out = layer(xin, seq_len=seq) if mode == "sequence" else layer(xin)
+    assert out.is_contiguous(), out.stride()  # as nn.Linear's: .view() works on it
     if mode == "gather":
         close(out.detach(), y.detach(), "gathered output")
         (out * w).sum().backward()
@@ -445,6 +463,35 @@ def test_from_full_honours_dtype_and_refuses_what_it_cannot_do(tp):
         with pytest.raises(ValueError, match=f"{name} is not supported by VocabParallelEmbedding: "
                                              "build the full nn.Embedding without it"):
             VocabParallelEmbedding.from_full(nn.Embedding(11, 3, **option), tp)
+
+
+def test_from_full_keeps_each_parameter_frozen_or_trainable(tp):
+    # Fine-tuning freezes layers before splitting them: no slice may come back trainable.
+    lin = nn.Linear(13, 17)
+    lin.weight.requires_grad_(False)  # the bias stays trainable: the flag is per parameter
+    for make in (ColumnParallelLinear, RowParallelLinear):
+        layer = make.from_full(lin, tp)
+        assert (layer.weight.requires_grad, layer.bias.requires_grad) == (False, True), make
+    emb = VocabParallelEmbedding.from_full(nn.Embedding(11, 3).requires_grad_(False), tp)
+    assert not emb.weight.requires_grad
+
+
+@pytest.mark.parametrize("mode", ["plain", "sequence"])
+def test_row_parallel_under_autocast_returns_what_linear_returns(tp, mode):
+    # nn.Linear adds its float32 bias inside the autocast GEMM and returns bfloat16;
+    # a float32 output here would double the activations downstream.
+    ref = nn.Linear(13, 5)
+    with torch.no_grad():  # the same layer on every rank
+        ref.weight.copy_(full(5, 13, seed=10))
+        ref.bias.copy_(full(5, seed=11))
+    layer = RowParallelLinear.from_full(ref, tp, sequence_parallel=mode == "sequence")
+    x = full(SEQ, BATCH, 13, seed=9).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+        got = layer(cols(x, layer.ranges))
+    assert got.dtype == want.dtype == torch.bfloat16, (got.dtype, want.dtype)
+    want = want[rows(tp, SEQ)] if mode == "sequence" else want
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
 def test_weight_memory_is_a_share_of_the_full_layer(tp):

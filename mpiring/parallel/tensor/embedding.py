@@ -56,7 +56,8 @@ class VocabParallelEmbedding(nn.Module):
             _full = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype, device=device)
         # dtype= and device= apply to a given full table too (from_full).
         self.weight = nn.Parameter(self.shard("weight", _full.weight).to(dtype=dtype,
-                                                                        device=device))
+                                                                        device=device),
+                                   requires_grad=_full.weight.requires_grad)
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the full table (or of its gradient)."""

@@ -109,9 +109,12 @@ class _ShardedLinear(nn.Module):
             full = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
         # dtype= and device= apply to a given full layer too (from_full): its slice is
         # converted, as nn.Linear(..., dtype=, device=) would have built it.
-        self.weight = nn.Parameter(self.shard("weight", full.weight).to(dtype=dtype, device=device))
+        # A slice of a frozen parameter stays frozen (fine-tuning freezes layers first).
+        self.weight = nn.Parameter(self.shard("weight", full.weight).to(dtype=dtype, device=device),
+                                   requires_grad=full.weight.requires_grad)
         if bias:
-            self.bias = nn.Parameter(self.shard("bias", full.bias).to(dtype=dtype, device=device))
+            self.bias = nn.Parameter(self.shard("bias", full.bias).to(dtype=dtype, device=device),
+                                     requires_grad=full.bias.requires_grad)
         else:
             self.register_parameter("bias", None)
 
@@ -246,7 +249,9 @@ class RowParallelLinear(_ShardedLinear):
                 bias = all_reduce_in_backward(bias, self.comm, self.algo)
         else:
             y = all_reduce_in_forward(y, self.comm, self.algo)
-        return y if bias is None else y + bias
+        # Under autocast F.linear gives the autocast dtype while the bias keeps its own:
+        # add it in y's dtype, as nn.Linear (bias inside the autocast GEMM) returns.
+        return y if bias is None else y + bias.to(y.dtype)
 
     def _check_width(self, x: torch.Tensor) -> None:
         """Refuse an input of the wrong width on every rank, before the output's collective."""

@@ -86,7 +86,9 @@ def _all_gather(x: torch.Tensor, comm, dim: int, sizes: list[int], algo: str) ->
         full = buf.view(k * width, *local.shape[1:])
     else:
         full = torch.cat([buf[i, :sizes[i]] for i in range(k)])
-    return full.movedim(0, dim)
+    # Contiguous, as nn.Linear's output and Megatron's gather are: along the last
+    # dim the moved view would refuse a caller's .view().
+    return full.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, comm, dim: int, sizes: list[int], algo: str) -> torch.Tensor:
@@ -104,12 +106,14 @@ def _reduce_scatter(x: torch.Tensor, comm, dim: int, sizes: list[int], algo: str
     comm.reduce_scatter(buf, op="sum", algo=algo)
     # A copy of this rank's slot only: keeping a view would keep all K slots alive,
     # which is the memory sequence parallelism exists to save.
-    return buf[r, :sizes[r]].clone().movedim(0, dim)
+    # One copy, laid out contiguously along ``dim`` (a moved view would refuse .view()).
+    return buf[r, :sizes[r]].movedim(0, dim).clone(memory_format=torch.contiguous_format)
 
 
 def _split(x: torch.Tensor, comm, dim: int, sizes: list[int]) -> torch.Tensor:
     start = sum(sizes[:comm.rank])
-    return x.detach().narrow(dim, start, sizes[comm.rank]).clone()
+    return x.detach().narrow(dim, start, sizes[comm.rank]).clone(
+        memory_format=torch.contiguous_format)
 
 
 class AllReduceInBackward(torch.autograd.Function):

@@ -45,8 +45,9 @@ class _Replicated(nn.Module):
 
     def __init__(self, full: nn.LayerNorm, comm, sequence_parallel: bool, algo: str):
         super().__init__()
-        self.weight = nn.Parameter(full.weight.detach().clone())
-        self.bias = nn.Parameter(full.bias.detach().clone())
+        self.weight = nn.Parameter(full.weight.detach().clone(),
+                                   requires_grad=full.weight.requires_grad)
+        self.bias = nn.Parameter(full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
         self.shape, self.eps = full.normalized_shape, full.eps
         self.comm, self.sp, self.algo = comm, sequence_parallel, algo
 
@@ -98,7 +99,9 @@ class TensorParallelBlock(nn.Module):
                 att = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:  # fewer heads than ranks: this rank has none and adds nothing
             att = q
-        x = x + self._drop(self.proj(att.permute(2, 0, 1, 3).reshape(t, b, -1)))
+        # The width spelled out: with an empty batch (b == 0) a -1 is ambiguous.
+        width = self.n_local * self.head_dim
+        x = x + self._drop(self.proj(att.permute(2, 0, 1, 3).reshape(t, b, width)))
         return x + self._drop(self.out(F.gelu(self.fc(self.ln2(x), seq_len=seq_len))))
 
 
@@ -129,7 +132,8 @@ class TensorParallelGPT(nn.Module):
         self.cfg, self.comm, self.algo, self.sp = full.cfg, comm, algo, sequence_parallel
         self.tok = VocabParallelEmbedding.from_full(full.tok, comm, sequence_parallel=sequence_parallel,
                                                     algo=algo)
-        self.pos = nn.Embedding.from_pretrained(full.pos.weight.detach().clone(), freeze=False)
+        self.pos = nn.Embedding.from_pretrained(full.pos.weight.detach().clone(),
+                                                freeze=not full.pos.weight.requires_grad)
         # Streams of its own per block, from the block's index: one stream for the
         # whole model would hand each pipeline stage's first block the masks of stage
         # 0's first block (every rank builds the model from the same seed), and the
