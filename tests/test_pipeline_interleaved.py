@@ -47,8 +47,9 @@ def mse(out, t):
     return ((out - t) ** 2).mean()
 
 
-def reference(full: nn.Module, x, y, m: int, loss_fn):
-    full.zero_grad()
+def reference(full: nn.Module, x, y, m: int, loss_fn, accumulate: bool = False):
+    if not accumulate:
+        full.zero_grad()
     losses = [loss_fn(full(a), b) for a, b in zip(torch.tensor_split(x, m),
                                                   torch.tensor_split(y, m))]
     torch.stack(losses).mean().backward()
@@ -65,9 +66,10 @@ def local_stages(comm, full, v: int):
     return stages, [full[slice(*cuts[s])] for s in mine]
 
 
-def step(sched, stages, x, y, losses=None):
+def step(sched, stages, x, y, losses=None, accumulate: bool = False):
     for st in stages:
-        st.module.zero_grad(set_to_none=True)
+        if not accumulate:
+            st.module.zero_grad(set_to_none=True)
     first, last = stages[0].is_first, stages[-1].is_last
     return sched.step(x if first else None, target=y if last else None,
                       losses=losses if last else None)

@@ -62,9 +62,11 @@ def mse(out, t):
     return ((out - t) ** 2).mean()
 
 
-def reference(full: nn.Module, x, y, m: int, loss_fn):
-    """Losses, output and grads of the mean of the micro-batch losses, one process."""
-    full.zero_grad()
+def reference(full: nn.Module, x, y, m: int, loss_fn, accumulate: bool = False):
+    """Losses, output and grads of the mean of the micro-batch losses, one process
+    (added to the gradients already there with ``accumulate``)."""
+    if not accumulate:
+        full.zero_grad()
     losses = [loss_fn(full(a), b) for a, b in zip(torch.tensor_split(x, m), torch.tensor_split(y, m))]
     torch.stack(losses).mean().backward()
     with torch.no_grad():
@@ -166,17 +168,22 @@ def test_gpt_with_tied_embedding(comm):
     stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied)
     sched = Schedule1F1B(stage, 3, lm_loss)
     g = torch.Generator().manual_seed(9)
-    x, y = torch.randint(0, 11, (7, 5), generator=g), torch.randint(0, 11, (7, 5), generator=g)
-    ref_losses, _ = reference(full, x, y, 3, lm_loss)
-    losses: list = []
-    sched.step(x if stage.is_first else None, target=y if stage.is_last else None,
-               losses=losses if stage.is_last else None)
-    if stage.is_last:
-        assert [float(v) for v in losses] == pytest.approx(ref_losses, rel=1e-12)
-    if stage.is_first or stage.is_last:
-        # Both copies of the tied weight carry the whole gradient (input + output use).
-        w = module[0].tok.weight if stage.is_first else module[-1].head.weight
-        torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12)
+    # Two steps without zero_grad: the second adds to the first, on both models (the
+    # tied sum must add the second step's part, not the first's again).
+    for step in range(2):
+        x, y = (torch.randint(0, 11, (7, 5), generator=g),
+                torch.randint(0, 11, (7, 5), generator=g))
+        ref_losses, _ = reference(full, x, y, 3, lm_loss, accumulate=step > 0)
+        losses: list = []
+        sched.step(x if stage.is_first else None, target=y if stage.is_last else None,
+                   losses=losses if stage.is_last else None)
+        if stage.is_last:
+            assert [float(v) for v in losses] == pytest.approx(ref_losses, rel=1e-12)
+        if stage.is_first or stage.is_last:
+            # Both copies of the tied weight carry the whole gradient (input + output use).
+            w = module[0].tok.weight if stage.is_first else module[-1].head.weight
+            torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m, s=step: f"after step {s + 1}: {m}")
     assert all(p.grad is not None for p in module.parameters())
 
 

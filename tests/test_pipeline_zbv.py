@@ -101,14 +101,17 @@ def test_zbv_gpt_with_tied_embedding_and_clip(comm, cls):
         stages.append(PipelineStage(module, s, n, comm, tied_parameters=tied))
     sched = cls(stages, m, lm_loss)
     g = torch.Generator().manual_seed(9)
-    x, y = torch.randint(0, 11, (9, 5), generator=g), torch.randint(0, 11, (9, 5), generator=g)
-    ref_losses = il.reference(full, x, y, m, lm_loss)
-    losses: list = []
-    il.step(sched, stages, x, y, losses)
-    if comm.rank == 0:
-        assert [float(t) for t in losses] == pytest.approx(ref_losses, rel=1e-12)
-        for w in (stages[0].module[0].tok.weight, stages[1].module[-1].head.weight):
-            torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12)
+    for step in range(2):  # the second adds to the first (no zero_grad), on both models
+        x, y = (torch.randint(0, 11, (9, 5), generator=g),
+                torch.randint(0, 11, (9, 5), generator=g))
+        ref_losses = il.reference(full, x, y, m, lm_loss, accumulate=step > 0)
+        losses: list = []
+        il.step(sched, stages, x, y, losses, accumulate=step > 0)
+        if comm.rank == 0:
+            assert [float(t) for t in losses] == pytest.approx(ref_losses, rel=1e-12)
+            for w in (stages[0].module[0].tok.weight, stages[1].module[-1].head.weight):
+                torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12,
+                                           msg=lambda msg, s=step: f"after step {s + 1}: {msg}")
     want = torch.nn.utils.clip_grad_norm_(full.parameters(), 0.05)
     assert float(sched.clip_grad_norm_(0.05)) == pytest.approx(float(want), rel=1e-10)
     _free(sched, stages)

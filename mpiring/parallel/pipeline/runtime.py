@@ -260,6 +260,7 @@ class PipelineSchedule:
                     data_parallel.start_step(st.ddp)
             self.timeline = []
             self.peak_activation_bytes = 0
+            self._tied.start()
         else:
             self.eval_timeline = []
         # ("F" | "B", stage, mb): received by, or to be sent from, this rank's ``stage``.
@@ -546,6 +547,7 @@ class _TiedPair:
 
     def __init__(self, stages: list[PipelineStage], multi: bool):
         self.comm, self.params, self.local, self.owned = None, [], None, multi
+        self._before: list[torch.Tensor | None] = []
         st = stages[0]
         if not multi:
             self.comm, self.params = st.tied_comm, st.tied_parameters
@@ -568,25 +570,47 @@ class _TiedPair:
         self.comm = st.comm.split(0 if ends else None, key=st.comm.rank)
         self.params = ends[0].tied_parameters if ends else []
 
+    def _summed(self) -> list[torch.Tensor]:
+        # The copies whose gradients reduce() sums in: the pair's, or the last stage's
+        # when this rank holds both ends.
+        return list(self.local[1]) if self.local is not None else list(self.params)
+
+    def start(self) -> None:
+        """Before a step: what the tied gradients already hold (accumulated over earlier
+        steps without zero_grad, the same on both ends after the last reduce), so that
+        reduce() sums this step's part alone: summing the whole .grad would count the
+        earlier steps twice, where the unsplit model counts them once."""
+        self._before = [None if q.grad is None or not q.grad.any() else q.grad.detach().clone()
+                        for q in self._summed()]
+
     def reduce(self) -> None:
+        before = self._before or [None] * len(self._summed())
+        self._before = []
         if self.local is not None:
-            for a, b in zip(*self.local):
+            for a, b, old in zip(*self.local, before):
                 if a is b or not a.requires_grad:  # one Parameter, or frozen on both ends
                     continue
                 for q in (a, b):
                     if q.grad is None:
                         q.grad = torch.zeros_like(q)
                 a.grad.add_(b.grad)  # in place: a DDP bucket view stays the bucket's
+                if old is not None:
+                    a.grad.sub_(old)
                 b.grad.copy_(a.grad)
             return
         if self.comm is None:
             return
-        for q in self.params:
+        for q, old in zip(self.params, before):
             if not q.requires_grad:  # frozen on both ends (agreed): no gradient to sum
                 continue
             if q.grad is None:
                 q.grad = torch.zeros_like(q)
-            self.comm.all_reduce(q.grad.detach())  # in place, on the same storage
+            g = q.grad.detach()
+            if old is not None:
+                g.sub_(old)           # this step's part: the earlier steps' is on both ends
+            self.comm.all_reduce(g)   # in place, on the same storage
+            if old is not None:
+                g.add_(old)
 
     def free(self) -> None:
         """The pair's own communicator (several stages per rank; with one, the stage's
