@@ -101,6 +101,40 @@ def test_schedule_matches_unsplit_model(comm, name, m):
     assert stage.peak_activation_bytes > 0  # ... after they were counted
 
 
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_a_step_without_autograd_is_refused_and_eval_runs_under_inference_mode(comm, name):
+    full = mlp()
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = SCHEDULES[name](stage, 2, mse)
+    x, y = data()
+    ins, tgt = (x if stage.is_first else None), (y if stage.is_last else None)
+    # A step that could compute no gradient would train nothing, silently: refused on
+    # every rank before anything moves, naming eval().
+    for off in (torch.no_grad, torch.inference_mode):
+        with off(), pytest.raises(ValueError, match=r"step\(\) under torch.no_grad\(\) or "
+                                                    r"torch.inference_mode\(\) computes no "
+                                                    r"gradient: .*call eval\(\)"):
+            sched.step(ins, target=tgt)
+    with torch.no_grad():
+        want = full(x)
+    # eval() under inference_mode, twice (the second reuses what the first laid out),
+    # then plain: the buffers made under inference_mode must take a later write.
+    for mode in (torch.inference_mode, torch.inference_mode, torch.enable_grad):
+        with mode():
+            out = sched.eval(ins)
+        if stage.is_last:
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    ref_losses, _ = reference(full, x, y, 2, mse)
+    losses: list = []
+    sched.step(ins, target=tgt, losses=losses if stage.is_last else None)
+    if stage.is_last:
+        assert [float(v) for v in losses] == pytest.approx(ref_losses, rel=1e-12)
+    for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
+        torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+
+
 class _Binarize(nn.Module):
     """A stage boundary without a gradient: its output is integers."""
 

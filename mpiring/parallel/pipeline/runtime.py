@@ -219,7 +219,11 @@ class PipelineSchedule:
                 transport.close()
             eager = _eager_sends(program) if transport.mpi else {}
             self._eval = _Plan(program, groups(program), eager, transport, train=False)
-        return self._run(self._eval, args, target, losses, kwargs)
+        # Under torch.inference_mode the buffers and shared slots made here would be
+        # inference tensors, which a later step() or plain eval() may not write into;
+        # the forwards run under no_grad all the same.
+        with torch.inference_mode(False):
+            return self._run(self._eval, args, target, losses, kwargs)
 
     def free(self) -> None:
         """Collective: ``close()``, and give back the communicators the schedule made
@@ -330,10 +334,18 @@ class PipelineSchedule:
         m = self.n_microbatches
         has_first, has_last = self._first is not None, self._last is not None
         what = "step()" if plan.train else "eval()"
-        err = (f"{self._where}: keyword inputs {sorted(kwargs)}: pass the first "
-               "stage's inputs positionally, in its forward's order" if kwargs else
-               _arg_error(self._where, has_first, has_last, self.num_stages, m, x, target,
-                          losses, need_target=plan.train))
+        if plan.train and not torch.is_grad_enabled():
+            # Every backward would find nothing to differentiate and the step would
+            # train nothing, silently: refused, as loss.backward() would be.
+            err = (f"{self._where}: step() under torch.no_grad() or torch.inference_mode() "
+                   "computes no gradient: call it with autograd on, or call eval() for the "
+                   "forwards alone")
+        elif kwargs:
+            err = (f"{self._where}: keyword inputs {sorted(kwargs)}: pass the first "
+                   "stage's inputs positionally, in its forward's order")
+        else:
+            err = _arg_error(self._where, has_first, has_last, self.num_stages, m, x, target,
+                             losses, need_target=plan.train)
         first = x[0] if isinstance(x, tuple) else x
         rows_x = int(first.shape[0]) if has_first and not err else -1
         # eval() without a target: nothing to compare the input's rows with.
