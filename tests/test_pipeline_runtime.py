@@ -135,6 +135,32 @@ def test_a_step_without_autograd_is_refused_and_eval_runs_under_inference_mode(c
         torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["gpipe", "gpipe-recompute", "1f1b"])
+def test_batch_norm_statistics_are_updated_once_per_micro_batch(comm, name):
+    # The recomputing forward runs in training mode too: its update of the running
+    # statistics must not count, or every micro-batch would be counted twice.
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4),
+                         nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    sched = SCHEDULES[name](PipelineStage(part, comm.rank, comm.size, comm), 3, mse)
+    for salt in (0, 1):
+        x, y = data(salt)
+        full.zero_grad()
+        part.zero_grad()
+        # The twin: the micro-batches one after the other, as the stages see them.
+        losses = [mse(full(a), b) for a, b in zip(torch.tensor_split(x, 3),
+                                                 torch.tensor_split(y, 3))]
+        torch.stack(losses).mean().backward()
+        sched.step(x if comm.rank == 0 else None, target=y if comm.rank == comm.size - 1
+                   else None)
+        for (n, got), want in zip(part.named_buffers(), full[lo:hi].buffers()):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=n)
+        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
+            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+
+
 class _Binarize(nn.Module):
     """A stage boundary without a gradient: its output is integers."""
 

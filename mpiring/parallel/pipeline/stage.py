@@ -244,6 +244,7 @@ class PipelineStage:
                              "split: pass split=True to forward() too")
         self._split_fwd.discard(mb)
         inp, out = self._inp.pop(mb), self._out.pop(mb)
+        kept: list = []  # recompute: the buffers as the replay found them
         if mb in self._rng:  # recompute: the forward again, with the same random numbers
             args = inp if isinstance(inp, tuple) else (inp,)
             if not self.is_first:  # received leaves; the first stage's input is the user's
@@ -261,6 +262,14 @@ class PipelineStage:
                 def run():
                     y = self.module(*args)
                     return loss_fn(y, target) * scale if self.is_last else y
+                # The forward already updated the running statistics (batch norm's)
+                # once for this micro-batch: the replay's update is undone after the
+                # backward (which checks the ones it saved), as the unsplit model makes
+                # one. Every buffer is copied: batch norm's kernel writes its statistics
+                # without moving their version counter, so no cheaper test tells which
+                # ones a forward writes.
+                kept = [(m, k, b.clone()) for m in self.module.modules()
+                        for k, b in m._buffers.items() if b is not None]
                 with self._routed(split):
                     out, extra = self._counted(run)
                 self._grow(extra)
@@ -286,6 +295,7 @@ class PipelineStage:
         finally:
             if self._sink is not None:
                 self._sink.queue, self._sink.fuse = None, False
+            _put_back(kept)
         self._release(mb)
         if split and self.count_activations:  # autograd freed the graph; W's X and dY stay
             self._held[mb] = split_backward.held_bytes(self._wq.get(mb, []))
@@ -357,6 +367,16 @@ class PipelineStage:
 
     def _release(self, mb: int) -> None:
         self._grow(-self._held.pop(mb, 0))
+
+
+def _put_back(kept: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for m, k, old in kept:
+            now = m._buffers.get(k)
+            if now is not None and now.shape == old.shape and now.dtype == old.dtype:
+                now.copy_(old)  # in place: whoever holds the buffer sees it
+            else:
+                m._buffers[k] = old
 
 
 def _gpu_of(module: nn.Module) -> torch.device | None:
