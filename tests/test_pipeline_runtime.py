@@ -161,6 +161,27 @@ def test_batch_norm_statistics_are_updated_once_per_micro_batch(comm, name):
             torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_sizes_of_any_integer_type_count_and_others_are_refused(comm):
+    # Counts often come from NumPy (a config, an arange): torch takes them; True, 2.0
+    # and 0 are mistakes.
+    full = mlp()
+    lo, hi = bounds(len(full), comm.size)[comm.rank]
+    part = copy.deepcopy(full[lo:hi])
+    stage = PipelineStage(part, np.int64(comm.rank), np.int32(comm.size), comm)
+    assert type(stage.stage_index) is int and type(stage.num_stages) is int
+    for bad in (True, 2.0, 0):
+        with pytest.raises(ValueError, match=rf"n_microbatches={bad!r}: give a positive integer"):
+            Schedule1F1B(stage, bad, mse)
+    sched = Schedule1F1B(stage, np.int64(2), mse)
+    assert type(sched.n_microbatches) is int
+    assert build("1f1b", np.int64(2), np.uint8(3)) == build("1f1b", 2, 3)
+    x, y = data()
+    reference(full, x, y, 2, mse)
+    sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
+        torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+
+
 class _Binarize(nn.Module):
     """A stage boundary without a gradient: its output is integers."""
 

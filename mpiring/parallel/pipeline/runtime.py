@@ -88,7 +88,7 @@ class PipelineSchedule:
             self.placement = placement  # this schedule's, over the class's
         stages = _local_stages(stage, self.placement)
         stage = stages[0]
-        check_sizes(stage.num_stages, n_microbatches)
+        _, n_microbatches = check_sizes(stage.num_stages, n_microbatches)
         # ``stage``: this rank's (first) stage, as torch's single-stage schedules have it.
         self.stage, self.n_microbatches, self.loss_fn = stage, n_microbatches, loss_fn
         self.stages = stages

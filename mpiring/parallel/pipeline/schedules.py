@@ -42,6 +42,7 @@ DualPipeV's).
 from __future__ import annotations
 
 import csv
+import operator
 import os
 
 from mpiring.core.chunking import chunk_bounds
@@ -356,11 +357,21 @@ def lower(compute: list[Action], p: int) -> list[Action]:
     return out
 
 
-def check_sizes(p: int, m: int) -> None:
-    """ValueError naming the fix unless p and m are positive integers."""
-    for name, v in (("num_stages", p), ("n_microbatches", m)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: give a positive integer")
+def positive_int(name: str, v) -> int:
+    """``v`` as an int, or ValueError naming the fix. Any integer type counts (a NumPy
+    integer from a config or an arange, as torch takes); bool and float do not."""
+    try:
+        n = operator.index(v) if not isinstance(v, bool) else None
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise ValueError(f"{name}={v!r}: give a positive integer")
+    return int(n)
+
+
+def check_sizes(p: int, m: int) -> tuple[int, int]:
+    """(p, m) as ints, or ValueError naming the fix unless both are positive integers."""
+    return positive_int("num_stages", p), positive_int("n_microbatches", m)
 
 
 def build(name: str, p: int, m: int, stages_per_rank: int = 1) -> list[list[Action]]:
@@ -378,10 +389,8 @@ def build(name: str, p: int, m: int, stages_per_rank: int = 1) -> list[list[Acti
     if name not in GENERATORS and name not in MULTI:
         raise ValueError(f"unknown schedule {name!r}: use one of "
                          f"{', '.join([*GENERATORS, *MULTI])}")
-    check_sizes(p, m)
-    v = stages_per_rank
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"stages_per_rank={v!r}: give a positive integer")
+    p, m = check_sizes(p, m)
+    v = positive_int("stages_per_rank", stages_per_rank)
     if name in MULTI:
         return [lower(MULTI[name](p, m, r, v), p * v) for r in range(p)]
     if v != 1:
