@@ -182,6 +182,17 @@ def test_sizes_of_any_integer_type_count_and_others_are_refused(comm):
         torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_an_in_place_op_on_a_received_input_names_the_cut():
+    # A received input is a leaf that requires grad: torch's own message names the
+    # symptom; the stage's failure adds the fix.
+    from mpiring.parallel.pipeline.runtime import _hint
+    x = torch.zeros(3, requires_grad=True)
+    with pytest.raises(RuntimeError) as info:
+        nn.ReLU(inplace=True)(x)
+    assert "make that op out of place, or cut the model elsewhere" in _hint(info.value)
+    assert _hint(RuntimeError("boom")) == ""
+
+
 class _Binarize(nn.Module):
     """A stage boundary without a gradient: its output is integers."""
 

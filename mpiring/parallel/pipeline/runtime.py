@@ -289,7 +289,7 @@ class PipelineSchedule:
                 comm = self.stage.comm
                 raise PipelineError(
                     f"[r{comm.rank}] pipeline stage {run[0].stage} failed in "
-                    f"{' '.join(map(str, run))} ({type(exc).__name__}: {exc}); the other "
+                    f"{' '.join(map(str, run))} ({type(exc).__name__}: {exc}){_hint(exc)}; the other "
                     f"stages stop at their next wait for this one, within the communicator's "
                     f"deadline ({comm.timeout:g} s)") from exc
         for req in sends:
@@ -630,6 +630,16 @@ class _TiedPair:
         if self.owned and self.comm is not None:
             self.comm.free()
         self.comm = None
+
+
+def _hint(exc: Exception) -> str:
+    """The fix for a failure whose torch message names a symptom, not the cut."""
+    if "leaf Variable that requires grad is being used in an in-place" in str(exc):
+        # A received input is a leaf (its gradient goes back to the stage before), as
+        # in torch's pipelining; without the pipeline the same op had a graph before it.
+        return (" - the stage changes its received input in place (an inplace=True "
+                "activation first?): make that op out of place, or cut the model elsewhere")
+    return ""
 
 
 def _merged(outs: list[torch.Tensor]) -> torch.Tensor:
