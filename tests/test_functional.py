@@ -47,6 +47,31 @@ def test_all_reduce_broadcast_reduce(comm, n, dtype):
     assert torch.equal(x, want if me == last else _x(me, n, dtype))
 
 
+def test_one_collective_from_different_lines_runs_as_in_torch(comm):
+    # torch's idiom: the root and the others make the same call from their own
+    # branch. mpiring's own API compares the call sites; the drop-in must not.
+    k, me, jobs = comm.size, comm.rank, comm.world_ranks
+    if me == 0:
+        x = _x(0, 5)
+        dist.broadcast(x, src=jobs[0], group=comm)
+    else:
+        x = torch.empty(5, dtype=torch.float64)
+        dist.broadcast(x, src=jobs[0], group=comm)
+    assert torch.equal(x, _x(0, 5))
+    y = _x(me, 3)
+    if me == k - 1:
+        dist.all_reduce(y, group=comm)
+    else:
+        dist.all_reduce(y, group=comm)
+    assert torch.equal(y, sum(_x(r, 3) for r in range(k)))
+    if k > 1:  # the Communicator's own call still names the two lines
+        with pytest.raises(dist.MismatchError, match="call site differs"):
+            if me == 0:
+                comm.broadcast(_x(0, 5).numpy(), root=0)
+            else:
+                comm.broadcast(_x(0, 5).numpy(), root=0)
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_all_gather_in_each_form(comm, n):
     k, me = comm.size, comm.rank

@@ -10,6 +10,11 @@ call for it), and the argument check compares it across ranks.
 Only the file's base name enters the code: ranks may run the same script from
 different directories. Two calls from the same line (a loop) have the same
 code; there the call number tells a rank that made more calls from the others.
+
+A call through the torch.distributed drop-in (``mpiring.comm.functional``) has
+code 0, compared as equal everywhere: torch lets ranks make one collective from
+different lines (``if rank == 0: dist.broadcast(x, 0) else: dist.broadcast(y, 0)``),
+and a ported script must run as it did; its call numbers are still compared.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 import zlib
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DROPIN = os.path.join(_PACKAGE, "comm", "functional.py")
 _inside: dict[str, bool] = {}  # file name -> whether it is part of mpiring
 _codes: dict[tuple[str, int], int] = {}  # (file, line) -> code
 _names: dict[int, str] = {}  # code -> "file:line", to print a code back
@@ -35,6 +41,8 @@ def site_code(depth: int = 1) -> int:
             inside = _inside[filename] = filename.startswith(_PACKAGE)
         if not inside:
             break
+        if filename == _DROPIN:  # torch's API: any line may make the call (see above)
+            return 0
         frame = frame.f_back
     if frame is None:  # called from mpiring itself, at the top of a thread
         return 0
