@@ -22,6 +22,7 @@ _LAZY = {
     "DistributedSampler": "mpiring.parallel.data",
     "ZeroRedundancyOptimizer": "mpiring.parallel.zero",
     "FullyShardedDataParallel": "mpiring.parallel.fsdp",
+    "ShardedGradScaler": "mpiring.parallel.fsdp",
     "ProcessGrid": "mpiring.parallel.grid",
     "ColumnParallelLinear": "mpiring.parallel.tensor",
     "RowParallelLinear": "mpiring.parallel.tensor",

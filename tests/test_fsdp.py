@@ -650,3 +650,171 @@ def test_bad_model_raises_on_every_rank(comm):
     with pytest.raises(TypeError, match="auto_wrap"):
         FullyShardedDataParallel(make_model(), comm, auto_wrap=3)
     comm.barrier()
+
+
+@pytest.mark.parametrize("backwards", (1, 2), ids=("one-backward", "two-backwards"))
+@pytest.mark.parametrize("prefetch", (True, False))
+def test_two_forwards_before_backward_through_a_frozen_unit(comm, prefetch, backwards):
+    # blocks.0 wholly frozen between trainable units: each forward's graph needs it
+    # gathered in backward, so the second forward must not erase the first one's count.
+    def make():
+        net = make_model()
+        net.blocks[0].requires_grad_(False)
+        return net
+
+    def run(model, c):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        for s in range(STEPS):
+            x, y = batch(s)
+            if c is not None:
+                x, y = mine(x, c), mine(y, c)
+            opt.zero_grad()
+            losses = [loss_fn(model, x, y), loss_fn(model, (0.5 + s) * x, y)]
+            if backwards == 1:
+                sum(losses).backward()
+            else:
+                for loss in losses:
+                    loss.backward()
+            opt.step()
+
+    ref = make()
+    run(ref, None)
+    model = FullyShardedDataParallel(make(), comm, prefetch=prefetch)
+    frozen = next(u for u in model.units if u.module is model.module.blocks[0])
+    gathers, unshard = [], frozen.unshard
+
+    def counted():
+        gathers.append(frozen.status == "sharded" and model._in_backward)
+        unshard()
+    frozen.unshard = counted
+    run(model, comm)
+    assert_state_close(model.full_state_dict(), ref)
+    assert not any(u.flat.allocated for u in model.units)  # freed after the backward(s)
+    # Gathered once per backward, for both forwards' graphs: not freed after the first.
+    assert sum(gathers) == STEPS * backwards, gathers
+    model.close()
+
+
+def test_a_unit_freed_early_in_backward_is_gathered_again(comm):
+    # Should a frozen unit be freed while a graph still needs it (here its first
+    # forward's count is dropped by hand), that graph's backward gathers it again
+    # rather than read freed storage.
+    def make():
+        net = make_model()
+        net.blocks[0].requires_grad_(False)
+        return net
+
+    def step(model, c, between=lambda: None):
+        x, y = batch(0)
+        if c is not None:
+            x, y = mine(x, c), mine(y, c)
+        first = loss_fn(model, x, y)
+        between()
+        (first + loss_fn(model, 0.5 * x, y)).backward()
+
+    ref = make()
+    step(ref, None)
+    model = FullyShardedDataParallel(make(), comm)
+    frozen = next(u for u in model.units if u.module is model.module.blocks[0])
+    step(model, comm, between=frozen._pending.clear)
+    # An SGD step of lr 1 puts the gradients into the parameters: compare those.
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0).step()
+    assert_state_close(model.full_state_dict(), ref)
+    assert not any(u.flat.allocated for u in model.units)
+    model.close()
+
+
+class Albert(nn.Module):
+    """One block registered four times, in two containers (ALBERT's shared layers),
+    and one block of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 13)
+        shared = Block(13, 11)
+        self.blocks = nn.ModuleList([shared, Block(13, 5), shared])
+        self.tail = nn.Sequential(shared)
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(self.tail(x))
+
+
+@pytest.mark.parametrize("policy", ("blocks", "list"))
+def test_a_block_registered_at_several_places_is_one_unit(comm, policy):
+    def make():
+        torch.manual_seed(5)
+        return Albert().double()
+
+    ref = make()
+    train(ref, None, STEPS)
+    net = make()
+    wrap = "blocks" if policy == "blocks" else [net.blocks[0], net.blocks[1]]
+    model = FullyShardedDataParallel(net, comm, auto_wrap=wrap)
+    assert [u.flat.numel for u in model.units] == [146, 336, 174]  # the shared block once
+    train(model, comm, STEPS)
+    full = model.full_state_dict()
+    assert_state_close(full, ref)  # every name of the shared block: blocks.0/2, tail.0
+    assert torch.equal(full["blocks.0.fc1.weight"], full["tail.0.fc1.weight"])
+    model.close()
+
+
+class Masked(Net):
+    """Net with a bool mask and an int16 counter buffer (no dtype a ring can reduce)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(13, dtype=torch.bool))
+        self.register_buffer("shift", torch.zeros(3, dtype=torch.int16))
+
+    def forward(self, x):
+        h = self.inp(x).masked_fill(~self.mask, 0.0)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h) + self.shift
+
+
+def test_bool_and_int_buffers_start_from_rank_0(comm):
+    def make(rank):
+        torch.manual_seed(6)
+        net = Masked().double()
+        # Rank-dependent buffers before wrapping: rank 0's must win everywhere.
+        net.mask.copy_(torch.arange(13) % (rank + 2) != 0)
+        net.shift.copy_(torch.arange(3, dtype=torch.int16) * (rank + 1) - 1)
+        return net
+
+    ref = make(0)
+    train(ref, None, STEPS)
+    model = FullyShardedDataParallel(make(comm.rank), comm)
+    assert torch.equal(model.module.mask, make(0).mask)
+    assert torch.equal(model.module.shift, make(0).shift)
+    train(model, comm, STEPS)
+    assert_state_close(model.full_state_dict(), ref)
+    model.close()
+
+
+@pytest.mark.parametrize("name", ("Adafactor", "LBFGS"))
+def test_optimizers_that_need_whole_tensors_are_refused(comm, name):
+    # Adafactor factors a matrix's second moment (a 1-D shard would get a per-element
+    # one) and LBFGS takes global dot products: on shards both silently differ.
+    cls = getattr(torch.optim, name, None)
+    if cls is None:
+        pytest.skip(f"this torch has no torch.optim.{name}")
+    model = FullyShardedDataParallel(make_model(), comm)
+    opt = cls(model.parameters(), lr=0.05)
+    x, y = batch(0)
+    loss_fn(model, mine(x, comm), mine(y, comm)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=rf"{name} does not work on flat shards.*per element"):
+        opt.step(lambda: loss_fn(model, mine(x, comm), mine(y, comm)))
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    # A plain model is not touched by the check.
+    plain = make_model()
+    loss_fn(plain, x, y).backward()
+    cls(plain.parameters(), lr=0.05).step(lambda: loss_fn(plain, x, y))
+    model.close()
+    comm.barrier()

@@ -255,6 +255,24 @@ def test_rejects_bad_arguments_on_every_rank(comm):
             ZeroRedundancyOptimizer(mine, comm, lr=0.1)
 
 
+@pytest.mark.parametrize("name", ("Adafactor", "LBFGS"))
+def test_optimizers_that_need_whole_tensors_are_refused_on_every_rank(comm, name):
+    # Adafactor factors a matrix's second moment by rows and columns and LBFGS takes
+    # dot products over all parameters: on flat shards both run and differ silently.
+    cls = getattr(torch.optim, name, None)
+    if cls is None:
+        pytest.skip(f"this torch has no torch.optim.{name}")
+    model = make_model()
+    with pytest.raises(TypeError, match=rf"{name} does not work on flat shards.*per element"):
+        ZeroRedundancyOptimizer(model.parameters(), comm, optimizer_class=cls, lr=0.1)
+    if comm.size > 1:
+        # Only rank 1 asks for it: every rank raises, before any byte moves.
+        chosen = cls if comm.rank == 1 else torch.optim.AdamW
+        with pytest.raises(TypeError if comm.rank == 1 else ValueError,
+                           match=rf"{name} does not work on flat shards|r1 rejected"):
+            ZeroRedundancyOptimizer(model.parameters(), comm, optimizer_class=chosen, lr=0.1)
+
+
 @pytest.mark.deadline(90)
 def test_equals_torch_zero_redundancy_optimizer_over_gloo(world, subcomms):
     """torch DDP + torch's ZeroRedundancyOptimizer (gloo) vs ours, same data and init."""

@@ -6,11 +6,13 @@
 Files: ``flat`` (one unit's flat layout and shard), ``unit`` (gather, free,
 reduce-scatter, the hooks), ``wrap`` (auto_wrap), ``runner`` (the
 communication thread), ``module`` (the wrapper), ``state`` (full state dicts),
-``precision`` (mixed precision), ``checkpoint`` (files that load at any number of ranks).
+``precision`` (mixed precision), ``scaler`` (the loss scaler agreed
+over the ranks), ``checkpoint`` (files that load at any number of ranks).
 """
 
 from mpiring.parallel.fsdp.module import DEFAULT_ALGO, FullyShardedDataParallel
 from mpiring.parallel.fsdp.precision import MixedPrecision
+from mpiring.parallel.fsdp.scaler import ShardedGradScaler
 from mpiring.parallel.fsdp.state import (
     full_optim_state_dict,
     full_state_dict,
@@ -18,5 +20,6 @@ from mpiring.parallel.fsdp.state import (
     load_full_state_dict,
 )
 
-__all__ = ["DEFAULT_ALGO", "FullyShardedDataParallel", "MixedPrecision", "full_optim_state_dict",
-           "full_state_dict", "load_full_optim_state_dict", "load_full_state_dict"]
+__all__ = ["DEFAULT_ALGO", "FullyShardedDataParallel", "MixedPrecision", "ShardedGradScaler",
+           "full_optim_state_dict", "full_state_dict", "load_full_optim_state_dict",
+           "load_full_state_dict"]

@@ -41,11 +41,13 @@ import zlib
 import torch
 from torch import nn
 
+from mpiring.parallel.data.distributed import sync_from_root
 from mpiring.parallel.fsdp.flat import FlatParam
 from mpiring.parallel.fsdp.precision import _cast, _mixed
 from mpiring.parallel.fsdp.runner import CommRunner
 from mpiring.parallel.fsdp.unit import Unit
 from mpiring.parallel.fsdp.wrap import Policy, assign_parameters, choose_units
+from mpiring.parallel.zero.optimizer import whole_tensor_optimizer_error
 
 #: Why FullyShardedDataParallel has no plain state_dict, and what to call instead.
 _WHOLE_STATE = ("FullyShardedDataParallel.{what}: a rank holds only its shards of the "
@@ -57,6 +59,29 @@ _WHOLE_STATE = ("FullyShardedDataParallel.{what}: a rank holds only its shards o
 #: The collectives' default algorithm: the segmented ring bounds the receive
 #: buffer to a few segments whatever the unit's size.
 DEFAULT_ALGO = "ring-seg"
+
+
+_STEP_HOOK = None
+
+
+def _watch_optimizers() -> None:
+    """Refuse (at its first step) an optimizer whose state is not per element on shards.
+
+    FSDP never sees the optimizer being built, so one global step pre-hook (registered
+    once; a type check per step) looks for Adafactor or LBFGS over FSDP shards.
+    """
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK = register_optimizer_step_pre_hook(_refuse_optimizer)
+
+
+def _refuse_optimizer(optimizer, args, kwargs) -> None:
+    error = whole_tensor_optimizer_error(type(optimizer), "FullyShardedDataParallel")
+    if error is not None and any(getattr(p, "_mpiring_fsdp_shard", False)
+                                 for g in optimizer.param_groups for p in g["params"]):
+        raise error
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -81,7 +106,8 @@ class FullyShardedDataParallel(nn.Module):
             gather a step, except after a ``no_grad`` forward, which frees
             the unit as always). The root unit, and from the second forward on the
             last unit run, always stay until their backward (it comes next).
-        mixed_precision: None, a dtype, or a ``MixedPrecision``.
+        mixed_precision: None, a dtype, or a ``MixedPrecision`` (float16: scale the
+            loss with ``mpiring.ShardedGradScaler``, whose skip the ranks agree on).
         algo: the ring algorithm for AllGather and ReduceScatter ("ring-seg"
             or "ring"; any of ``Communicator.all_gather``'s).
         sync_module_states: start every rank from rank 0's parameters and buffers.
@@ -171,9 +197,17 @@ class FullyShardedDataParallel(nn.Module):
                 made[0].frozen, made[1].paired = made[1], True
             self.units.extend(made)
         if sync_module_states and comm.size > 1:
-            for b in module.buffers():
-                comm.broadcast(b.data, root=0)
+            # As raw bytes, as DDP does: a bool mask or an int16 buffer is no reducible dtype.
+            sync_from_root(comm, [b.data for b in module.buffers()])
         self.shards = nn.ParameterList([u.flat.shard for u in self.units])
+        for sh in self.shards:
+            sh._mpiring_fsdp_shard = True  # what the optimizer check looks for
+        _watch_optimizers()
+        # float16 compute: the ranks compare their gradient shards' inf checks (one
+        # scalar after each synced backward), as a per-rank GradScaler cannot.
+        self._fp16 = (self.reduce_dtype == torch.float16
+                      or any(u.flat.compute_dtype == torch.float16 for u in self.units))
+        self._skip_versions: list[int] | None = None
         self._handles = []
         for u in self.units:
             if u.module is module:  # the root's: forward() calls them
@@ -235,11 +269,8 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         roots = [u for u in self.units if u.module is self.module]  # trainable, frozen
         self._recording = not self._order
-        if not self._in_backward:
-            # A forward whose backward never ran (an evaluation with grad on) left its
-            # frozen units' input counts up: a new forward starts them again.
-            for u in self.units:
-                u._uses = 0
+        if self._skip_versions is not None and not self._in_backward:
+            self._check_same_step()
         for root in roots:
             root.pre_forward()
         mp = self.mixed_precision
@@ -293,10 +324,38 @@ class FullyShardedDataParallel(nn.Module):
                     if not u.reduced and u.acc is not None:
                         u.reduce(None)
             self.runner.wait_all()
+            if self.sync and self._fp16 and self.comm.size > 1:
+                self._compare_inf()
         finally:
             for u in self.units:
                 u.end_backward()
             self._in_backward = False
+
+    def _compare_inf(self) -> None:
+        """After a synced float16 backward: do the ranks agree whether a shard's gradient
+        is inf/nan? If not, a per-rank GradScaler would skip on some ranks only, so the
+        next forward checks that the ranks stepped alike (cheap: only after such a backward)."""
+        grads = [sh.grad for sh in self.shards if sh.grad is not None and sh.grad.numel()]
+        local = bool(torch.stack([~torch.isfinite(g).all() for g in grads]).any()) if grads else False
+        flags = self.comm.control.allgather_array([int(local)])[:, 0]
+        if flags.min() != flags.max():
+            self._skip_versions = [sh._version for sh in self.shards]
+
+    def _check_same_step(self) -> None:
+        """Raise on every rank if, after a backward whose inf checks differed, some ranks
+        updated their shards and others did not (a torch.amp.GradScaler per rank)."""
+        before, self._skip_versions = self._skip_versions, None
+        moved = int(any(sh._version != v for sh, v in zip(self.shards, before)))
+        table = self.comm.control.allgather_array([moved])[:, 0]
+        if table.min() != table.max():
+            stepped = [f"r{r}" for r, m in enumerate(table) if m]
+            skipped = [f"r{r}" for r, m in enumerate(table) if not m]
+            raise RuntimeError(
+                f"FullyShardedDataParallel: the last backward's gradient shards held inf/nan on "
+                f"some ranks only, and then rank(s) {', '.join(skipped)} skipped the step while "
+                f"{', '.join(stepped)} stepped: torch.amp.GradScaler checks only this rank's "
+                "shards. Use mpiring.ShardedGradScaler(model) instead (it agrees the skip over "
+                "the ranks); the shards now differ, so restart from a checkpoint")
 
     def _count(self, nbytes: int) -> None:
         """Add ``nbytes`` (negative: released) to the unsharded bytes and their peak."""

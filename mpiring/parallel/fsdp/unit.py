@@ -22,6 +22,8 @@ a unit's gather is queued while the unit before it (forward) or after it
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from mpiring.parallel.fsdp.flat import FlatParam
@@ -39,6 +41,22 @@ def output_tensors(obj) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in output_tensors(o)]
     return []
+
+
+class _Pending:
+    """One forward of a frozen-only unit whose backward may still come.
+
+    Held only by the hooks on that forward's inputs, so it lives as long as the
+    graph that can still be backpropagated: a forward whose graph is dropped
+    unused (an evaluation with grad on) stops counting by itself.
+    """
+
+    __slots__ = ("n", "fired", "task", "__weakref__")
+
+    def __init__(self, n: int):
+        self.n = n                 # inputs whose gradients end this forward's backward
+        self.fired: set[int] = set()
+        self.task = None           # the backward (graph task) ``fired`` belongs to
 
 
 class Unit:
@@ -72,7 +90,8 @@ class Unit:
         self.frozen: Unit | None = None
         self.paired = False          # the frozen part of such a pair
         self.had_backward = False    # its last forward's output required grad
-        self._uses = 0               # forwards whose inputs' gradients are still to come
+        # Forwards whose inputs' gradients are still to come (their graphs still alive).
+        self._pending: weakref.WeakSet[_Pending] = weakref.WeakSet()
         self._hook = (flat.full.register_post_accumulate_grad_hook(self._post_backward)
                       if flat.requires_grad else None)
 
@@ -134,14 +153,26 @@ class Unit:
         # takes a gradient.
         inputs = output_tensors((args, kwargs or {}))
         if inputs:
-            self._uses += 1
-            torch.autograd.graph.register_multi_grad_hook(
-                inputs, lambda grads: self._inputs_done())
+            # A token per forward, not a counter reset by the next forward: two forwards
+            # before one backward must both be backpropagated before the unit is freed.
+            # Plain hooks, not register_multi_grad_hook: its closure holds the inputs'
+            # nodes, a cycle that keeps a dropped graph's token until the cyclic GC.
+            token = _Pending(len(inputs))
+            self._pending.add(token)
+            for i, t in enumerate(inputs):
+                t.register_hook(lambda grad, i=i, token=token: self._input_done(token, i))
 
-    def _inputs_done(self) -> None:
-        self._uses -= 1
-        if self._uses == 0 and self.owner.reshard_after_backward:
-            self.reshard()
+    def _input_done(self, token: _Pending, i: int) -> None:
+        task = torch._C._current_graph_task_id()
+        if token.task != task:  # a new backward through the same graph (retain_graph)
+            token.task, token.fired = task, set()
+        token.fired.add(i)
+        # Every input's gradient is in (an input this backward never reaches keeps the
+        # unit until the backward ends: memory, never correctness).
+        if len(token.fired) == token.n:
+            self._pending.discard(token)
+            if not self._pending and self.owner.reshard_after_backward:
+                self.reshard()
 
     def post_forward(self, output):
         grad = torch.is_grad_enabled()
@@ -172,6 +203,13 @@ class Unit:
                 self.frozen.unshard()
             self.wait()
             self.owner._prefetch_backward(self)
+        elif self.status == SHARDED:
+            # Freed earlier in this backward (another forward's graph went first, or a
+            # frozen unit whose count was done): gather again, never read freed storage.
+            self.unshard()
+            if self.frozen is not None:
+                self.frozen.unshard()
+            self.wait()
         return None
 
     def _post_backward(self, full: torch.Tensor) -> None:
@@ -250,7 +288,6 @@ class Unit:
             self.reshard()
         self.pre_backward_done = False
         self.reduced = False
-        self._uses = 0
 
     def remove_hooks(self) -> None:
         if self._hook is not None:

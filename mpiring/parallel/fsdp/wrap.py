@@ -57,12 +57,17 @@ def choose_units(module: nn.Module, auto_wrap: Policy = "blocks") -> list[nn.Mod
         raise TypeError(f"auto_wrap={auto_wrap!r}: use 'blocks', a callable(module) -> bool, a "
                         "tuple of module classes, a list of submodules, or None")
     units: list[nn.Module] = []
+    seen: set[int] = set()
 
     def visit(parent: nn.Module) -> None:
         for child in parent.children():
             # A container has no forward of its own to hook: look inside it.
             if not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and pick(child, parent):
-                units.append(child)
+                # A module registered at several places (ALBERT's one block applied N
+                # times) is one unit: its hooks gather it at each call.
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    units.append(child)
             else:
                 visit(child)
 
@@ -79,11 +84,12 @@ def assign_parameters(module: nn.Module, units: list[nn.Module]):
         ``shared`` the names of parameters registered in two different units
         (they cannot be gathered as part of one).
     """
-    prefix_of = {}
-    for name, m in module.named_modules(remove_duplicate=False):
-        if any(m is u for u in units):
-            prefix_of.setdefault(id(m), name)
-    unit_prefixes = [(prefix_of[id(u)], i + 1) for i, u in enumerate(units)]
+    number = {id(u): i + 1 for i, u in enumerate(units)}
+    # Every name a unit is registered under, not only its first: the parameters seen
+    # under a second name are still that unit's (else they would look shared with the root).
+    unit_prefixes = sorted(((name, number[id(m)])
+                            for name, m in module.named_modules(remove_duplicate=False)
+                            if id(m) in number), key=lambda pu: pu[1])
     places: list[list] = [[] for _ in range(len(units) + 1)]
     owner: dict[int, tuple[int, str]] = {}
     shared: list[str] = []

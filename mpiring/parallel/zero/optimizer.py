@@ -19,6 +19,27 @@ from mpiring.parallel.zero.state import ShardedState
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
+#: Optimizers whose state or step looks at a whole tensor, not element by element:
+#: on flat shards they run, and give other numbers than on the model's tensors.
+#: Adafactor factors a matrix's second moment by rows and columns (a 1-D shard gets
+#: a per-element one) and scales by the tensor's RMS; LBFGS takes dot products and
+#: line searches over every parameter at once (each rank would see only its shard).
+_WHOLE_TENSOR = tuple(c for c in (getattr(torch.optim, "Adafactor", None), torch.optim.LBFGS)
+                      if c is not None)
+
+
+def whole_tensor_optimizer_error(optimizer_class, who: str) -> TypeError | None:
+    """The error for an optimizer that needs whole tensors on flat shards, or None."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _WHOLE_TENSOR)):
+        return None
+    return TypeError(
+        f"{who}: {optimizer_class.__name__} does not work on flat shards: its state or step "
+        "spans whole tensors (Adafactor factors a matrix by rows and columns and scales by "
+        "its RMS; LBFGS takes dot products over every parameter), and a shard is a 1-D "
+        "piece of them, so it would silently give other results. Use an optimizer whose "
+        "state is per element or scalar (AdamW, Adam, SGD, Adagrad, RMSprop, ...), or "
+        "train that model with mpiring.DistributedDataParallel (whole parameters)")
+
 
 def _describe_param(p: torch.Tensor) -> str:
     return f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')} {p.device.type}"
@@ -97,6 +118,9 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
                     and issubclass(optimizer_class, torch.optim.Optimizer)):
                 raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass such as "
                                 f"torch.optim.AdamW, got {optimizer_class!r}")
+            refused = whole_tensor_optimizer_error(optimizer_class, "ZeroRedundancyOptimizer")
+            if refused is not None:
+                raise refused
             if stage not in (1, 2):
                 raise ValueError(f"stage={stage!r}: use 1 (shard the optimizer state) or 2 "
                                  "(also reduce-scatter the gradients)")
