@@ -110,6 +110,39 @@ def _data(x):
     return x.detach() if getattr(x, "requires_grad", False) else x
 
 
+def _dense(x):
+    """``x`` (``_data``), or a contiguous copy of it when it is strided (a transposed
+    view, a slice). torch's collectives read and write strided tensors in place;
+    mpiring's move flat buffers, so a strided one goes through a copy and
+    ``_assign`` writes the result back."""
+    x = _data(x)
+    if _contiguous(x):
+        return x
+    if hasattr(x, "contiguous"):  # torch
+        return x.contiguous()
+    import numpy as np
+
+    return np.ascontiguousarray(x)
+
+
+def _assign(x, values) -> None:
+    """Write ``values`` (any layout, ``x``'s element count) into ``x`` in place, whatever
+    ``x``'s strides: not through ``reshape(-1)``, which copies a strided tensor."""
+    x = _data(x)
+    if hasattr(x, "copy_"):  # torch
+        x.copy_(values.reshape(x.shape))
+    else:
+        x[...] = values.reshape(x.shape)
+
+
+def _in_place(x, run) -> None:
+    """``run(buf)`` on ``x``'s data in one contiguous buffer, written back if it was a copy."""
+    buf = _dense(x)
+    run(buf)
+    if not _contiguous(x):
+        _assign(x, buf)
+
+
 def _group_rank(comm: Communicator, world_rank: int | None, group_rank: int | None,
                 what: str, name: str) -> int:
     """``group``'s rank for torch's ``src``/``dst`` (a job rank) or ``group_src``/``group_dst``."""
@@ -189,7 +222,8 @@ def barrier(group: Communicator | None = None, async_op: bool = False,
 def all_reduce(tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` over the group, in place, on every rank."""
-    resolve(group, "all_reduce").all_reduce(_data(tensor), op=_op(op, "all_reduce"))
+    comm, how = resolve(group, "all_reduce"), _op(op, "all_reduce")
+    _in_place(tensor, lambda buf: comm.all_reduce(buf, op=how))
     return _done(async_op)
 
 
@@ -198,7 +232,8 @@ def broadcast(tensor, src: int | None = None, group: Communicator | None = None,
               async_op: bool = False, group_src: int | None = None) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's."""
     comm = resolve(group, "broadcast")
-    comm.broadcast(_data(tensor), root=_group_rank(comm, src, group_src, "broadcast", "src"))
+    root = _group_rank(comm, src, group_src, "broadcast", "src")
+    _in_place(tensor, lambda buf: comm.broadcast(buf, root=root))
     return _done(async_op)
 
 
@@ -208,8 +243,8 @@ def reduce(tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
            group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` over the group into ``dst``'s ``tensor``."""
     comm = resolve(group, "reduce")
-    comm.reduce(_data(tensor), root=_group_rank(comm, dst, group_dst, "reduce", "dst"),
-                op=_op(op, "reduce"))
+    root, how = _group_rank(comm, dst, group_dst, "reduce", "dst"), _op(op, "reduce")
+    _in_place(tensor, lambda buf: comm.reduce(buf, root=root, op=how))
     return _done(async_op)
 
 
@@ -229,7 +264,8 @@ def _parts_error(what: str, whole, part, k: int, whole_name: str, part_name: str
 
 
 def _like_error(what: str, name: str, parts, like, k: int) -> str | None:
-    """Why ``parts`` is not k contiguous buffers of ``like``'s dtype and size (None: it is)."""
+    """Why ``parts`` is not k buffers of ``like``'s dtype and size (None: it is). Any
+    layout: they are read through copies and written through ``_assign``."""
     if parts is None or len(parts) != k:
         return (f"{what}: {name} has {0 if parts is None else len(parts)} tensors: give one "
                 f"per rank of the group ({k})")
@@ -239,8 +275,6 @@ def _like_error(what: str, name: str, parts, like, k: int) -> str | None:
         if t.dtype != like.dtype or _numel(t) != _numel(like):
             return (f"{what}: {name}[{i}] is {tuple(t.shape)} {t.dtype}, the tensor "
                     f"{tuple(like.shape)} {like.dtype}: give tensors like it")
-        if not _contiguous(t):
-            return f"{what}: {name}[{i}] is not contiguous: pass .contiguous() tensors"
     return None
 
 
@@ -281,10 +315,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | No
                                                 input_tensor, comm.size, "output_tensor",
                                                 "input_tensor"))
     n = _numel(input_tensor)
-    output_tensor = _data(output_tensor)
-    flat = output_tensor.reshape(-1)
-    flat[comm.rank * n:(comm.rank + 1) * n] = _data(input_tensor).reshape(-1)
-    comm.all_gather(output_tensor)  # its chunks (array_split's) are the n-element parts
+
+    def run(out):
+        out.reshape(-1)[comm.rank * n:(comm.rank + 1) * n] = _data(input_tensor).reshape(-1)
+        comm.all_gather(out)  # its chunks (array_split's) are the n-element parts
+    _in_place(output_tensor, run)
     return _done(async_op)
 
 
@@ -293,8 +328,6 @@ def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
                async_op: bool = False) -> Work | None:
     """Fill ``tensor_list[r]`` with rank r's ``tensor``, on every rank."""
     comm = resolve(group, "all_gather")
-    # The list's tensors are written through reshape(-1): each must be contiguous, or the
-    # write would land in a copy.
     _refuse_if(comm, "all_gather",
                _like_error("all_gather", "tensor_list", tensor_list, tensor, comm.size))
     n = _numel(tensor)
@@ -302,7 +335,7 @@ def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
     flat[comm.rank * n:(comm.rank + 1) * n] = _data(tensor).reshape(-1)
     comm.all_gather(flat)
     for r, t in enumerate(tensor_list):
-        _data(t).reshape(-1)[:] = flat[r * n:(r + 1) * n]
+        _assign(t, flat[r * n:(r + 1) * n])
     return _done(async_op)
 
 
@@ -315,13 +348,10 @@ def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 -
     comm = resolve(group, "reduce_scatter_tensor")
     mine = _op(op, "reduce_scatter_tensor")
     problem = _parts_error("reduce_scatter_tensor", input, output, comm.size, "input", "output")
-    if problem is None and not _contiguous(output):  # written through reshape(-1)
-        problem = "reduce_scatter_tensor: output is not contiguous: pass output.contiguous()"
     _refuse_if(comm, "reduce_scatter", problem)
     work = _empty_like_flat(input, _numel(input))
     work[:] = _data(input).reshape(-1)
-    part = comm.reduce_scatter(work, op=mine)
-    _data(output).reshape(-1)[:] = part
+    _assign(output, comm.reduce_scatter(work, op=mine))
     return _done(async_op)
 
 
@@ -333,14 +363,12 @@ def reduce_scatter(output, input_list: list, op: Any = ReduceOp.SUM,
     comm = resolve(group, "reduce_scatter")
     mine = _op(op, "reduce_scatter")
     problem = _like_error("reduce_scatter", "input_list", input_list, output, comm.size)
-    if problem is None and not _contiguous(output):  # written through reshape(-1)
-        problem = "reduce_scatter: output is not contiguous: pass output.contiguous()"
     _refuse_if(comm, "reduce_scatter", problem)
     n = _numel(output)
     work = _empty_like_flat(output, comm.size * n)
     for r, t in enumerate(input_list):  # the parts side by side: the ring's n-element chunks
         work[r * n:(r + 1) * n] = _data(t).reshape(-1)
-    _data(output).reshape(-1)[:] = comm.reduce_scatter(work, op=mine)
+    _assign(output, comm.reduce_scatter(work, op=mine))
     return _done(async_op)
 
 
@@ -378,17 +406,22 @@ def _rooted(what: str, tensor, parts, root_rank, group_root, group, async_op: bo
         problem = (f"{what}: {listname} is given on a rank that is not {end}: pass it on "
                    f"{end} only" if parts else None)
     _raise_together(comm, problem)
-    mine = _data(tensor)
+    # Strided tensors go through contiguous copies (_dense), written back (_assign).
     if comm.rank == root:
-        own = _data(parts[root]).reshape(-1)
         if to_root:
-            own[:] = mine.reshape(-1)
+            _assign(parts[root], _data(tensor))
         else:
-            mine.reshape(-1)[:] = own
-        others = [(r, _data(t)) for r, t in enumerate(parts) if r != root]
+            _assign(tensor, _data(parts[root]))
+        others = [(r, _dense(t)) for r, t in enumerate(parts) if r != root]
         _exchange(comm, [] if to_root else others, others if to_root else [])
+        if to_root:
+            for r, buf in others:
+                if not _contiguous(parts[r]):
+                    _assign(parts[r], buf)
+    elif to_root:
+        _exchange(comm, [(root, _dense(tensor))], [])
     else:
-        _exchange(comm, [(root, mine)] if to_root else [], [] if to_root else [(root, mine)])
+        _in_place(tensor, lambda buf: _exchange(comm, [], [(root, buf)]))
     return _done(async_op)
 
 
