@@ -118,11 +118,8 @@ def _dense(x):
     x = _data(x)
     if _contiguous(x):
         return x
-    if hasattr(x, "contiguous"):  # torch
-        return x.contiguous()
-    import numpy as np
-
-    return np.ascontiguousarray(x)
+    # torch's, or an array's copy (NumPy's and CuPy's are C-ordered).
+    return x.contiguous() if hasattr(x, "contiguous") else x.copy()
 
 
 def _assign(x, values) -> None:
@@ -516,9 +513,7 @@ def _unaliased(x, outputs: list):
     x = _data(x)
     if any(_shares(x, o) for o in outputs):
         return (x.clone() if hasattr(x, "clone") else x.copy()).reshape(-1)  # C order
-    if not _contiguous(x):
-        x = x.contiguous() if hasattr(x, "contiguous") else x.copy()
-    return x.reshape(-1)
+    return _dense(x).reshape(-1)
 
 
 def _shares(a, b) -> bool:
