@@ -357,16 +357,23 @@ def lower(compute: list[Action], p: int) -> list[Action]:
     return out
 
 
-def positive_int(name: str, v) -> int:
-    """``v`` as an int, or ValueError naming the fix. Any integer type counts (a NumPy
-    integer from a config or an arange, as torch takes); bool and float do not."""
+def as_int(v) -> int | None:
+    """``v`` as a plain int if it is an integer of any type (a NumPy integer from a
+    config or an arange counts, as torch takes it; bool does not), else None."""
+    if isinstance(v, bool):
+        return None
     try:
-        n = operator.index(v) if not isinstance(v, bool) else None
+        return int(operator.index(v))
     except TypeError:
-        n = None
+        return None
+
+
+def positive_int(name: str, v) -> int:
+    """``v`` as an int (``as_int``), or ValueError naming the fix."""
+    n = as_int(v)
     if n is None or n < 1:
         raise ValueError(f"{name}={v!r}: give a positive integer")
-    return int(n)
+    return n
 
 
 def check_sizes(p: int, m: int) -> tuple[int, int]:

@@ -22,13 +22,13 @@ every tensor autograd saves, a few percent of a small model's forward.
 from __future__ import annotations
 
 import contextlib
-import operator
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from mpiring.parallel.pipeline import data_parallel, split_backward
+from mpiring.parallel.pipeline.schedules import as_int
 from mpiring.parallel.tensor.random import get_rng_states, replay_rng_states
 
 
@@ -64,9 +64,10 @@ class PipelineStage:
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, comm, *,
                  tied_parameters: list[nn.Parameter] | None = None,
                  count_activations: bool = False):
-        # A NumPy integer (from a config or an arange) counts, as in torch; it travels
-        # in the layout's JSON below as a plain int.
-        stage_index, num_stages = _int_like(stage_index), _int_like(num_stages)
+        # A NumPy integer counts (as_int), and travels in the layout's JSON below as a
+        # plain int; anything else is left for _check_layout to refuse by name.
+        stage_index, num_stages = (v if (n := as_int(v)) is None else n
+                                   for v in (stage_index, num_stages))
         tied = list(tied_parameters or [])
         own = {id(p) for p in submodule.parameters()}
         mine = {"stage": stage_index, "stages": num_stages,
@@ -397,17 +398,6 @@ def tied_layout(params) -> list:
 def _leaf(x: torch.Tensor) -> torch.Tensor:
     """A received input, as a leaf whose gradient B leaves in ``.grad`` (floats only)."""
     return x.requires_grad_(True) if x.is_floating_point() else x
-
-
-def _int_like(v):
-    """``v`` as an int if it is an integer of any type (not bool), else as it is (for
-    ``_check_layout`` to refuse by name)."""
-    if isinstance(v, bool):
-        return v
-    try:
-        return int(operator.index(v))
-    except TypeError:
-        return v
 
 
 def _check_layout(table: list[dict], size: int) -> None:
