@@ -74,6 +74,12 @@ def reference(full: nn.Module, x, y, m: int, loss_fn, accumulate: bool = False):
     return [v.item() for v in losses], out
 
 
+def same_grads(part: nn.Module, twin: nn.Module) -> None:
+    """Each of the stage's gradients equals its slice of the unsplit model's."""
+    for p_stage, p_full in zip(part.parameters(), twin.parameters()):
+        torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("m", (1, 2, 4, 8))
 def test_schedule_matches_unsplit_model(comm, name, m):
@@ -95,8 +101,7 @@ def test_schedule_matches_unsplit_model(comm, name, m):
             torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
         else:
             assert out is None
-        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
-            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+        same_grads(part, full[lo:hi])
     assert stage.live_bytes == 0  # every micro-batch's activations released
     assert stage.peak_activation_bytes > 0  # ... after they were counted
 
@@ -131,8 +136,7 @@ def test_a_step_without_autograd_is_refused_and_eval_runs_under_inference_mode(c
     sched.step(ins, target=tgt, losses=losses if stage.is_last else None)
     if stage.is_last:
         assert [float(v) for v in losses] == pytest.approx(ref_losses, rel=1e-12)
-    for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
-        torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+    same_grads(part, full[lo:hi])
 
 
 @pytest.mark.parametrize("name", ["gpipe", "gpipe-recompute", "1f1b"])
@@ -157,8 +161,7 @@ def test_batch_norm_statistics_are_updated_once_per_micro_batch(comm, name):
                    else None)
         for (n, got), want in zip(part.named_buffers(), full[lo:hi].buffers()):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14, msg=n)
-        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
-            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+        same_grads(part, full[lo:hi])
 
 
 def test_sizes_of_any_integer_type_count_and_others_are_refused(comm):
@@ -178,8 +181,7 @@ def test_sizes_of_any_integer_type_count_and_others_are_refused(comm):
     x, y = data()
     reference(full, x, y, 2, mse)
     sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
-    for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
-        torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+    same_grads(part, full[lo:hi])
 
 
 def test_an_in_place_op_on_a_received_input_names_the_cut():
@@ -516,8 +518,7 @@ def test_every_rank_of_the_job(world, name):
         reference(full, x, y, m, mse)
         part.zero_grad()
         sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
-        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
-            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+        same_grads(part, full[lo:hi])
 
 
 def test_shapes_agreed_once_then_again_for_a_new_shape(comm):
@@ -545,8 +546,7 @@ def test_shapes_agreed_once_then_again_for_a_new_shape(comm):
         headers.append(sum(1 for r in rec.records[n:] if r.get("type") == "p2p" and
                            r["tag"] % TAGS == TAG_META % TAGS))
         assert not sched.transport.fresh
-        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
-            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+        same_grads(part, full[lo:hi])
     # 3 headers (one per micro-batch) on each link: sent by one end, received by the other.
     per = 3 * ((comm.rank > 0) + (comm.rank < comm.size - 1))
     assert headers == [per, 0, per, per]
@@ -581,8 +581,7 @@ def test_sends_posted_by_the_action_that_makes_them(comm):
         part.zero_grad()
         sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
         assert sched.transport.posted == {}  # every posted receive was used
-        for p_stage, p_full in zip(part.parameters(), full[lo:hi].parameters()):
-            torch.testing.assert_close(p_stage.grad, p_full.grad, rtol=1e-10, atol=1e-12)
+        same_grads(part, full[lo:hi])
 
 
 def test_a_program_count_that_does_not_fit_the_stages_is_refused(comm):
