@@ -40,6 +40,42 @@ def test_all_reduce_ring_equals_native(comm, dtype, op):
             np.testing.assert_array_equal(ring, native, err_msg=f"n={n}")
 
 
+def bits(rank: int, n: int, dtype) -> np.ndarray:
+    """Rank- and index-dependent bit patterns (signs included), for the bitwise ops."""
+    idx = np.arange(n, dtype=np.int64)
+    return ((idx * 37 + rank * 11 + 5) % 251 - 120).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ("int8", "uint8", "int32", "int64"))
+@pytest.mark.parametrize("op", ("band", "bor", "bxor"))
+def test_bitwise_ops_in_every_algorithm_equal_native(comm, dtype, op):
+    # torch's ReduceOp.BAND/BOR/BXOR: the ring's reduction is the op's ufunc.
+    ufunc = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+    for n in sizes(comm.size):
+        x = bits(comm.rank, n, dtype)
+        want = ufunc.reduce(np.stack([bits(r, n, dtype) for r in range(comm.size)]), axis=0)
+        for algo in ("ring", "ring-seg", "recursive-doubling", "halving-doubling", "auto",
+                     "native"):
+            np.testing.assert_array_equal(comm.all_reduce(x.copy(), op=op, algo=algo), want,
+                                          err_msg=f"{algo} n={n}")
+        lo, hi = comm.chunk_bounds(n)[comm.rank]
+        for algo in ("ring", "native"):
+            view = comm.reduce_scatter(x.copy(), op=op, algo=algo)
+            np.testing.assert_array_equal(view, want[lo:hi], err_msg=f"{algo} n={n}")
+        for root in range(comm.size):
+            y = comm.reduce(x.copy(), root=root, op=op, algo="pipelined", chunks=3)
+            np.testing.assert_array_equal(y, want if comm.rank == root else x)
+
+
+def test_bitwise_ops_refuse_floats_on_every_rank(comm):
+    with pytest.raises(ValueError, match="op 'bor' is not defined for floating dtype float32"):
+        comm.all_reduce(np.ones(3, np.float32), op="bor")
+    x = bits(comm.rank, 5, np.int32)  # and the communicator still works
+    np.testing.assert_array_equal(comm.all_reduce(x.copy(), op="bor"),
+                                  np.bitwise_or.reduce([bits(r, 5, np.int32)
+                                                        for r in range(comm.size)], axis=0))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ("sum", "avg", "max"))
 def test_reduce_scatter_leaves_chunk_r_and_returns_its_view(comm, dtype, op):

@@ -29,7 +29,7 @@ from mpiring.backends import nccl as nccl_mod
 from mpiring.backends.mpi import MPIBackend
 from mpiring.comm.communicator import Communicator
 from mpiring.core.buffers import BFLOAT16, DTYPES, Buffer
-from mpiring.core.ops import OPS
+from mpiring.core.ops import BITWISE, OPS
 
 
 def np_dtype(name):
@@ -43,7 +43,7 @@ def test_nccl_tables_match_nccl_h_and_cover_every_mpiring_dtype_and_op():
     assert nccl_mod.NCCL_DTYPES["float16"] == 6 and nccl_mod.NCCL_DTYPES["int64"] == 4
     assert nccl_mod.NCCL_OPS == {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
     assert set(DTYPES) <= set(nccl_mod.NCCL_DTYPES)
-    assert set(OPS) == set(nccl_mod.NCCL_OPS)
+    assert set(OPS) - set(BITWISE) == set(nccl_mod.NCCL_OPS)  # NCCL has no bitwise op
 
 
 def _backend(version=(2, 30, 0)):
@@ -66,6 +66,8 @@ def test_check_native_names_what_nccl_cannot_do():
         new.check_native("all_reduce", "int16", "sum")
     with pytest.raises(TypeError, match="no op 'xor'"):
         new.check_native("all_reduce", "int32", "xor")
+    with pytest.raises(TypeError, match="no op 'bxor'; use algo='ring'"):
+        new.check_native("all_reduce", "int32", "bxor")
 
 
 def test_nccl_version_codes():

@@ -21,7 +21,8 @@ from mpiring.core.ops import finish
 from mpiring.runtime.trace import flush_all
 from mpiring.runtime.watchdog import REPORT_GRACE, Activity
 
-MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD,
+           "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
 
 
 def _bytes(a):

@@ -458,8 +458,9 @@ class NCCLBackend:
         if dtype not in NCCL_DTYPES:
             raise TypeError(f"algo='native' {collective}: NCCL has no {dtype} type; use "
                             "algo='ring' or cast to one of " + ", ".join(NCCL_DTYPES))
-        if op is not None and op not in NCCL_OPS:
-            raise TypeError(f"algo='native' {collective}: NCCL has no op {op!r}; use one of "
+        if op is not None and op not in NCCL_OPS:  # the bitwise ones: NCCL has none
+            raise TypeError(f"algo='native' {collective}: NCCL has no op {op!r}; use "
+                            "algo='ring' (mpiring's ring reduces with it), or one of "
                             + ", ".join(NCCL_OPS))
         old = self.version < _NEEDS_2_10
         text = ".".join(map(str, self.version))

@@ -18,7 +18,8 @@ def add_arguments(p) -> None:
                    help="message size in bytes (K/M/G suffixes), default 64M")
     p.add_argument("--algo", choices=ALGOS["all_reduce"], default="ring",
                    help="the algorithm (default ring)")
-    p.add_argument("--op", choices=OPS, default="sum", help="sum, avg, max, min or prod")
+    p.add_argument("--op", choices=OPS, default="sum",
+                   help="sum, avg, max, min, prod, or for integer dtypes band, bor, bxor")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="element type, default float32")
     p.add_argument("--iters", type=positive_int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,

@@ -158,7 +158,7 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
 
         Args:
             x: numpy array, torch tensor or cupy array (contiguous, writable).
-            op: "sum", "avg", "max", "min" or "prod".
+            op: "sum", "avg", "max", "min", "prod", or for integers "band", "bor", "bxor".
             algo: "auto" (the default: the fastest of mpiring's own algorithms for
                 this size, from ``mpiring.comm.autotune``'s table; never "native"),
                 "ring" (the lecture's ReduceScatter + AllGather), "ring-seg" (the

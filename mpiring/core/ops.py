@@ -6,7 +6,9 @@ so the same line reduces on the CPU or on the GPU.
 
 ``avg`` is ``sum`` followed by one division by K on the finished result, as
 NCCL's ncclAvg; it is defined for floating dtypes only (an integer mean would
-silently truncate).
+silently truncate). The bitwise ``band``, ``bor`` and ``bxor`` (torch's
+``ReduceOp.BAND``/``BOR``/``BXOR``, MPI's ``MPI_BAND``...) are defined for
+integer dtypes only: the bits of a float are not a number to combine.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import functools
 
 import numpy as np
 
-OPS = ("sum", "avg", "max", "min", "prod")
+# Codes travel in the argument check by position (mpiring.comm.agreement): append only.
+OPS = ("sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
+BITWISE = ("band", "bor", "bxor")
 
 # Reduction ufunc per op; avg reduces with add and divides once at the end.
 _UFUNC = {
@@ -24,6 +28,9 @@ _UFUNC = {
     "max": np.maximum,
     "min": np.minimum,
     "prod": np.multiply,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
 }
 
 
@@ -36,6 +43,11 @@ def check_op(op: str, dtype_name: str, floating: bool) -> None:
             f"op 'avg' is not defined for integer dtype {dtype_name} (the mean would "
             "be truncated): use op='sum' and divide yourself, or cast to a float dtype"
         )
+    if op in BITWISE and floating:
+        raise ValueError(
+            f"op {op!r} is not defined for floating dtype {dtype_name} (it combines the "
+            "bits of integers): use an integer dtype (int8, int32, int64, uint8), or "
+            "op='max'/'min' for flags")
 
 
 @functools.cache
