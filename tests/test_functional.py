@@ -192,8 +192,8 @@ def test_bad_arguments_raise_on_every_rank_before_anything_moves(comm):
     with pytest.raises(ValueError, match="tensor_list has"):
         dist.all_gather([torch.zeros(2)] * (k + 1), torch.ones(2), group=comm)
     # (Strided tensors are taken, as torch takes them: test_strided_tensors_are_read_...)
-    with pytest.raises(ValueError, match="BAND"):
-        dist.all_reduce(torch.ones(2), op=tdist.ReduceOp.BAND, group=comm)
+    with pytest.raises(ValueError, match="PREMUL_SUM: multiply the tensor first"):
+        dist.all_reduce(torch.ones(2), op=tdist.ReduceOp.PREMUL_SUM, group=comm)
     with pytest.raises(ValueError, match="not in the group"):
         dist.broadcast(torch.ones(2), src=max(comm.world_ranks) + 10, group=comm)
     x = torch.ones(2)  # and the group still works after the refusals

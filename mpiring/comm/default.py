@@ -30,6 +30,7 @@ BACKEND_NAMES = {None: "mpi", "mpi": "mpi", "gloo": "mpi", "nccl": "nccl",
                  "cpu:gloo,cuda:nccl": "nccl", "cuda:nccl,cpu:gloo": "nccl"}
 
 _default: Communicator | None = None
+_backend_name = "mpi"  # the name init_process_group was given, for get_backend()
 _LAUNCH_HINT = "launch with: mpiexec -n K python -m mpiring.run SCRIPT [ARGS]"
 
 
@@ -61,7 +62,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
             ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` variable that MPI contradicts,
             or a store or options that cannot be honoured.
     """
-    global _default
+    global _default, _backend_name
     if _default is not None:
         raise RuntimeError("init_process_group: the default process group is already "
                            "initialized; call destroy_process_group() first")
@@ -80,8 +81,14 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if device_id is not None:
         _check_device(comm, device_id)
     _check_agrees(comm, world_size, rank)
-    _default = comm
+    _default, _backend_name = comm, name or "mpi"
     return comm
+
+
+def backend_name(comm: Communicator) -> str:
+    """torch's name of ``comm``'s backend: the one the script gave ``init_process_group``
+    (``"gloo"`` stays "gloo", though mpiring's MPI backend runs it), else mpiring's."""
+    return _backend_name if BACKEND_NAMES.get(_backend_name) == comm.backend else comm.backend
 
 
 def seconds(timeout: Any) -> Any:
@@ -130,18 +137,25 @@ def _check_agrees(comm: Communicator, world_size: int, rank: int) -> None:
 
 
 def destroy_process_group(group: Communicator | None = None) -> None:
-    """Forget the default Communicator (collective: waits for every rank first).
+    """Forget the default Communicator (collective: waits for every rank first), or free
+    ``group``, a group from ``new_group`` (collective over its members), as torch's.
 
     Args:
-        group: None or the default Communicator itself (torch's argument).
+        group: None or the default Communicator: the default group; a group from
+            ``new_group``/``new_subgroups``: that group (``NON_GROUP_MEMBER``: nothing).
 
     Raises:
-        ValueError: ``group`` is another communicator.
+        ValueError: ``group`` is not a communicator.
     """
     global _default
+    if group is NON_GROUP_MEMBER:
+        return  # torch's cleanup loop passes every subgroup; this rank is in none of these
     if group is not None and group is not _default:
-        raise ValueError("destroy_process_group: only the default group can be destroyed; "
-                         "a communicator from split() or dup() is freed with the object")
+        if not isinstance(group, Communicator):
+            raise ValueError(f"destroy_process_group: group={group!r}: pass None (the "
+                             "default group) or a group from new_group")
+        group.free()
+        return
     if _default is None:
         return
     comm, _default = _default, None

@@ -13,9 +13,14 @@ ranks of ``group``), and ``all_gather_into_tensor``/``reduce_scatter_tensor`` ta
 an output and an input of ``group.size`` equal parts.
 
 The collectives finish before they return: ``async_op=True`` gives a handle whose
-``wait()`` returns at once. ``isend``/``irecv`` return the Communicator's request,
-which does overlap. A receive names its source: MPI's any-source receive is not
-offered, so ``recv(src=None)`` is an error that says so.
+``wait()`` returns at once and whose ``get_future()`` holds the outputs, as torch's
+over gloo. ``isend``/``irecv`` return a handle on the Communicator's request, which
+does overlap. A receive names its source: MPI's any-source receive is not offered,
+so ``recv(src=None)`` is an error that says so.
+
+Tensors of every dtype gloo takes are taken: bool travels as its bytes (so SUM and
+MAX are a logical or, PRODUCT and MIN an and, as gloo's), complex as its pairs of
+floats (SUM and AVG; torch refuses the other reductions on complex tensors).
 """
 
 from __future__ import annotations
@@ -25,19 +30,31 @@ import warnings
 from typing import Any
 
 from mpiring.comm.communicator import Communicator
-from mpiring.comm.default import NON_GROUP_MEMBER, NotInGroup, default_comm, resolve, seconds
+from mpiring.comm.default import (
+    BACKEND_NAMES,
+    NON_GROUP_MEMBER,
+    NotInGroup,
+    backend_name,
+    default_comm,
+    resolve,
+    seconds,
+)
 from mpiring.comm.p2p import check_tag
 from mpiring.core import objects
 from mpiring.core.buffers import as_buffer
 
-__all__ = ["P2POp", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor",
+__all__ = ["Backend", "P2POp", "ReduceOp", "Work", "all_gather", "all_gather_into_tensor",
            "all_gather_object", "all_gather_single", "all_reduce", "all_to_all",
            "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast",
            "broadcast_object_list", "gather", "gather_object", "get_backend",
-           "get_global_rank", "get_group_rank", "get_process_group_ranks", "irecv",
-           "is_available", "isend", "monitored_barrier", "new_group", "recv", "reduce",
-           "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter",
-           "scatter_object_list", "send"]
+           "get_global_rank", "get_group_rank", "get_node_local_rank",
+           "get_process_group_ranks", "irecv", "is_available", "is_backend_available",
+           "is_gloo_available", "is_mpi_available", "is_nccl_available",
+           "is_torchelastic_launched", "is_ucc_available", "isend", "monitored_barrier",
+           "new_group", "new_subgroups", "new_subgroups_by_enumeration", "recv",
+           "recv_object_list", "reduce", "reduce_scatter", "reduce_scatter_single",
+           "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
+           "send_object_list"]
 
 
 class ReduceOp:
@@ -48,25 +65,89 @@ class ReduceOp:
     PRODUCT = "prod"
     MIN = "min"
     MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+    PREMUL_SUM = "premul_sum"  # named so that code can test for it; refused by _op
 
 
-_TORCH_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
+_TORCH_OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max",
+              "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
+# What each op does to 0/1 bytes: gloo reduces bool with C++'s bool arithmetic, where
+# a sum saturates at true (or) and a product is an and.
+_BOOL_OPS = {"sum": "max", "max": "max", "bor": "max", "prod": "min", "min": "min",
+             "band": "min", "bxor": "bxor"}
 
 
-def _op(op: Any, what: str) -> str:
-    """mpiring's op for ``op``: ours, or torch.distributed.ReduceOp's member of that name."""
+def _op(op: Any, what: str, tensor=None) -> str:
+    """mpiring's op for ``op`` (ours, or torch.distributed.ReduceOp's member of that name)
+    on ``tensor``'s dtype: bool's as its bytes reduce, complex only SUM and AVG."""
     if isinstance(op, str) and op in _TORCH_OPS.values():
-        return op
-    # torch's ReduceOp.SUM prints as "RedOpType.SUM" (or "ReduceOp.SUM"): its last part.
-    name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
-    if name in _TORCH_OPS:
-        return _TORCH_OPS[name]
-    raise ValueError(f"{what}: op={op!r}: use ReduceOp.SUM, AVG, PRODUCT, MIN or MAX (the "
-                     "bitwise BAND, BOR and BXOR have no ring reduction here)")
+        how = op
+    else:
+        # torch's ReduceOp.SUM prints as "RedOpType.SUM" (or "ReduceOp.SUM"): its last part.
+        name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
+        if name not in _TORCH_OPS:
+            raise ValueError(f"{what}: op={op!r}: use ReduceOp.SUM, AVG, PRODUCT, MIN, MAX, "
+                             "BAND, BOR or BXOR (PREMUL_SUM: multiply the tensor first, "
+                             "then SUM)")
+        how = _TORCH_OPS[name]
+    kind = _kind(tensor)
+    if kind == "bool":
+        if how == "avg":
+            raise ValueError(f"{what}: AVG of a bool tensor is not a bool: use SUM (a "
+                             "logical or) or PRODUCT (an and), or cast to a float dtype")
+        return _BOOL_OPS[how]
+    if kind == "complex" and how not in ("sum", "avg"):
+        raise ValueError(f"{what}: {how} is not defined on complex tensors (as in torch): "
+                         "use SUM or AVG, or reduce the real and imaginary parts yourself")
+    return how
+
+
+def _kind(x) -> str:
+    """"bool", "complex" or "" for a tensor's or an array's dtype (anything else: "")."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return ""
+    if hasattr(x, "is_complex"):  # torch
+        return "complex" if x.is_complex() else "bool" if x.dtype is _torch_bool() else ""
+    kind = getattr(dtype, "kind", "")  # NumPy's and CuPy's
+    return "complex" if kind == "c" else "bool" if kind == "b" else ""
+
+
+def _torch_bool():
+    import torch  # a torch tensor is in hand, so torch is imported already
+
+    return torch.bool
+
+
+def _wire(x):
+    """``x`` as mpiring's collectives move it, over the same memory: a bool tensor as
+    uint8 (gloo moves bools as bytes too), a complex one as its (real, imaginary) float
+    pairs (torch's ``view_as_real``: what torch itself sends for complex). Others as
+    they are."""
+    kind = _kind(x)
+    if not kind:
+        return x
+    if hasattr(x, "is_complex"):  # torch
+        import torch
+
+        return torch.view_as_real(x) if kind == "complex" else x.view(torch.uint8)
+    if kind == "bool":
+        return x.view("uint8")
+    # An array's complex view needs its last axis contiguous: a strided one is refused
+    # by the buffer check, naming the dtype.
+    return x.view(x.real.dtype) if x.flags.c_contiguous else x
 
 
 class Work:
-    """What ``async_op=True`` returns: the collective has already completed."""
+    """What ``async_op=True`` returns: the call has already completed; the handle holds
+    its output tensors (torch's ``Work.result()`` and ``get_future().value()``)."""
+
+    __slots__ = ("_outputs",)
+
+    def __init__(self, outputs: list | tuple = ()):
+        self._outputs = list(outputs)
 
     def wait(self, timeout: Any = None) -> bool:
         return True
@@ -77,12 +158,54 @@ class Work:
     def is_success(self) -> bool:
         return True
 
+    def exception(self) -> None:
+        return None
 
-_DONE = Work()
+    def result(self) -> list:
+        """The output tensors, in torch's order."""
+        return list(self._outputs)
+
+    def get_future(self):
+        """A completed ``torch.futures.Future`` whose value is ``result()`` (for
+        ``.then()`` chains written against torch's Work)."""
+        import torch
+
+        fut = torch.futures.Future()
+        fut.set_result(self.result())
+        return fut
 
 
-def _done(async_op: bool) -> Work | None:
-    return _DONE if async_op else None
+class _P2PWork(Work):
+    """What the drop-in's ``isend``/``irecv`` return: torch's Work over mpiring's Request
+    (``wait()`` completes the message and returns True, as torch's)."""
+
+    __slots__ = ("_req", "_source")
+
+    def __init__(self, req, tensor, source: int = -1):
+        super().__init__([tensor])
+        self._req, self._source = req, source
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._req.wait()  # under the Communicator's deadline
+        return True
+
+    def is_completed(self) -> bool:
+        return self._req.test()
+
+    def source_rank(self) -> int:
+        """The sender's job rank (a receive's; torch's ``Work.source_rank``)."""
+        if self._source < 0:
+            raise ValueError("source_rank: this handle is a send's; only a receive has a "
+                             "source")
+        return self._source
+
+    def get_future(self):
+        self.wait()
+        return super().get_future()
+
+
+def _done(async_op: bool, *outputs) -> Work | None:
+    return Work(outputs) if async_op else None
 
 
 def _members_only(fn):
@@ -101,13 +224,14 @@ def _members_only(fn):
 
 
 def _data(x):
-    """``x``, or for a tensor that requires grad its detached alias (the same memory).
+    """``x``'s memory as mpiring moves it (``_wire``): for a tensor that requires grad, its
+    detached alias.
 
     torch's collectives write a parameter in place outside autograd
     (``dist.broadcast(p, 0)`` syncs a model); the Communicator refuses such a
     tensor so that its own callers notice, and a ported script keeps torch's rule.
     """
-    return x.detach() if getattr(x, "requires_grad", False) else x
+    return _wire(x.detach() if getattr(x, "requires_grad", False) else x)
 
 
 def _dense(x):
@@ -164,9 +288,91 @@ def is_available() -> bool:
     return True
 
 
-def get_backend(group: Communicator | None = None) -> str:
-    """The group's backend: "mpi" or "nccl"."""
-    return resolve(group, "get_backend").backend
+class Backend(str):
+    """torch's ``Backend``: a backend's lowercase name (``Backend("GLOO") == "gloo"``),
+    and the names as constants. mpiring runs "mpi" and "gloo" on its MPI backend."""
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    MPI = "mpi"
+    UCC = "ucc"
+    XCCL = "xccl"
+    default_device_backend_map = {"cpu": "gloo", "cuda": "nccl"}
+
+    def __new__(cls, name: str):
+        if not isinstance(name, str):
+            raise ValueError(f"Backend({name!r}): give a backend's name, e.g. 'gloo'")
+        value = name.lower()
+        if value not in BACKEND_NAMES:
+            raise ValueError(f"Backend({name!r}): mpiring runs 'mpi' and 'gloo' (its MPI "
+                             "backend) and 'nccl'")
+        return str.__new__(cls, value)
+
+
+def get_backend(group: Communicator | None = None) -> Backend:
+    """The group's backend, by the name ``init_process_group`` was given ("gloo" when the
+    script asked for gloo, which mpiring's MPI backend serves), else "mpi" or "nccl"."""
+    return Backend(backend_name(resolve(group, "get_backend")))
+
+
+def is_mpi_available() -> bool:
+    """True: mpiring's default backend is MPI."""
+    return True
+
+
+def is_gloo_available() -> bool:
+    """True: ``init_process_group("gloo")`` runs, on mpiring's MPI backend."""
+    return True
+
+
+def is_nccl_available() -> bool:
+    """Whether ``init_process_group("nccl")`` can run here: CuPy's NCCL binding loads."""
+    from mpiring.backends.gpu import import_nccl
+
+    return import_nccl()[0] is not None
+
+
+def is_ucc_available() -> bool:
+    """False: UCC is not one of mpiring's backends."""
+    return False
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether ``init_process_group(backend)`` can run here."""
+    name = str(backend).lower()
+    if name not in BACKEND_NAMES:
+        return False
+    return is_nccl_available() if BACKEND_NAMES[name] == "nccl" else True
+
+
+def is_torchelastic_launched() -> bool:
+    """Whether torchelastic (torchrun) started this process, by torch's test: mpiexec (and
+    ``python -m mpiring.run``) is not torchelastic."""
+    import os
+
+    return os.getenv("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank among those of its host: MPI's once the default group exists,
+    else ``LOCAL_RANK`` from the environment, else ``fallback_rank``.
+
+    Raises:
+        RuntimeError: none of the three is there.
+    """
+    import os
+
+    comm = default_comm()
+    if comm is not None:
+        return comm.local_rank
+    if os.environ.get("LOCAL_RANK", "") != "":
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError("get_node_local_rank: no default group and no LOCAL_RANK: call "
+                       "mpiring.init_process_group() first (MPI knows each host's ranks), "
+                       "or pass fallback_rank=")
 
 
 def get_process_group_ranks(group: Communicator | None = None) -> list[int]:
@@ -219,9 +425,9 @@ def barrier(group: Communicator | None = None, async_op: bool = False,
 def all_reduce(tensor, op: Any = ReduceOp.SUM, group: Communicator | None = None,
                async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` over the group, in place, on every rank."""
-    comm, how = resolve(group, "all_reduce"), _op(op, "all_reduce")
+    comm, how = resolve(group, "all_reduce"), _op(op, "all_reduce", tensor)
     _in_place(tensor, lambda buf: comm.all_reduce(buf, op=how))
-    return _done(async_op)
+    return _done(async_op, tensor)
 
 
 @_members_only
@@ -231,7 +437,7 @@ def broadcast(tensor, src: int | None = None, group: Communicator | None = None,
     comm = resolve(group, "broadcast")
     root = _group_rank(comm, src, group_src, "broadcast", "src")
     _in_place(tensor, lambda buf: comm.broadcast(buf, root=root))
-    return _done(async_op)
+    return _done(async_op, tensor)
 
 
 @_members_only
@@ -240,9 +446,9 @@ def reduce(tensor, dst: int | None = None, op: Any = ReduceOp.SUM,
            group_dst: int | None = None) -> Work | None:
     """Reduce ``tensor`` over the group into ``dst``'s ``tensor``."""
     comm = resolve(group, "reduce")
-    root, how = _group_rank(comm, dst, group_dst, "reduce", "dst"), _op(op, "reduce")
+    root, how = _group_rank(comm, dst, group_dst, "reduce", "dst"), _op(op, "reduce", tensor)
     _in_place(tensor, lambda buf: comm.reduce(buf, root=root, op=how))
-    return _done(async_op)
+    return _done(async_op, tensor)
 
 
 def _numel(x) -> int:
@@ -311,13 +517,14 @@ def all_gather_into_tensor(output_tensor, input_tensor, group: Communicator | No
     _refuse_if(comm, "all_gather", _parts_error("all_gather_into_tensor", output_tensor,
                                                 input_tensor, comm.size, "output_tensor",
                                                 "input_tensor"))
-    n = _numel(input_tensor)
+    mine = _data(input_tensor)
+    n = _numel(mine)
 
     def run(out):
-        out.reshape(-1)[comm.rank * n:(comm.rank + 1) * n] = _data(input_tensor).reshape(-1)
+        out.reshape(-1)[comm.rank * n:(comm.rank + 1) * n] = mine.reshape(-1)
         comm.all_gather(out)  # its chunks (array_split's) are the n-element parts
     _in_place(output_tensor, run)
-    return _done(async_op)
+    return _done(async_op, output_tensor)
 
 
 @_members_only
@@ -327,13 +534,14 @@ def all_gather(tensor_list: list, tensor, group: Communicator | None = None,
     comm = resolve(group, "all_gather")
     _refuse_if(comm, "all_gather",
                _like_error("all_gather", "tensor_list", tensor_list, tensor, comm.size))
-    n = _numel(tensor)
-    flat = _empty_like_flat(tensor, comm.size * n)
-    flat[comm.rank * n:(comm.rank + 1) * n] = _data(tensor).reshape(-1)
+    mine = _data(tensor)
+    n = _numel(mine)
+    flat = _empty_like_flat(mine, comm.size * n)
+    flat[comm.rank * n:(comm.rank + 1) * n] = mine.reshape(-1)
     comm.all_gather(flat)
     for r, t in enumerate(tensor_list):
         _assign(t, flat[r * n:(r + 1) * n])
-    return _done(async_op)
+    return _done(async_op, *tensor_list)
 
 
 @_members_only
@@ -343,13 +551,14 @@ def reduce_scatter_tensor(output, input, op: Any = ReduceOp.SUM,  # noqa: A002 -
     """Reduce ``input`` (group.size equal parts) over the group; rank r's ``output``
     gets part r. ``input`` is left as it was, as in torch."""
     comm = resolve(group, "reduce_scatter_tensor")
-    mine = _op(op, "reduce_scatter_tensor")
+    how = _op(op, "reduce_scatter_tensor", input)
     problem = _parts_error("reduce_scatter_tensor", input, output, comm.size, "input", "output")
     _refuse_if(comm, "reduce_scatter", problem)
-    work = _empty_like_flat(input, _numel(input))
-    work[:] = _data(input).reshape(-1)
-    _assign(output, comm.reduce_scatter(work, op=mine))
-    return _done(async_op)
+    data = _data(input)
+    work = _empty_like_flat(data, _numel(data))
+    work[:] = data.reshape(-1)
+    _assign(output, comm.reduce_scatter(work, op=how))
+    return _done(async_op, output)
 
 
 @_members_only
@@ -358,15 +567,16 @@ def reduce_scatter(output, input_list: list, op: Any = ReduceOp.SUM,
     """Reduce ``input_list`` (one tensor like ``output`` per rank) over the group; rank r's
     ``output`` gets the reduction of every rank's ``input_list[r]``."""
     comm = resolve(group, "reduce_scatter")
-    mine = _op(op, "reduce_scatter")
+    how = _op(op, "reduce_scatter", output)
     problem = _like_error("reduce_scatter", "input_list", input_list, output, comm.size)
     _refuse_if(comm, "reduce_scatter", problem)
-    n = _numel(output)
-    work = _empty_like_flat(output, comm.size * n)
+    like = _data(output)
+    n = _numel(like)
+    work = _empty_like_flat(like, comm.size * n)
     for r, t in enumerate(input_list):  # the parts side by side: the ring's n-element chunks
         work[r * n:(r + 1) * n] = _data(t).reshape(-1)
-    _assign(output, comm.reduce_scatter(work, op=mine))
-    return _done(async_op)
+    _assign(output, comm.reduce_scatter(work, op=how))
+    return _done(async_op, output)
 
 
 # torch 2.13's names for the two (the old ones warn there that they are deprecated).
@@ -419,7 +629,9 @@ def _rooted(what: str, tensor, parts, root_rank, group_root, group, async_op: bo
         _exchange(comm, [(root, _dense(tensor))], [])
     else:
         _in_place(tensor, lambda buf: _exchange(comm, [], [(root, buf)]))
-    return _done(async_op)
+    if to_root:
+        return _done(async_op, *(parts if comm.rank == root else ()))
+    return _done(async_op, tensor)
 
 
 @_members_only
@@ -450,6 +662,8 @@ def all_to_all_single(output, input, output_split_sizes: list[int] | None = None
     _counts_agree(comm, "all_to_all_single", problem, ins, outs, str(input.dtype),
                   "rank b's output_split_sizes[a] is rank a's input_split_sizes[b]")
     src, dst = _unaliased(input, [output]), _data(output).reshape(-1)
+    if _kind(input) == "complex":  # the counts are of complex elements, the buffers' of floats
+        ins, outs = [2 * c for c in ins], [2 * c for c in outs]
     lo_in = [sum(ins[:r]) for r in range(k)]
     lo_out = [sum(outs[:r]) for r in range(k)]
     me = comm.rank
@@ -458,7 +672,7 @@ def all_to_all_single(output, input, output_split_sizes: list[int] | None = None
     _exchange(comm,
               [(r, src[lo_in[r]:lo_in[r] + ins[r]]) for r in range(k) if r != me and ins[r]],
               [(r, dst[lo_out[r]:lo_out[r] + outs[r]]) for r in range(k) if r != me and outs[r]])
-    return _done(async_op)
+    return _done(async_op, output)
 
 
 @_members_only
@@ -499,7 +713,7 @@ def all_to_all(output_tensor_list: list, input_tensor_list: list,
               sends,
               [(r, _data(t).reshape(-1)) for r, t in enumerate(output_tensor_list)
                if r != me and outs[r]])
-    return _done(async_op)
+    return _done(async_op, *output_tensor_list)
 
 
 def _unaliased(x, outputs: list):
@@ -593,7 +807,7 @@ def send(tensor, dst: int | None = None, group: Communicator | None = None, tag:
          group_dst: int | None = None) -> None:
     """Send ``tensor`` to ``dst``; returns once the buffer may be reused."""
     comm = resolve(group, "send")
-    comm.send(_data(tensor), _group_rank(comm, dst, group_dst, "send", "dst"), tag)
+    comm.send(_data(tensor), _peer(comm, dst, group_dst, "send", "dst"), tag)
 
 
 @_members_only
@@ -601,7 +815,7 @@ def recv(tensor, src: int | None = None, group: Communicator | None = None, tag:
          group_src: int | None = None) -> int:
     """Receive into ``tensor`` from ``src``; returns ``src`` (torch returns the sender)."""
     comm = resolve(group, "recv")
-    peer = _group_rank(comm, _named_source(src, group_src, "recv"), group_src, "recv", "src")
+    peer = _peer(comm, _named_source(src, group_src, "recv"), group_src, "recv", "src")
     comm.recv(_data(tensor), peer, tag)
     return comm.world_ranks[peer]
 
@@ -609,18 +823,31 @@ def recv(tensor, src: int | None = None, group: Communicator | None = None, tag:
 @_members_only
 def isend(tensor, dst: int | None = None, group: Communicator | None = None, tag: int = 0,
           group_dst: int | None = None):
-    """Start sending ``tensor`` to ``dst``; the request's ``wait()`` completes it."""
+    """Start sending ``tensor`` to ``dst``; the handle's ``wait()`` completes it."""
     comm = resolve(group, "isend")
-    return comm.isend(_data(tensor), _group_rank(comm, dst, group_dst, "isend", "dst"), tag)
+    peer = _peer(comm, dst, group_dst, "isend", "dst")
+    return _P2PWork(comm.isend(_data(tensor), peer, tag), tensor)
 
 
 @_members_only
 def irecv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
           group_src: int | None = None):
-    """Start receiving into ``tensor`` from ``src``; the request's ``wait()`` completes it."""
+    """Start receiving into ``tensor`` from ``src``; the handle's ``wait()`` completes it."""
     comm = resolve(group, "irecv")
-    peer = _group_rank(comm, _named_source(src, group_src, "irecv"), group_src, "irecv", "src")
-    return comm.irecv(_data(tensor), peer, tag)
+    peer = _peer(comm, _named_source(src, group_src, "irecv"), group_src, "irecv", "src")
+    return _P2PWork(comm.irecv(_data(tensor), peer, tag), tensor, comm.world_ranks[peer])
+
+
+def _peer(comm: Communicator, rank: int | None, group_rank: int | None, what: str,
+          name: str) -> int:
+    """The group rank of a send's or receive's peer, which is not this rank: torch
+    refuses that (a blocking send to oneself would wait for a receive never posted)."""
+    peer = _group_rank(comm, rank, group_rank, what, name)
+    if peer == comm.rank:
+        end = "destination" if name == "dst" else "source"
+        raise ValueError(f"{what}: invalid {end} rank: {name} is this process's own rank; "
+                         "copy the tensor instead, or name another rank")
+    return peer
 
 
 class P2POp:
@@ -694,8 +921,9 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
             raise ValueError(f"batch_isend_irecv: p2p_op_list[{i}] is on another group "
                              "than p2p_op_list[0]: one batch takes one group; call it once "
                              "per group")
-    return [(comm.isend if op._kind == "isend" else comm.irecv)(_data(op.tensor),
-                                                                  op.group_peer, op.tag)
+    return [_P2PWork(comm.isend(_data(op.tensor), op.group_peer, op.tag), op.tensor)
+            if op._kind == "isend" else
+            _P2PWork(comm.irecv(_data(op.tensor), op.group_peer, op.tag), op.tensor, op.peer)
             for op in ops]
 
 
@@ -857,6 +1085,147 @@ def scatter_object_list(scatter_object_output_list: list,
     scatter_object_output_list[0] = objects.decode(payloads[root])[comm.rank]
 
 
+@_members_only
+def send_object_list(object_list: list, dst: int | None = None,
+                     group: Communicator | None = None, device: Any = None,
+                     group_dst: int | None = None) -> None:
+    """Send ``object_list``'s objects to ``dst``, whose ``recv_object_list`` takes them:
+    two messages, the encoding's length and then its bytes (without pickle).
+
+    Raises:
+        TypeError: an object cannot be sent (before anything is sent).
+        ValueError: ``dst`` is this rank, or not in the group; ``object_list`` is not
+            a list.
+    """
+    import numpy as np
+
+    what = "send_object_list"
+    comm = resolve(group, what)
+    peer = _peer(comm, dst, group_dst, what, "dst")
+    problem = _list_problem("object_list", object_list, None)
+    if problem:
+        raise ValueError(f"{what}: {problem}")
+    data = np.frombuffer(bytearray(objects.encode(object_list, "object_list")), np.uint8)
+    comm.send(np.array([data.size, len(object_list)], np.int64), peer)
+    comm.send(data, peer)
+
+
+@_members_only
+def recv_object_list(object_list: list, src: int | None = None,
+                     group: Communicator | None = None, device: Any = None,
+                     group_src: int | None = None) -> int:
+    """Fill ``object_list`` (as long as the sender's) with the objects ``src``'s
+    ``send_object_list`` sent; tensors in them arrive on ``device`` (None: the CPU).
+    Returns the sender's job rank, as torch's.
+
+    Raises:
+        ValueError: the list's length is not the sender's (after both messages
+            arrived, so the sender is not left waiting), or ``src`` is not named.
+    """
+    import numpy as np
+
+    what = "recv_object_list"
+    comm = resolve(group, what)
+    peer = _peer(comm, _named_source(src, group_src, what), group_src, what, "src")
+    if not isinstance(object_list, list):
+        raise ValueError(f"{what}: object_list is a {type(object_list).__name__}: give a "
+                         "list as long as the sender's")
+    head = np.zeros(2, np.int64)
+    comm.recv(head, peer)
+    data = np.empty(int(head[0]), np.uint8)
+    comm.recv(data, peer)
+    if int(head[1]) != len(object_list):
+        raise ValueError(f"{what}: rank {comm.world_ranks[peer]} sent {int(head[1])} objects "
+                         f"and object_list has {len(object_list)} entries: give a list as "
+                         "long as the sender's (e.g. [None] * n)")
+    object_list[:] = objects.decode(data.tobytes(), device)
+    return comm.world_ranks[peer]
+
+
+def _agreed_groups(comm: Communicator, what: str, lists: list[list[int]]) -> None:
+    """Raise on every rank, naming each problem, unless every rank passed the same
+    ``lists`` (sorted) of distinct ranks of the job, no rank in two of them."""
+    flat = [r for ranks in lists for r in ranks]
+    problem = None
+    if len(set(flat)) != len(flat) or any(not 0 <= r < comm.size for r in flat):
+        problem = (f"ranks={lists[0] if len(lists) == 1 else lists!r}: give distinct ranks of "
+                   f"the job, 0..{comm.size - 1}" + ("" if len(lists) == 1 else
+                                                      ", each in one group at most"))
+    seen = comm.control.allgather_json([lists, problem]) if comm.size > 1 else [[lists,
+                                                                                 problem]]
+    bad = [f"r{r}: {p}" for r, (_, p) in enumerate(seen) if p]
+    if not bad and any(w != lists for w, _ in seen):
+        shown = ", ".join(f"r{r} gave {w[0] if len(w) == 1 else w}"
+                          for r, (w, _) in enumerate(seen))
+        bad = [f"the ranks differ: {shown}; every rank passes the same list"]
+    if bad:
+        raise ValueError(f"{what}: " + "; ".join(bad))
+
+
+def _default_or_raise(what: str) -> Communicator:
+    comm = default_comm()
+    if comm is None:
+        raise ValueError(f"{what}: the default process group is not initialized: call "
+                         "mpiring.init_process_group() first")
+    return comm
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]],
+                                 timeout: Any = None, backend: Any = None,
+                                 pg_options: Any = None, group_desc: str | None = None):
+    """One group per list of job ranks, all made by one split, as torch's: returns (this
+    rank's group, or None where it is in none; every group, ``NON_GROUP_MEMBER`` for those
+    this rank is not in). Collective over the default group, every rank with the same
+    lists.
+
+    Raises:
+        ValueError: on every rank, when the lists differ across ranks, are empty,
+            repeat a rank or name one outside the job.
+    """
+    what = "new_subgroups_by_enumeration"
+    comm = _default_or_raise(what)
+    given = ranks_per_subgroup_list
+    if not isinstance(given, (list, tuple)) or not given:
+        raise ValueError(f"{what}: ranks_per_subgroup_list={given!r}: give a non-empty list "
+                         "of lists of ranks")
+    lists = [sorted(int(r) for r in ranks) for ranks in given]
+    _agreed_groups(comm, what, lists)
+    me = comm.world_ranks[comm.rank]
+    mine = next((i for i, ranks in enumerate(lists) if me in ranks), None)
+    sub = comm.split(mine, key=me)
+    if sub is not None and timeout is not None:
+        sub.timeout = seconds(timeout)
+    return sub, [sub if i == mine else NON_GROUP_MEMBER for i in range(len(lists))]
+
+
+def new_subgroups(group_size: int | None = None, group: Communicator | None = None,
+                  timeout: Any = None, backend: Any = None, pg_options: Any = None,
+                  group_desc: str | None = None):
+    """Groups of ``group_size`` consecutive ranks of ``group`` (default: the job), as
+    torch's: returns (this rank's group, every group). ``group_size`` None: the ranks
+    of one host (torch takes the GPUs of one host, and refuses without CUDA); every
+    host must run as many. Collective over the default group.
+
+    Raises:
+        ValueError: on every rank, when ``group_size`` does not divide the group's size
+            or (None) the hosts run different numbers of ranks.
+    """
+    what = "new_subgroups"
+    comm = _default_or_raise(what)
+    ranks = get_process_group_ranks(group)
+    if group_size is None:
+        sizes = set(comm.control.allgather_json(comm.local_size))
+        if len(sizes) > 1:
+            raise ValueError(f"{what}: the hosts run {sorted(sizes)} ranks: give group_size=")
+        group_size = sizes.pop()
+    if int(group_size) <= 0 or len(ranks) % int(group_size):
+        raise ValueError(f"{what}: group_size={group_size}: give a positive divisor of the "
+                         f"group's {len(ranks)} ranks")
+    size = int(group_size)
+    return new_subgroups_by_enumeration([ranks[i:i + size] for i in range(0, len(ranks), size)],
+                                        timeout=timeout)
+
+
 def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any = None,
               pg_options: Any = None, use_local_synchronization: bool = False,
               group_desc: str | None = None, device_id: Any = None):
@@ -871,22 +1240,9 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any 
         ValueError: on every rank, when the ranks differ across ranks, repeat, or
             are not ranks of the job.
     """
-    comm = default_comm()
-    if comm is None:
-        raise ValueError("new_group: the default process group is not initialized: call "
-                         "mpiring.init_process_group() first")
+    comm = _default_or_raise("new_group")
     wanted = list(range(comm.size)) if ranks is None else sorted(int(r) for r in ranks)
-    problem = None
-    if len(set(wanted)) != len(wanted) or any(not 0 <= r < comm.size for r in wanted):
-        problem = f"ranks={ranks!r}: give distinct ranks of the job, 0..{comm.size - 1}"
-    seen = comm.control.allgather_json([wanted, problem]) if comm.size > 1 else [[wanted,
-                                                                                  problem]]
-    bad = [f"r{r}: {p}" for r, (_, p) in enumerate(seen) if p]
-    if not bad and any(w != wanted for w, _ in seen):
-        bad = [f"the ranks differ: {', '.join(f'r{r} gave {w}' for r, (w, _) in enumerate(seen))}"
-               "; every rank passes the same list"]
-    if bad:
-        raise ValueError("new_group: " + "; ".join(bad))
+    _agreed_groups(comm, "new_group", [wanted])
     me = comm.world_ranks[comm.rank]
     sub = comm.split(0 if me in wanted else None, key=me)
     if sub is None:
