@@ -169,6 +169,7 @@ def test_a_real_run_reads_back_as_its_schedule(comm, name):
             progs = build(name, comm.size, 3)
             for s in found:
                 assert s.ranks == list(range(comm.size)) and s.schedule == name
+                assert not s.missing  # every rank ran all of it
                 assert [[x.action for x in row] for row in s.spans] == \
                     [compute_only(p) for p in progs]
             # The spans the schedule kept (up to the rounding of wall-clock seconds).

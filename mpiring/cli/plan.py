@@ -98,7 +98,7 @@ def _problem(args):
     changes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "vocab", "ffn")
                if getattr(args, k) is not None}
     if changes:
-        g = g.with_(**changes)
+        g = pr.reshape(g, **changes)
     if args.gpus is not None:
         c = c.with_(gpus=args.gpus)
     return (g, c, batch if args.batch is None else args.batch,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 
 def add_arguments(p) -> None:
@@ -38,7 +39,11 @@ def run(args) -> int:
     from mpiring.tools import timeline
 
     try:
-        files = timeline.load(args.dir)
+        with warnings.catch_warnings(record=True) as caught:  # a cut-short file: say so plainly
+            warnings.simplefilter("always")
+            files = timeline.load(args.dir)
+        for w in caught:
+            print(f"mpiring trace {args.action}: warning: {w.message}", file=sys.stderr)
         if args.action == "merge":
             doc = timeline.chrome_trace(files)
             with open(args.output, "w") as fh:

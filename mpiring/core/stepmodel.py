@@ -75,9 +75,11 @@ class GPT:
                              "each head needs hidden/heads dimensions")
         if self.kv_heads and self.heads % self.kv_heads:
             raise ValueError(f"kv_heads {self.kv_heads} must divide heads {self.heads} "
-                             "(each key/value head serves heads/kv_heads query heads)")
+                             "(each key/value head serves heads/kv_heads query heads): use "
+                             f"heads that are a multiple of {self.kv_heads}")
         if self.dense_layers > self.layers:
-            raise ValueError(f"dense_layers {self.dense_layers} exceeds the {self.layers} layers")
+            raise ValueError(f"dense_layers {self.dense_layers} exceeds the {self.layers} layers: "
+                             f"use at least {self.dense_layers} layers")
 
     @property
     def d_ffn(self) -> int:

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from mpiring.parallel.pipeline.actions import Action
+from mpiring.parallel.pipeline.actions import Action, B, F
 from mpiring.parallel.pipeline.diagram import draw
 from mpiring.parallel.pipeline.schedules import GENERATORS, MULTI, build
 from mpiring.parallel.pipeline.validate import Span, bubble, predicted_bubble
@@ -40,6 +40,7 @@ class Step:
     microbatches: int
     ranks: list[int]
     spans: list[list[Span]]
+    missing: str = ""  # what a rank did not run of this step ("": complete)
 
     @property
     def bubble(self) -> list[float]:
@@ -100,9 +101,27 @@ def steps(files) -> list[Step]:
                 rows.append([Span(Action(int(e["stage"]), e["action"], int(e["mb"])),
                                   e["t_start"] + offset, e["t_end"] + offset) for e in cut[k]])
             first = per_rank[0][k][0]
-            out.append(Step(k + 1, replica, str(first.get("schedule", "custom")),
-                            int(first.get("microbatches", 0)), ranks, rows))
+            m = int(first.get("microbatches", 0))
+            held = [{int(e["stage"]) for e in by_rank[r][1]} for r in ranks]
+            out.append(Step(k + 1, replica, str(first.get("schedule", "custom")), m, ranks,
+                            rows, _missing(rows, ranks, held, m)))
     return out
+
+
+def _missing(rows: list[list[Span]], ranks: list[int], held: list[set[int]], m: int) -> str:
+    """What a step lacks: every stage a rank holds runs F (and, training, B) for each of the
+    m micro-batches. A rank whose file ends mid-step (killed, or still running) lacks some,
+    and its "bubble" would be the time it never ran."""
+    if m < 1:  # a custom schedule: no count to check against
+        return ""
+    kinds = [F] + ([B] if any(x.action.kind == B for row in rows for x in row) else [])
+    for rank, row, stages in zip(ranks, rows, held):
+        have = {(x.action.stage, x.action.kind, x.action.mb) for x in row}
+        need = len(stages) * len(kinds) * m
+        got = sum((st, k, mb) in have for st in stages for k in kinds for mb in range(m))
+        if got < need:
+            return f"r{rank} ran {got} of its {need} {'/'.join(kinds)} actions"
+    return ""
 
 
 def has_pipeline(files) -> bool:
@@ -113,8 +132,10 @@ def has_pipeline(files) -> bool:
 def _last_training_step(found: list[Step]) -> int:
     """The last step that trained (a train run ends on its eval() steps, forwards only);
     the last step when none did."""
-    trained = [s.index for s in found if not s.schedule.endswith(".eval")]
-    return max(trained) if trained else max(s.index for s in found)
+    # A step a rank did not finish (its trace cut off) is only drawn when asked for.
+    whole = [s for s in found if not s.missing] or found
+    trained = [s.index for s in whole if not s.schedule.endswith(".eval")]
+    return max(trained) if trained else max(s.index for s in whole)
 
 
 def explain(files, step: int | None = None, width: int = 150) -> str:
@@ -142,6 +163,9 @@ def explain(files, step: int | None = None, width: int = 150) -> str:
         out.append(f"pipeline step {s.index} of {count}: {s.schedule}, {where}, "
                    f"{s.microbatches} micro-batches (replica {s.replica}), "
                    f"{(t1 - t0) * 1e3:.1f} ms")
+        if s.missing:
+            out.append(f"incomplete: {s.missing} (its trace ends inside this step), so the "
+                       "bubbles below are not the schedule's")
         out.append(draw(s.spans, width=width))
         predicted = s.predicted
         for i, (rank, frac) in enumerate(zip(s.ranks, s.bubble)):
@@ -153,6 +177,10 @@ def explain(files, step: int | None = None, width: int = 150) -> str:
             out.append(f"  {held} {mine} (r{rank}): bubble {frac:.1%} "
                        f"({(t1 - t0 - busy) * 1e3:.1f} ms idle){pred}")
         out.append("")
+    cut = sorted({s.index for s in found if s.missing} - {pick})
+    if step is None and cut:
+        out.append(f"step {', '.join(map(str, cut))} incomplete (a rank's trace ends inside "
+                   "it): not drawn.")
     out.append("predicted: the schedule simulated with this step's mean F, B and W times per "
                "stage. Another step: --collective pipeline --call N")
     return "\n".join(out)

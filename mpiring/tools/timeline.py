@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,18 +98,46 @@ def load(directory: str) -> list[TraceFile]:
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".jsonl"):
             continue
-        with open(os.path.join(directory, name)) as fh:
-            recs = [json.loads(line) for line in fh if line.strip()]
+        recs = _read_records(os.path.join(directory, name), name)
         headers = [r for r in recs if r.get("type") == "header"]
         if not headers:
             raise ValueError(f"{name}: no header line; is it an mpiring trace file?")
         h = headers[0]
-        files.append(TraceFile(name, int(h["rank"]), float(h.get("wall_minus_clock", 0.0)),
-                               [r for r in recs if r.get("type") != "header"]))
+        try:
+            rank, offset = int(h["rank"]), float(h.get("wall_minus_clock", 0.0))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{name}: its header has no valid rank; is it an mpiring trace "
+                             "file?") from None
+        files.append(TraceFile(name, rank, offset, [r for r in recs if r.get("type") != "header"]))
     if not files:
         raise ValueError(f"no trace files (*.jsonl) in {directory!r}: record one with "
                          "--trace DIR or MPIRING_TRACE=DIR")
     return files
+
+
+def _read_records(path: str, name: str) -> list[dict[str, Any]]:
+    """The JSON objects of one file, a line each. A last line cut short (the rank was
+    killed mid-write) is dropped with a warning: the rest of the run is still worth
+    reading. Any other bad line is an error naming the file and line."""
+    with open(path) as fh:
+        lines = fh.read().split("\n")
+    recs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if i == len(lines):  # no newline after it: a partial write
+                warnings.warn(f"{name}: line {i} is cut short (the run ended mid-write); "
+                              "reading the lines before it", stacklevel=3)
+                break
+            raise ValueError(f"{name}, line {i}: not JSON; is it an mpiring trace file?") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{name}, line {i}: not a trace record (a JSON object); is it an "
+                             "mpiring trace file?")
+        recs.append(rec)
+    return recs
 
 
 def calls(files: list[TraceFile]) -> list[Call]:
@@ -274,7 +303,7 @@ def plot(files: list[TraceFile], path: str, title: str = "",
     trace's start draws only that stretch (a training run's last steps, say).
 
     Raises:
-        ValueError: nothing recorded falls inside ``window``.
+        ValueError: nothing recorded at all, or nothing inside ``window``.
     """
     import matplotlib
 
@@ -283,6 +312,9 @@ def plot(files: list[TraceFile], path: str, title: str = "",
     from matplotlib.patches import Patch
 
     spans = tracks(files)
+    if not spans:  # an empty picture would look like a run that did nothing
+        raise ValueError("nothing to draw: the trace has headers but no recorded spans "
+                         "(the run ended before its first traced call)")
     label = None
     if has_pipeline(files):  # F, B, W in their colours, numbered, as the lecture draws them
         from mpiring.tools import pipeline_trace
@@ -408,6 +440,9 @@ def _pick(files, collective, call):
         found = [c for c in found if c[0] == collective]
     if call is not None:
         found = [c for c in found if c[1] == call]
+    if not found and not list_calls(files):
+        raise ValueError("the trace has no collective calls (a rank alone, or a run that "
+                         "ended before its first one): trace a run of 2 or more ranks")
     if not found:
         have = ", ".join(call_name(c, n, i) for c, n, _, i, _ in list_calls(files)[:20]) or "none"
         raise ValueError(f"no traced call matches collective={collective} call={call}; "
@@ -514,7 +549,7 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
             if not progressed:
                 if limit >= rounds:
                     raise ValueError(f"{coll}#{num}: the steps do not match up (a receive "
-                                     "without its send); is a rank's file missing?")
+                                     "without its send); is a rank's file missing or cut short?")
                 limit += 1
         phases = sorted({per_rank[r][i]["phase"] for r in ranks if i < len(per_rank[r])})
         counts = {per_rank[r][i]["steps"] for r in ranks if i < len(per_rank[r])}

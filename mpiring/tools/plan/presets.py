@@ -141,6 +141,18 @@ DEEPSEEK_V3 = GPT(61, 7168, 128, 4096, 129280, ffn=18432, gated=True, experts=25
                   shared_experts=1, expert_ffn=2048, dense_layers=3, node_limit=4, mtp_depth=1,
                   attn_params_per_layer=_mla_params(), attn_width=128 * (192 + 128),
                   name="deepseek-v3")
+
+
+def reshape(g: GPT, **changes) -> GPT:
+    """``g.with_(**changes)``; DeepSeek-V3's MLA resized to a new hidden or head count
+    (its fixed attention size would otherwise stay that of h = 7168, a = 128)."""
+    out = g.with_(**changes)
+    if g.name == DEEPSEEK_V3.name and ({"hidden", "heads"} & changes.keys()):
+        out = out.with_(attn_params_per_layer=_mla_params(out.hidden, out.heads),
+                        attn_width=out.heads * (192 + 128))
+    return out
+
+
 LLAMA31_405B = GPT(126, 16384, 128, 8192, 128256, ffn=53248, kv_heads=8, gated=True,
                    name="llama-3.1-405b")
 

@@ -1,7 +1,8 @@
 """The layout search: every (dp, tp, pp, b, schedule, ZeRO, recomputation) that fits, ranked.
 
 tp stays inside a node (powers of two up to the GPUs per node, dividing the
-heads), pp runs over the divisors of GPUs / tp up to the layer count (stages
+heads and the key/value heads), pp runs over the divisors of GPUs / tp up to
+the layer count (stages
 split the layers the numpy.array_split way, so pp need not divide them; the
 slowest stage, ceil(l/pp) layers, prices the layout), and
 dp takes the rest of the cluster. A layout is kept when its memory per GPU
@@ -70,7 +71,8 @@ def layouts(g: sm.GPT, c: Cluster, batch: int, *, flash: bool = True,
     """Every layout of exactly ``c.gpus`` GPUs the search considers (memory not yet checked)."""
     out = []
     for tp in _pow2_upto(c.fabric.gpus_per_node):
-        if g.heads % tp or c.gpus % tp:
+        # Megatron splits whole heads and key/value groups (it asserts both divide tp).
+        if g.heads % tp or (g.kv_heads and g.kv_heads % tp) or c.gpus % tp:
             continue
         rest = c.gpus // tp
         for pp in (p for p in range(1, min(rest, g.layers) + 1) if rest % p == 0):
@@ -131,8 +133,7 @@ def search(g: sm.GPT, c: Cluster, batch: int, tokens: float = 0.0, top: int = 5,
                                hours, r["breakdown"]))
     if not found:
         if leanest is None:
-            raise ValueError(f"no layout of {c.gpus} GPUs splits a batch of {batch}: use a batch "
-                             "that is a multiple of the GPU count's factors")
+            raise ValueError(_no_split(g, c, batch))
         raise ValueError(f"no layout fits in {c.mem_bytes / 1e9:.0f} GB per GPU: the leanest "
                          f"({leanest[1].describe()}) needs {leanest[0]:.1f} GB; add GPUs or "
                          "shrink the model or the sequence")
@@ -149,6 +150,17 @@ def search(g: sm.GPT, c: Cluster, batch: int, tokens: float = 0.0, top: int = 5,
             seen.add(key)
             out.append(x)
     return out[:top]
+
+
+def _no_split(g: sm.GPT, c: Cluster, batch: int) -> str:
+    """Why no layout splits ``batch``, naming the data-parallel degrees there are."""
+    # tp = 1, pp = 1 always splits the GPUs, so there is at least dp = gpus.
+    dps = sorted({lay.dp for lay in layouts(g, c, c.gpus * max(MICRO_BATCHES))})
+    return (f"no layout of {c.gpus} GPUs splits a batch of {batch} sequences: dp x "
+            f"micro-batch must divide it, and dp can be {', '.join(map(str, dps))} here "
+            f"(tp a power of two up to {c.fabric.gpus_per_node} dividing the {g.heads} heads, "
+            f"pp up to the {g.layers} layers); use a batch that is a multiple of {dps[0]}, "
+            "or change --gpus")
 
 
 def _tie(seconds: float) -> float:
