@@ -250,3 +250,29 @@ def test_subgroups_are_made_and_destroyed_as_torch_makes_them(world):
                 dist.new_subgroups_by_enumeration([[me]])
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_made_by_its_members_alone(world):
+    # torch's new_group(..., use_local_synchronization=True): only the members call it;
+    # before, every rank had to, and the members waited for the others to the deadline.
+    k, me = world.size, world.rank
+    dist.init_process_group()
+    try:
+        mine = [r for r in range(k) if r % 2 == me % 2]  # evens and odds, at the same time
+        group = dist.new_group(mine, use_local_synchronization=True)
+        assert dist.get_process_group_ranks(group) == mine
+        x = torch.full((2,), float(me))
+        dist.all_reduce(x, group=group)
+        assert torch.equal(x, torch.full((2,), float(sum(mine))))
+        dist.destroy_process_group(group)
+        if me == k - 1:  # a group of one, made alone
+            alone = dist.new_group([me], use_local_synchronization=True)
+            assert dist.get_world_size(alone) == 1
+            dist.destroy_process_group(alone)
+        with pytest.raises(ValueError, match="give distinct ranks"):
+            dist.new_group([me, me], use_local_synchronization=True)
+        y = torch.full((1,), float(me))  # the default group is still in step
+        dist.all_reduce(y)
+        assert y.item() == sum(range(k))
+    finally:
+        dist.destroy_process_group()

@@ -490,6 +490,16 @@ class MPIBackend:
     def dup(self):
         return MPIBackend(self._collective("Comm_dup", self.comm.Dup))
 
+    def create_group(self, ranks: list[int], tag: int):
+        """A communicator over ``ranks``, made by them alone (MPI_Comm_create_group: the
+        other ranks do not call it)."""
+        group = self.comm.Get_group().Incl(ranks)
+        try:
+            return MPIBackend(self._collective("Comm_create_group", self.comm.Create_group,
+                                               group, tag))
+        finally:
+            group.Free()
+
     def free(self) -> None:
         """Collective: give the communicator (its context id) back to MPI."""
         self._collective("Comm_free", self.comm.Free)

@@ -536,6 +536,9 @@ class NCCLBackend:
     def dup(self):
         return self._factory(self._mpi.dup())
 
+    def create_group(self, ranks: list[int], tag: int):
+        return self._factory(self._mpi.create_group(ranks, tag))
+
     def free(self) -> None:
         """Collective: the NCCL communicator, then its MPI control plane."""
         self.synchronize()  # a receive no send picked up is issued first

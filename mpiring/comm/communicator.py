@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -77,6 +78,7 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         self.tracer = tracer if tracer is not None else Tracer.from_env(self.rank)
         self.check = _env_flag("MPIRING_CHECK", True) if check is None else check
         self._calls: dict[str, int] = {}
+        self._groups_made: dict[tuple[int, ...], int] = {}  # create_group's, per list
         # Held from the start of a collective to its end: a second thread calling
         # in meanwhile would interleave its messages with ours (wrong sums or a
         # hang), so it is refused, naming both threads.
@@ -319,6 +321,38 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         if be is None:
             return None
         return self._child(be, f"split{call}.{int(color)}")
+
+    def create_group(self, ranks: list[int]) -> Communicator:
+        """A Communicator over ``ranks`` (ranks of this one, in that order), made by those
+        ranks alone: the others do not call it (MPI_Comm_create_group; torch's
+        ``new_group(..., use_local_synchronization=True)``). Each member passes the same
+        list; a member that never comes leaves the others to the deadline's report.
+
+        Raises:
+            ValueError: this rank is not in ``ranks``, or they repeat or are out of range
+                (on this rank alone: there is no one else to tell yet); on every member
+                when the members' lists differ.
+        """
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.size for r in ranks):
+            raise ValueError(f"create_group: ranks={ranks}: give distinct ranks of this "
+                             f"{self.size}-rank communicator")
+        if self.rank not in ranks:
+            raise ValueError(f"create_group: rank {self.rank} is not in ranks={ranks}: only "
+                             "the members call it")
+        # Counted per list, not per call: the members of one group share only its calls.
+        made = self._groups_made[tuple(ranks)] = self._groups_made.get(tuple(ranks), 0) + 1
+        self._act.begin("create_group", made, None)
+        # MPI's tag keeps apart groups made at once by overlapping ranks.
+        tag = zlib.crc32(repr(ranks).encode()) % 32768
+        sub = self._child(self._be.create_group(ranks, tag),
+                          f"group{'-'.join(map(str, ranks))}.{made}")
+        seen = sub.control.allgather_json(ranks)
+        if any(other != ranks for other in seen):
+            sub.free()
+            raise ValueError("create_group: the members' lists differ: " + ", ".join(
+                f"r{ranks[i]} gave {other}" for i, other in enumerate(seen)))
+        return sub
 
     def dup(self) -> Communicator:
         """A Communicator over the same ranks with separate message matching.

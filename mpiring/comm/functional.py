@@ -1234,17 +1234,24 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any 
     Collective over the default group: every rank calls it with the same ranks.
     Members get a Communicator (ranks in ascending order, as torch orders them);
     the others get ``GroupMember.NON_GROUP_MEMBER``, as torch's: the functions here do
-    nothing on a rank given it, and mpiring's own calls refuse it.
+    nothing on a rank given it, and mpiring's own calls refuse it. With
+    ``use_local_synchronization=True`` only the members call it, as in torch
+    (``Communicator.create_group``); a non-member that does gets NON_GROUP_MEMBER.
 
     Raises:
-        ValueError: on every rank, when the ranks differ across ranks, repeat, or
-            are not ranks of the job.
+        ValueError: on every rank (every member, with ``use_local_synchronization``),
+            when the ranks differ across ranks, repeat, or are not ranks of the job.
     """
     comm = _default_or_raise("new_group")
     wanted = list(range(comm.size)) if ranks is None else sorted(int(r) for r in ranks)
-    _agreed_groups(comm, "new_group", [wanted])
     me = comm.world_ranks[comm.rank]
-    sub = comm.split(0 if me in wanted else None, key=me)
+    if use_local_synchronization:
+        if me not in wanted:
+            return NON_GROUP_MEMBER
+        sub = comm.create_group(wanted)  # the default group's ranks are the job's
+    else:
+        _agreed_groups(comm, "new_group", [wanted])
+        sub = comm.split(0 if me in wanted else None, key=me)
     if sub is None:
         return NON_GROUP_MEMBER
     if timeout is not None:
