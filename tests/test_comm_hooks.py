@@ -59,7 +59,7 @@ def test_hooks_equal_torch_hooks_on_the_same_bucket(world, subcomms):
         out_b = tps.powerSGD_hook(torchs, b).wait()
         torch.testing.assert_close(out_a, out_b, rtol=1e-4, atol=1e-5, msg=f"step {step}")
     assert mine.iter == torchs.iter == 6
-    assert mine.bytes_sent < mine.dense_bytes
+    assert mine.bytes_sent < mine.dense_bytes or comm.size == 1  # one rank sends nothing
     dist.barrier()
 
 

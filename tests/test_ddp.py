@@ -297,10 +297,40 @@ def test_a_sparse_embedding_is_refused_when_wrapped(comm):
         DDP(model, comm)
 
 
-def test_a_complex_parameter_is_refused_when_wrapped(comm):
-    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2, dtype=torch.complex64))
-    with pytest.raises(TypeError, match=r"1\.weight, 1\.bias are complex"):
-        DDP(model, comm)
+class Complexish(nn.Module):
+    """A complex weight between real ones (torch DDP reduces complex gradients too)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.a = nn.Parameter(torch.randn(3, dtype=torch.float64))
+        self.w = nn.Parameter(torch.randn(3, 6, dtype=torch.complex128))
+        self.b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x):
+        return (x.to(self.w.dtype) @ self.w.T).abs() * self.a + self.b
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "bucket-view"])
+def test_complex_parameters_are_averaged_like_real_pairs(comm, view):
+    model, ref = Complexish(), Complexish()
+    with torch.no_grad():
+        model.w.add_(comm.rank)  # construction takes rank 0's values
+    # Tiny buckets: the complex weight gets a bucket of its own, the status tail another.
+    ddp = DDP(model, comm, bucket_cap_mb=TINY / 8, first_bucket_mb=TINY / 8,
+              gradient_as_bucket_view=view)
+    for it in range(2):
+        X, Y = global_batch(comm.size, 40 + it)
+        for m in (model, ref):
+            m.zero_grad()
+        loss_fn(ddp(shard(X, comm)), shard(Y, comm)).backward()
+        loss_fn(ref(X), Y).backward()
+        assert_grads(model, ref, f"iteration {it}")
+        sgd(model)
+        sgd(ref)
+    with pytest.raises(TypeError, match="w is complex, and comm hooks reduce real"):
+        ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+    ddp.close()
 
 
 def test_a_dataclass_output_is_searched_for_tensors(comm):
@@ -422,7 +452,9 @@ def test_batchnorm_buffers_follow_rank0(comm):
         with torch.no_grad():
             model[1].running_mean.fill_(float(comm.rank))  # rank-dependent before wrapping
         ddp = DDP(model, comm, broadcast_buffers=broadcast)
-        assert float(model[1].running_mean.sum()) == 0.0, "construction takes rank 0's buffers"
+        # As torch: broadcast_buffers=False keeps each rank's own buffers at construction.
+        want = 0.0 if broadcast else 8.0 * comm.rank
+        assert float(model[1].running_mean.sum()) == want, "construction takes rank 0's buffers"
         seen: list[torch.Tensor] = []
         model[1].register_forward_pre_hook(
             lambda m, a, seen=seen: seen.append(m.running_mean.clone()))

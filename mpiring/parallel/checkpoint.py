@@ -387,11 +387,11 @@ def load_checkpoint(path: str) -> dict[str, Any]:
 
 # --- replicas ------------------------------------------------------------------------------
 
-def _tensor_digests(module) -> tuple[list[str], list[int]]:
+def _tensor_digests(module, buffers: bool) -> tuple[list[str], list[int]]:
     import torch
 
     names, digests = [], []
-    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    tensors = list(module.named_parameters()) + (list(module.named_buffers()) if buffers else [])
     for name, t in tensors:
         flat = t.detach().to("cpu").contiguous().reshape(-1)
         h = hashlib.blake2b(digest_size=8)
@@ -412,17 +412,21 @@ def _allgather(comm, values: list[int]) -> np.ndarray:
     return allgather_array(comm, vec)
 
 
-def check_replicas(module, comm, *, step: int | None = None) -> None:
-    """Hash every parameter and buffer on every rank; raise on every rank if they differ.
+def check_replicas(module, comm, *, step: int | None = None, buffers: bool = False) -> None:
+    """Hash every parameter on every rank; raise on every rank if they differ.
 
     One small Allgather when the replicas agree (a count and one hash per rank);
     on a difference a second one finds which tensors differ.
+
+    Buffers are left out unless ``buffers=True``: DDP broadcasts them at the start
+    of a forward and each rank's forward then updates its own (BatchNorm's running
+    statistics), so healthy replicas hold different ones after every step.
 
     Raises:
         ReplicaDivergenceError: naming the ranks that differ from the majority
             (ties: from rank 0's group) and their first differing tensors.
     """
-    names, digests = _tensor_digests(module)
+    names, digests = _tensor_digests(module, buffers)
     total = hashlib.blake2b(np.array(digests, dtype=np.int64).tobytes(), digest_size=8)
     summary = _allgather(comm, [len(digests), int.from_bytes(total.digest(), "little",
                                                               signed=True)])

@@ -85,8 +85,8 @@ class _Whole:
         self.module, self.ddp = data_parallel.unwrap(module)
 
 
-def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """Scale ``model``'s gradients so that the whole model's norm is at most ``max_norm``.
 
     ``model``: a ``PipelineStage`` (after its schedule's ``step()``), a list of
@@ -98,9 +98,23 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, *,
     clipping (float64), the same on every rank. A norm that is not finite
     leaves the gradients as they are (torch would multiply them by NaN, or by
     0 for an infinite norm), or with ``error_if_nonfinite`` raises on every rank.
+    ``foreach`` is accepted for torch's signature and ignored.
+
+    Raises:
+        TypeError: ``model`` is a tensor or an iterable of them (torch's call): which
+            ranks hold which part of the model is known from the model only.
     """
-    if isinstance(model, (list, tuple)) and model and all(
-            isinstance(x, PipelineStage) for x in model):
+    is_stages = isinstance(model, (list, tuple)) and bool(model) and all(
+        isinstance(x, PipelineStage) for x in model)
+    if not (is_stages or isinstance(model, (torch.nn.Module, PipelineStage))):
+        # Parameters alone do not say which ranks hold other parts of the model, so a
+        # norm of them could silently be one shard's: refuse, naming both fixes.
+        raise TypeError(
+            f"clip_grad_norm_ takes the model (a module, DDP, FSDP, or pipeline stages), "
+            f"got {type(model).__name__}: pass the model itself; for a plain or DDP model's "
+            "parameters torch.nn.utils.clip_grad_norm_(model.parameters(), ...) gives the "
+            "same result (every replica holds the same gradients)")
+    if is_stages:
         stages = list(model)
     else:
         stages = [model if isinstance(model, PipelineStage) else _Whole(model)]

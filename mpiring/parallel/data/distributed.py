@@ -61,7 +61,11 @@ class DistributedDataParallel(nn.Module):
         dim: accepted for torch's signature; it only matters when one process
             drives several devices, which is refused.
         broadcast_buffers: copy the root's buffers (rank 0's) to every rank
-            before each forward that will be followed by a synced backward.
+            at the start of a forward, as torch does: of the first forward and of
+            each one that follows a synced forward (with gradients, outside
+            ``no_sync()``), so an eval forward after training runs with rank 0's
+            BatchNorm statistics, and a synced forward after ``no_sync()`` ones
+            keeps each rank's own.
         process_group: the ``mpiring.Communicator`` over the replicas (default:
             the one ``mpiring.init_process_group()`` made). A torch ProcessGroup
             is refused: mpiring's collectives run on its own communicators.
@@ -82,7 +86,11 @@ class DistributedDataParallel(nn.Module):
             allows with static_graph) is still an error here.
         comm: the same as ``process_group`` (mpiring's name).
         init_sync: take rank 0's parameters and buffers at construction (torch's
-            ``init_sync``; the model is compared across ranks either way).
+            ``init_sync``; the model is compared across ranks either way). With
+            ``broadcast_buffers=False`` each rank keeps its own buffers, as in torch.
+        forward_sync_buffers: torch 2.13's successor of ``broadcast_buffers``: when
+            given, it decides the forward broadcasts, and the buffers are taken
+            from rank 0 at construction whatever its value.
         first_bucket_mb: size of the first bucket in MiB (default 1), small so
             that communication starts early in backward.
         overlap: True launches each bucket's AllReduce as soon as its gradients
@@ -99,8 +107,7 @@ class DistributedDataParallel(nn.Module):
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``, ``process_group`` is
-            not a Communicator, or the module has sparse embeddings or complex
-            parameters.
+            not a Communicator, or the module has sparse embeddings.
         ValueError: a bad argument (on every rank, naming the ranks), no
             communicator, or the model differs across ranks (every rank raises,
             naming the first difference and the ranks).
@@ -108,12 +115,13 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
-                 broadcast_buffers: bool = True, process_group=None,
+                 broadcast_buffers: bool | None = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, comm=None, init_sync: bool = True,
                  first_bucket_mb: float = 1.0, overlap: bool = True,
-                 algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None):
+                 algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None,
+                 forward_sync_buffers: bool | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"DistributedDataParallel wraps a torch.nn.Module, got "
@@ -142,24 +150,37 @@ class DistributedDataParallel(nn.Module):
         self.device_ids = None if device_ids is None else [self.device.index]
         self.output_device = None if output_device is None else self.device
         self.dim = dim
+        # torch's rule: the old flag also keeps the buffers out of the initial sync,
+        # the new one does not.
+        if broadcast_buffers is None:  # torch 2.13's default
+            broadcast_buffers = True
+        init_buffers = broadcast_buffers if forward_sync_buffers is None else True
+        if forward_sync_buffers is not None:
+            broadcast_buffers = forward_sync_buffers
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.overlap = overlap
         self.require_backward_grad_sync = True
+        # torch's require_forward_param_sync: whether the last forward was synced (True
+        # before the first), which decides whether the next one broadcasts buffers.
+        self.require_forward_param_sync = True
         self._join = None  # the JoinState while inside join()
         self._hooks_agreed = False  # compared at the first synced forward (_agree_hooks)
 
         sparse = [n for n, m in module.named_modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # Not reduced: one unfrozen later would train on local gradients (torch's too).
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         # The options that shape the buckets and the calls must match too: a bucket cap
         # or an algorithm of its own on one rank meets the others' messages truncated.
         options = [f"option {k}={v!r}" for k, v in (
             ("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb),
             ("find_unused_parameters", find_unused_parameters), ("algo", algo),
-            ("broadcast_buffers", broadcast_buffers), ("init_sync", init_sync),
+            ("broadcast_buffers", broadcast_buffers), ("init_buffers", init_buffers),
+            ("init_sync", init_sync),
             ("overlap", overlap), ("static_graph", bool(static_graph)),
             ("sparse embeddings", sparse))]
         check_same_model(comm, describe_module(module) + options)
@@ -167,16 +188,9 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"DistributedDataParallel reduces dense gradients only, and "
                             f"{', '.join(sparse)} {'is' if len(sparse) == 1 else 'are'} built "
                             "with sparse=True: use sparse=False in the embedding")
-        complex_ = [n for n, p in named if p.is_complex()]
-        if complex_:  # the same on every rank too (the dtypes were compared)
-            # The buckets hold one real dtype each; the collectives refuse complex
-            # ones, which would surface only at the first backward, on the comm thread.
-            raise TypeError(f"DistributedDataParallel reduces real gradients, and "
-                            f"{', '.join(complex_[:3])} {'is' if len(complex_) == 1 else 'are'} "
-                            "complex: keep such a parameter as a real one with a last "
-                            "dimension of 2 (torch.view_as_complex in forward)")
         if init_sync:
-            sync_from_root(comm, [p.detach() for p in module.parameters()] + list(module.buffers()))
+            sync_from_root(comm, [p.detach() for p in module.parameters()]
+                           + (list(module.buffers()) if init_buffers else []))
         self._buffers_to_sync = [b for b in module.buffers()]
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], comm,
                                bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
@@ -200,18 +214,40 @@ class DistributedDataParallel(nn.Module):
         # real bytes, and the flags must be read at run time, not at trace time.
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
+        if sync:
+            self._check_frozen()
         if grad:
             self.reducer.prepare_forward()
+        # Under join() the joined ranks shadow synced forwards only, so only those
+        # broadcast there; elsewhere torch's rule (see broadcast_buffers).
+        buffers = self.require_forward_param_sync if self._join is None else sync
         if sync:
             root = 0 if self._join is None else self._join.notify()
-            self.sync_before_backward(root)
+            self.sync_before_backward(root, buffers=buffers)
+        elif buffers:
+            self._sync_buffers(0)
+        self.require_forward_param_sync = sync
         return grad, sync
 
-    def sync_before_backward(self, root: int = 0) -> None:
+    def _check_frozen(self) -> None:
+        thawed = [n for n, p in self._frozen if p.requires_grad]
+        if thawed:
+            # torch DDP silently keeps such gradients local and the replicas drift apart.
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter(s) {', '.join(thawed[:5])} had "
+                "requires_grad=False when the model was wrapped, so their gradients are not "
+                "reduced, and now require grad: after unfreezing, ddp.close() and wrap "
+                "ddp.module again, or wrap it unfrozen with find_unused_parameters=True")
+
+    def sync_before_backward(self, root: int = 0, buffers: bool = True) -> None:
         """The collectives of a synced forward: the bucket rebuild, the buffer broadcast."""
         if not self._hooks_agreed:  # every rank's first synced forward, hooks registered
             self._agree_hooks()
         self.reducer.rebuild_if_due()
+        if buffers:
+            self._sync_buffers(root)
+
+    def _sync_buffers(self, root: int) -> None:
         if self.broadcast_buffers and self._buffers_to_sync:
             # The root's running statistics win, as in torch DDP (check off: the
             # shapes were compared at construction).
@@ -256,8 +292,25 @@ class DistributedDataParallel(nn.Module):
         The hook receives a ``comm_hooks.GradBucket`` with this rank's undivided
         gradients and returns the mean; call this once, before the first backward.
         ``state`` may be None or this model's communicator (torch's process-group
-        state), or a hook's own state object.
+        state), or a hook's own state object. torch's own ``default_hooks``
+        (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``) are
+        replaced by mpiring's equivalents; its other hooks are refused.
         """
+        module = getattr(hook, "__module__", None) or ""
+        if module.startswith("torch.distributed"):
+            # torch's hooks call torch.distributed on the default process group, which
+            # would fail on the comm thread at the first backward, after bytes moved.
+            from mpiring.parallel.data import comm_hooks
+
+            name = getattr(hook, "__name__", "")
+            ours = getattr(comm_hooks, name, None) if module.endswith(".default_hooks") else None
+            if ours is None:
+                raise TypeError(
+                    f"register_comm_hook: {module}.{name} runs torch.distributed's collectives, "
+                    "not mpiring's: use a hook from mpiring.parallel.data.comm_hooks "
+                    f"({', '.join(k for k in comm_hooks.__all__ if k.endswith('_hook'))}; "
+                    "PowerSGDState takes torch's arguments)")
+            hook, state = ours, None  # torch's state there is a process group (or None)
         if is_comm(state) and state is not self.comm:
             raise ValueError("register_comm_hook: the state is a communicator other than this "
                              "model's: pass None (the hooks use the model's own)")

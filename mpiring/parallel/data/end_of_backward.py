@@ -51,7 +51,9 @@ class EndOfBackward:
         t_done = clock()
         self._exposed_s = t_done - t_wait
         last = self.buckets[-1]
-        status = last.flat[last.tail:].to(device="cpu", dtype=torch.float64)
+        status = last.flat[last.tail:]
+        status = (status.real if status.is_complex() else status).to(device="cpu",
+                                                                    dtype=torch.float64)
         slots = [int(round(v)) for v in status[:self.size].tolist()]
         codes = [v % _CODES for v in slots]
         steps = [v // _CODES for v in slots]

@@ -112,6 +112,9 @@ def join(ddp: Any, divide_by_initial_world_size: bool = True, enable: bool = Tru
         # the launcher's abort (mpiring.run) ends the job instead.
         state.shadow_until_done()
         state.sync_final_model()
+        # The buffers were just synced; and the ranks' last forwards differ, so the
+        # next forward's broadcast must not depend on them.
+        ddp.require_forward_param_sync = False
     finally:
         ddp._join = None
         ddp.reducer.divisor = ddp.comm.size

@@ -378,7 +378,7 @@ class Reducer(BucketLayout, EndOfBackward):
             else:
                 # Pre-divided by K in the hook, so a sum gives the mean; the ring check
                 # is off because every rank built the same layout (checked at construction).
-                comm.all_reduce(bucket.flat, op="sum", algo=algo, check=False)
+                comm.all_reduce(_real(bucket.flat), op="sum", algo=algo, check=False)
             record["t_end"] = clock()
             # Copy the means back into .grad right away: autograd has finished with
             # these parameters (their post-accumulate hooks have fired).
@@ -410,6 +410,13 @@ class Reducer(BucketLayout, EndOfBackward):
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook: a communication hook is already registered; "
                                "register one hook, once")
+        complex_ = [n for n, p in zip(self.names, self.params) if p.is_complex()]
+        if complex_:
+            # A hook sees real flat buffers (fp16 casts, top-k, PowerSGD's matrices).
+            raise TypeError(f"register_comm_hook: {', '.join(complex_[:3])} "
+                            f"{'is' if len(complex_) == 1 else 'are'} complex, and comm hooks "
+                            "reduce real gradients: keep such a parameter as a real one with a "
+                            "last dimension of 2 (torch.view_as_complex in forward), or use no hook")
         if self.iteration > 0 or self._started:
             raise RuntimeError("register_comm_hook: register the hook before the first backward "
                                "(the reducer divides gradients differently with a hook)")
@@ -434,6 +441,11 @@ def _release(thread: CommThread, handles: list) -> None:
     for h in handles:
         h.remove()
     thread.stop()
+
+
+def _real(flat: torch.Tensor) -> torch.Tensor:
+    """A complex bucket as the real buffer the collectives sum (real and imaginary parts)."""
+    return torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -51,6 +51,7 @@ class DistributedSampler:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank={rank} with num_replicas={num_replicas}: "
                              f"use a rank in 0..{num_replicas - 1}")
+        self.dataset = dataset  # torch's attribute (loops read sampler.dataset)
         self.length = dataset if isinstance(dataset, int) else len(dataset)
         self.num_replicas = num_replicas
         self.rank = rank
