@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from mpiring.cli import add_backend_arguments, positive_int
+from mpiring.cli import add_backend_arguments, non_negative_int, positive_int
 
 
 def add_arguments(p) -> None:
@@ -51,7 +51,8 @@ def add_arguments(p) -> None:
                         "AllReduce, one gradient copy less memory (ddp, naive, torch-ddp)")
     p.add_argument("--max-data-mb", type=float, default=4.0,
                    help="read at most this much standard-library source (default 4)")
-    p.add_argument("--val-batches", type=int, default=4, help="validation batches per rank (default 4)")
+    p.add_argument("--val-batches", type=non_negative_int, default=4,
+                   help="validation batches per rank (default 4; 0: no validation)")
     p.add_argument("--log-every", type=positive_int, default=10, help="global loss every N steps (default 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Sharded optimizer and gradient compression (mpiring.parallel.zero, mpiring.parallel.data.comm_hooks).
@@ -67,7 +68,7 @@ def add_arguments(p) -> None:
     p.add_argument("--topk-ratio", type=float, default=0.01,
                    help="topk: fraction of each bucket sent (default 0.01)")
     p.add_argument("--powersgd-rank", type=int, default=1, help="powersgd: approximation rank (default 1)")
-    p.add_argument("--hook-start", type=int, default=10,
+    p.add_argument("--hook-start", type=non_negative_int, default=10,
                    help="topk/powersgd: plain AllReduce for the first N steps (default 10)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel size: the GPT split over groups of N adjacent ranks "
@@ -81,7 +82,7 @@ def add_arguments(p) -> None:
                    help="shard parameters, gradients and AdamW state over the data axis (ZeRO-3)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb", "pipedream", "interleaved",
                                           "interleaved-zb", "zbv", "dualpipev", "looped-bfs"),
-                   default="1f1b", help="pipeline schedule with --pp > 1 (default 1f1b; "
+                   default=None, help="pipeline schedule with --pp > 1 (default 1f1b; "
                                         "interleaved-zb: interleaved with zb's split backward; "
                                         "zbv: zero bubble, 2 stages per rank in a V; "
                                         "dualpipev: DeepSeek's order on zbv's V, at least "
@@ -123,6 +124,36 @@ def _counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def args_error(args) -> str | None:
+    """What the flags ask for that the run would silently not do (pure: the same on
+    every rank, before any communication), with the fix; None if nothing."""
+    if args.schedule is not None and args.pp == 1:
+        return (f"--schedule {args.schedule} orders a pipeline's micro-batches, and --pp 1 "
+                "has no pipeline: add --pp 2 or more, or leave --schedule out")
+    if args.grad_as_bucket_view and (args.mode == "ps" or args.fsdp):
+        # (Not in TrainConfig.validate: bench-ddp runs mode ps beside the others with it.)
+        return ("--grad-as-bucket-view makes .grad a view into a DDP bucket: "
+                f"{'--fsdp' if args.fsdp else '--mode ps'} has no DDP buckets; leave "
+                "--grad-as-bucket-view out")
+    if args.metrics is not None:
+        return metrics_path_error(args.metrics)
+    return None
+
+
+def metrics_path_error(path: str) -> str | None:
+    """Why ``--metrics path`` could not be written, or None (checked before the run starts)."""
+    if os.path.isdir(path):
+        return f"--metrics {path}: is a directory; give a file name, e.g. {os.path.join(path, 'metrics.jsonl')}"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"--metrics {path}: the directory {parent} does not exist; create it or give another path"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"--metrics {path}: the file is not writable; give another path"
+    if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
+        return f"--metrics {path}: the directory {parent} is not writable; give another path"
+    return None
+
+
 def config_from_args(args):
     """A ``TrainConfig`` from parsed flags."""
     from mpiring.tools.train.loop import TrainConfig
@@ -139,7 +170,7 @@ def config_from_args(args):
         comm_hook=args.comm_hook, topk_ratio=args.topk_ratio,
         powersgd_rank=args.powersgd_rank, hook_start=args.hook_start,
         tp=args.tp, sequence_parallel=args.sequence_parallel, pp=args.pp, fsdp=args.fsdp,
-        schedule=args.schedule, microbatches=args.microbatches, global_batch=args.global_batch,
+        schedule=args.schedule or "1f1b", microbatches=args.microbatches, global_batch=args.global_batch,
         vpp=args.vpp or (2 if args.schedule in MULTI_STAGE else 1),
         pp_layers=args.pp_layers,
         grad_clip=args.grad_clip)
@@ -192,10 +223,13 @@ def run(args) -> int:
     )
     from mpiring.tools.train.job3d import make_job
     from mpiring.tools.train.loop import train
-    from mpiring.tools.train.metrics import MetricsWriter
+    from mpiring.tools.train.metrics import MetricsWriteError, MetricsWriter
 
     cfg = config_from_args(args)
     try:
+        error = args_error(args)
+        if error is not None:
+            raise ValueError(error)
         cfg.validate()
         callbacks = callbacks_from_args(args)
         if cfg.fsdp and args.check_replicas is not None:
@@ -240,7 +274,7 @@ def run(args) -> int:
     bar = ProgressBar(cfg.steps, tokens, enabled=comm.rank == 0 and not args.no_progress)
     try:
         result = train(job, callbacks=callbacks, progress=bar)
-    except (ReplicaDivergenceError, ResumeError, CheckpointWriteError) as exc:
+    except (ReplicaDivergenceError, ResumeError, CheckpointWriteError, MetricsWriteError) as exc:
         # Raised on every rank with the same text: one message, no tracebacks.
         if comm.rank == 0:
             print(f"mpiring train: {exc}", file=sys.stderr, flush=True)
@@ -257,10 +291,20 @@ def run(args) -> int:
         print(f"train: mode={cfg.mode} backend={args.backend} ranks={comm.size} "
               f"model={cfg.preset} {n_params / 1e6:.2f}M params, {cfg.steps} steps of "
               f"{tokens} tokens: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, "
-              f"val loss {result.val_loss:.3f}, median step {step_s * 1e3:.1f} ms, "
+              f"{_val_text(cfg, job, result.val_loss)}, median step {step_s * 1e3:.1f} ms, "
               f"{tokens / step_s if step_s else 0:,.0f} tok/s{exposed}{_zero_and_hook(cfg, job)}",
               flush=True)
     return 0
+
+
+def _val_text(cfg, job, val_loss: float) -> str:
+    """The validation loss for the summary line, or why there is none (never a bare nan)."""
+    if cfg.val_batches == 0:
+        return "no validation (--val-batches 0)"
+    if len(job.val_set) // job.data_comm.size < cfg.batch_size:
+        return (f"no validation: the {len(job.val_set)} validation windows fill no batch of "
+                f"{cfg.batch_size} per replica (raise --max-data-mb or lower the batch)")
+    return f"val loss {val_loss:.3f}"
 
 
 def _zero_and_hook(cfg, job) -> str:

@@ -66,6 +66,34 @@ def _global_batch_error(extra, saved, now, batch_size: int) -> str | None:
             f"run's {now['dp']} x {batch_size}: resume with the same global batch, {fix}")
 
 
+_MODEL_FLAGS = {"preset": "--preset", "d_model": "--d-model", "n_layers": "--layers",
+                "n_heads": "--heads", "seq_len": "--seq-len"}
+
+
+def model_shape_error(saved_cfg: dict, cfg) -> str | None:
+    """How the checkpoint's model (from its run's config) differs in shape from ``cfg``'s,
+    naming the flags to resume with; None if the shapes agree (or the config is unknown)."""
+    from dataclasses import fields
+
+    from mpiring.tools.models.gpt import PRESETS
+
+    if saved_cfg.get("preset") not in PRESETS:
+        return None
+    saved = PRESETS[saved_cfg["preset"]].with_(**{k: saved_cfg.get(k) for k in _MODEL_FLAGS
+                                                   if k != "preset"})
+    now = cfg.model_config()
+    shape = [f.name for f in fields(now) if f.name != "dropout"]
+    changed = [f"{k} {getattr(saved, k)} -> {getattr(now, k)}" for k in shape
+               if getattr(saved, k) != getattr(now, k)]
+    if not changed:
+        return None
+    flags = [f"--preset {saved_cfg['preset']}"] if saved_cfg["preset"] != cfg.preset else []
+    flags += [f"{_MODEL_FLAGS[k]} {getattr(saved, k)}" for k in shape
+              if k in _MODEL_FLAGS and getattr(saved, k) != getattr(now, k)]
+    return (f"the checkpoint's model has another shape ({', '.join(changed)}): resume with "
+            f"its model's flags, {' '.join(flags)}")
+
+
 class ResumeError(RuntimeError):
     """Resuming failed on at least one rank (raised on every rank)."""
 
@@ -287,6 +315,12 @@ class Checkpointer:
             if self.verbose and comm.rank == 0:
                 sys.stderr.write(f"resume: no checkpoint in {self.directory}, starting at step 0\n")
             return None
+        if int(step[0]) > job.cfg.steps:
+            # Training would stop at once with the checkpoint's later model: not the run asked for.
+            raise ResumeError(f"the newest checkpoint in {self.directory} is of step {step[0]}, "
+                              f"past --steps {job.cfg.steps} (the total, not the steps left): "
+                              f"resume with --steps {step[0]} or more, or start in another "
+                              "--checkpoint-dir")
         path = os.path.join(self.directory, ck.checkpoint_name(int(step[0])))
         error, notes = None, []
         try:
@@ -307,6 +341,9 @@ class Checkpointer:
 
     def _restore(self, job, state: dict[str, Any]) -> list[str]:
         extra = state.get("extra") or {}
+        error = model_shape_error((extra.get("job") or {}).get("config") or {}, job.cfg)
+        if error is not None:
+            raise ValueError(error)
         saved, now = extra.get("layout"), reshard.layout(job)
         # A grid run on either side moves through the full tensors; two plain
         # data-parallel runs keep the exact path (and its same-world check).

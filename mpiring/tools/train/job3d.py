@@ -85,9 +85,11 @@ def validate_grid_config(cfg) -> None:
     if cfg.microbatches is not None and cfg.microbatches > 1 and cfg.pp == 1:
         raise ValueError(f"microbatches={cfg.microbatches} split a pipeline's batch: use it "
                          "with pp > 1 (one stage trains on the whole batch)")
-    if (cfg.pp > 1 or cfg.fsdp) and (cfg.mode not in ("ddp", "naive") or cfg.comm_hook != "none"):
-        raise ValueError("pp > 1 and fsdp run on mpiring's own data parallelism: use mode ddp "
-                         "(or naive), no comm hook")
+    if cfg.uses_grid and (cfg.mode not in ("ddp", "naive") or cfg.comm_hook != "none"):
+        # The grid job would run mpiring's DDP anyway, without the mode or hook asked for.
+        raise ValueError(f"pp > 1, fsdp and global_batch run on mpiring's own data parallelism, "
+                         f"not mode {cfg.mode} with comm hook {cfg.comm_hook}: use mode ddp (or "
+                         "naive), no comm hook, or --batch-size instead of --global-batch")
     if cfg.fsdp and cfg.optimizer != "adamw":
         raise ValueError(f"fsdp shards the optimizer state itself (ZeRO-3): leave the optimizer "
                          f"adamw instead of {cfg.optimizer}")

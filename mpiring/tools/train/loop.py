@@ -106,8 +106,14 @@ class TrainConfig:
         for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr}: must be positive")
+        for name in ("val_batches", "hook_start"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be 0 or more")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr={self.lr}: must be a positive, finite number")
+        if not (math.isfinite(self.max_data_mb) and self.max_data_mb > 0):
+            raise ValueError(f"max_data_mb={self.max_data_mb}: give a positive, finite number "
+                             "of MiB (e.g. 4)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout}: use a probability in [0, 1)")
         self._validate_clip()

@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import json
 
+from mpiring.backends import control as wire
+
+
+class MetricsWriteError(OSError):
+    """Rank 0 could not open the metrics file (raised on every rank)."""
+
 
 class MetricsWriter:
     """A ``train()`` callback that appends one JSON line per step to ``path`` (rank 0).
@@ -26,9 +32,19 @@ class MetricsWriter:
         self._fh = None
 
     def on_start(self, job) -> None:
+        error = None
         if job.comm.rank == 0:
             # A resumed run continues the file the interrupted one wrote.
-            self._fh = open(self.path, "a" if job.step else "w", encoding="utf-8")  # noqa: SIM115
+            try:
+                self._fh = open(self.path, "a" if job.step else "w", encoding="utf-8")  # noqa: SIM115
+            except OSError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        # Every rank must hear of it: the others would wait in the first step's reduction.
+        if job.comm.size > 1:
+            error = wire.bcast_json(job.comm, error, root=0)
+        if error is not None:
+            raise MetricsWriteError(f"--metrics {self.path} could not be opened on rank 0: "
+                                    f"{error}; give a writable file")
 
     def on_step_end(self, job) -> None:
         loss = job.global_mean(job.losses[-1:])[0]  # collective: every rank calls it
