@@ -174,7 +174,7 @@ def get_rank(group: Communicator | None = None) -> int:
     torch's)."""
     if group is NON_GROUP_MEMBER:
         return -1
-    return (group if group is not None else _require("get_rank")).rank
+    return (group if group is not None else require_default("get_rank")).rank
 
 
 def get_world_size(group: Communicator | None = None) -> int:
@@ -182,7 +182,7 @@ def get_world_size(group: Communicator | None = None) -> int:
     torch's)."""
     if group is NON_GROUP_MEMBER:
         return -1
-    return (group if group is not None else _require("get_world_size")).size
+    return (group if group is not None else require_default("get_world_size")).size
 
 
 def default_comm() -> Communicator | None:
@@ -243,7 +243,9 @@ def resolve(comm: Communicator | None, what: str = "mpiring") -> Communicator:
     return _default
 
 
-def _require(what: str) -> Communicator:
+def require_default(what: str) -> Communicator:
+    """The default Communicator; a ValueError naming ``what`` and the fix before
+    ``init_process_group()``."""
     if _default is None:
         raise ValueError(f"{what}: the default process group is not initialized: call "
                          "mpiring.init_process_group() first")

@@ -36,6 +36,7 @@ from mpiring.comm.default import (
     NotInGroup,
     backend_name,
     default_comm,
+    require_default,
     resolve,
     seconds,
 )
@@ -1162,14 +1163,6 @@ def _agreed_groups(comm: Communicator, what: str, lists: list[list[int]]) -> Non
         raise ValueError(f"{what}: " + "; ".join(bad))
 
 
-def _default_or_raise(what: str) -> Communicator:
-    comm = default_comm()
-    if comm is None:
-        raise ValueError(f"{what}: the default process group is not initialized: call "
-                         "mpiring.init_process_group() first")
-    return comm
-
-
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]],
                                  timeout: Any = None, backend: Any = None,
                                  pg_options: Any = None, group_desc: str | None = None):
@@ -1183,7 +1176,7 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: list[list[int]],
             repeat a rank or name one outside the job.
     """
     what = "new_subgroups_by_enumeration"
-    comm = _default_or_raise(what)
+    comm = require_default(what)
     given = ranks_per_subgroup_list
     if not isinstance(given, (list, tuple)) or not given:
         raise ValueError(f"{what}: ranks_per_subgroup_list={given!r}: give a non-empty list "
@@ -1211,7 +1204,7 @@ def new_subgroups(group_size: int | None = None, group: Communicator | None = No
             or (None) the hosts run different numbers of ranks.
     """
     what = "new_subgroups"
-    comm = _default_or_raise(what)
+    comm = require_default(what)
     ranks = get_process_group_ranks(group)
     if group_size is None:
         sizes = set(comm.control.allgather_json(comm.local_size))
@@ -1242,7 +1235,7 @@ def new_group(ranks: list[int] | None = None, timeout: Any = None, backend: Any 
         ValueError: on every rank (every member, with ``use_local_synchronization``),
             when the ranks differ across ranks, repeat, or are not ranks of the job.
     """
-    comm = _default_or_raise("new_group")
+    comm = require_default("new_group")
     wanted = list(range(comm.size)) if ranks is None else sorted(int(r) for r in ranks)
     me = comm.world_ranks[comm.rank]
     if use_local_synchronization:
