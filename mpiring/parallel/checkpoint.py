@@ -225,6 +225,7 @@ def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None =
             torch.save(state, fh)
             fh.flush()
         _add_checksum(temp)
+        _check_loadable(temp, final)
         with open(temp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(temp, final)
@@ -236,9 +237,37 @@ def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None =
         raise
     _fsync_dir(directory)
     if keep is not None:
-        for old in _checkpoints(directory)[keep:]:
+        # Count only checkpoints up to this step: a newer file belongs to a run that
+        # was resumed from an earlier step (after ``latest_checkpoint`` skipped a
+        # damaged newest one, say). Counting it would delete the file just written
+        # and keep the damaged one, leaving nothing to resume from.
+        older = [c for c in _checkpoints(directory) if c[0] <= step]
+        for old in older[keep:]:
             os.unlink(os.path.join(directory, old[1]))
     return final
+
+
+def _check_loadable(temp: str, final: str) -> None:
+    """Refuse, before the rename, a state that ``load_checkpoint`` could not read back.
+
+    ``torch.save`` pickles anything, but ``torch.load(weights_only=True)`` takes only
+    tensors and plain data: a NumPy scalar in ``extra`` would be written without a
+    word and found only at the resume, reported as damage. ``mmap=True`` unpickles
+    the small ``data.pkl`` alone and maps the tensor bytes without reading them.
+    """
+    import torch
+
+    try:
+        torch.load(temp, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - torch's UnpicklingError names the type
+        why = str(exc).strip().splitlines()
+        detail = next((line for line in why if "GLOBAL" in line or "Unsupported" in line),
+                      why[0] if why else type(exc).__name__).split(". Please use")[0]
+        raise ValueError(
+            f"{os.path.basename(final)} not written: load_checkpoint could not read this state "
+            f"back (torch.load(weights_only=True) takes tensors and plain Python data only): "
+            f"{detail.strip()}. Convert NumPy values and other objects first (float(x), "
+            f"torch.from_numpy(a), a dict of plain values)") from None
 
 
 def _checkpoints(directory: str) -> list[tuple[int, str]]:
