@@ -11,6 +11,7 @@ per rank. Bench commands: bad values are refused before anything is measured.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -62,3 +63,89 @@ def test_a_state_load_cannot_read_is_refused_at_the_save(tmp_path, extra):
         save_checkpoint(d, training_state(2, extra=extra))
     assert os.listdir(d) == ["ckpt-000000001.pt"], "no temporary file may be left behind"
     assert latest_checkpoint(d) == first and load_checkpoint(first)["extra"] == {"best": 2.5}
+
+
+# --- the launcher ----------------------------------------------------------------------
+
+SCRIPT = """import json, os, sys
+out = sys.argv[1]
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+with open(os.path.join(out, "r" + os.environ["RANK"] + ".json"), "w") as fh:
+    json.dump({"argv": sys.argv[1:], "env": {k: os.environ[k] for k in keys}}, fh)
+"""
+
+
+@pytest.fixture
+def launch(world, tmp_path, monkeypatch, capsys):
+    """``launch(args) -> (status, rank 0's stderr, what the script saw)`` in this process."""
+    import json
+
+    from mpiring.run import VARIABLES, main
+
+    script = tmp_path / "show.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"out-r{world.rank}"
+    out.mkdir()
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    saved = {v: os.environ.pop(v) for v in VARIABLES if v in os.environ}
+
+    def run(args):
+        capsys.readouterr()
+        args = [str(script) if a == "SCRIPT" else str(out) if a == "OUT" else a for a in args]
+        try:
+            status = main(args)
+        finally:
+            for v in VARIABLES:
+                os.environ.pop(v, None)
+            os.environ.update(saved)
+        seen = out / f"r{world.rank}.json"
+        shown = json.loads(seen.read_text()) if seen.exists() else None
+        if seen.exists():
+            seen.unlink()
+        return status, capsys.readouterr().err, shown
+
+    return run
+
+
+def test_torchruns_process_options_are_checked_against_mpi(world, launch):
+    local = world.local_size
+    status, err, seen = launch(["--nproc-per-node", str(local), "--nnodes", "1", "--standalone",
+                                "--master-port", "29517", "SCRIPT", "OUT", "--lr", "3e-4", "-x",
+                                "--nproc-per-node", "9"])
+    assert status == 0, err
+    # Everything after the script is the script's, torchrun's option names included.
+    assert seen["argv"][1:] == ["--lr", "3e-4", "-x", "--nproc-per-node", "9"]
+    assert seen["env"]["RANK"] == str(world.rank) and seen["env"]["MASTER_PORT"] == "29517"
+    assert seen["env"]["LOCAL_WORLD_SIZE"] == str(local)
+    assert launch([f"--nproc_per_node={local}", "SCRIPT", "OUT"])[0] == 0
+    # torchrun counts the devices for these; MPI has counted the processes already.
+    assert launch(["--nproc-per-node", "gpu", "SCRIPT", "OUT"])[0] == 0
+
+    status, err, seen = launch([f"--nproc_per_node={local + 1}", "SCRIPT", "OUT"])
+    assert (status, seen) == (2, None)
+    if world.rank == 0:  # said once, naming every rank
+        assert err.count("disagree with MPI") == 1, err
+        assert f"r{world.size - 1}: --nproc-per-node {local + 1} (MPI started {local} on this " \
+               "host)" in err, err
+    else:
+        assert err == ""
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--rdzv-backend", "c10d", "SCRIPT", "OUT"], "--rdzv-backend is not an option here"),
+    (["--nproc-per-node", "two", "SCRIPT", "OUT"], "--nproc-per-node two: give a whole number"),
+    (["--nproc-per-node"], "--nproc-per-node needs a value"),
+    (["--standalone"], "no script to run"),
+    (["no-such-script.py", "OUT"], "can't open file .*no-such-script.py.*: no such file"),
+    (["-m", "mpiring_no_such_module.sub", "OUT"], "no module named 'mpiring_no_such_module.sub'"),
+])
+def test_a_command_line_that_cannot_run_is_one_message_and_status_2(world, launch, args, says):
+    import re
+
+    status, err, seen = launch(args)
+    assert (status, seen) == (2, None), err
+    if world.rank == 0:
+        assert re.search(says, err) and "Traceback" not in err, err
+    else:
+        assert err == ""
