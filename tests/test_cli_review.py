@@ -149,3 +149,58 @@ def test_a_command_line_that_cannot_run_is_one_message_and_status_2(world, launc
         assert re.search(says, err) and "Traceback" not in err, err
     else:
         assert err == ""
+
+
+# --- the bench commands ------------------------------------------------------------------
+
+def _parse(argv):
+    from mpiring.cli import build_parser
+
+    return build_parser(argv[0]).parse_args(argv)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["bench", "-e", "4K", "--json", "no-such-folder/rows.json"], "folder 'no-such-folder' does"),
+    (["bench", "--plot", "no-such-folder/busbw.png"], "folder 'no-such-folder' does not exist"),
+    (["bench-ddp", "--json", "no-such-folder/x.json"], "folder 'no-such-folder' does not exist"),
+    (["bench-fsdp", "--json", "no-such-folder/x.json"], "folder 'no-such-folder' does not exist"),
+    (["bench-tp", "--json", "no-such-folder/x.json"], "folder 'no-such-folder' does not exist"),
+    (["zero-bench", "--json", "no-such-folder/x.json"], "folder 'no-such-folder' does not exist"),
+    (["hook-curves", "--out", "no-such-folder/curves"], "folder 'no-such-folder' does not exist"),
+    (["bench", "-o", "foo"], "invalid choice: 'foo'"),
+    (["bench", "--chunks", "0"], "--chunks: '0': use a whole number >= 1"),
+    (["bench", "--root", "-1"], "--root: '-1': use a whole number >= 0"),
+    (["zero-bench", "--steps", "0"], "--steps: '0': use a whole number >= 1"),
+    (["check-cost", "--sizes", "0"], "size '0': give at least 1 byte"),
+    (["check-cost", "--iters", "-5"], "--iters: '-5': use a whole number >= 0"),
+])
+def test_bad_flags_are_usage_errors_before_anything_runs(tmp_path, monkeypatch, capsys,
+                                                         argv, says):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        _parse(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_an_output_file_in_an_existing_folder_is_taken(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _parse(["bench", "--json", "rows.json"]).json == "rows.json"
+    assert _parse(["check-cost", "--sizes", "4K,1M"]).sizes == [4096, 1 << 20]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["allreduce", "--size", "3"], "--size 3 B is less than one float32 element"),
+    (["allreduce", "--size", "1000G"], "more than its .* GiB of memory"),
+    (["bench", "-c", "broadcast", "--root", "9"], r"--root 9: the job has ranks 0\.\."),
+    (["bench", "-e", "1000G"], "more than its .* GiB of memory"),
+    (["tune", "--margin", "nan", "--dry-run"], "--margin nan: give a fraction"),
+    (["tune", "--margin", "-1", "--dry-run"], "--margin -1.0: give a fraction"),
+])
+def test_bad_values_are_refused_on_every_rank_before_any_measurement(world, argv, says):
+    import re
+
+    args = _parse(argv)
+    with pytest.raises(ValueError) as exc:
+        args._module.run(args)
+    assert re.search(says, str(exc.value)), exc.value
+    world.barrier()  # every rank got here: none is left in a measurement

@@ -101,6 +101,51 @@ def sizes_arg(text: str) -> list[int]:
     return [size_arg(t) for t in text.split(",") if t.strip()] or [size_arg("")]
 
 
+def output_file(text: str) -> str:
+    """argparse type: a file to write at the end, whose folder must exist now.
+
+    Checked while parsing, on every rank alike, so that a typo in the folder is
+    one usage error at the start instead of a traceback on rank 0 after the
+    whole measurement has run (and been lost).
+    """
+    import os
+
+    folder = os.path.dirname(os.path.abspath(text))
+    if not text or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a file name, not a folder")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the folder {os.path.dirname(text) or '.'!r} does not exist; "
+            "create it first (mkdir -p) or write somewhere else")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder is not writable")
+    return text
+
+
+def check_memory(nbytes: int, local_ranks: int, what: str) -> None:
+    """Refuse a run whose buffers cannot fit in this host's memory, before allocating.
+
+    Args:
+        nbytes: bytes one rank allocates at its largest.
+        local_ranks: ranks on this host (each allocates ``nbytes``).
+        what: the flag and value, for the message.
+
+    Raises:
+        ValueError: naming the need, the host's memory and the fix.
+    """
+    import os
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: nothing to compare with
+        return
+    need = nbytes * local_ranks
+    if total > 0 and need > total:
+        raise ValueError(f"{what}: the {local_ranks} rank(s) on this host would need about "
+                         f"{need / 2**30:.1f} GiB of buffers, more than its {total / 2**30:.1f} "
+                         "GiB of memory; give a smaller size")
+
+
 def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)

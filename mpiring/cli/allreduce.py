@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from mpiring.cli import add_backend_arguments, parse_size, positive_int, size_arg
+from mpiring.cli import add_backend_arguments, check_memory, parse_size, positive_int, size_arg
 
 
 def add_arguments(p) -> None:
@@ -37,6 +37,11 @@ def run(args) -> int:
     to_dev, to_host, sync = _placement(args, comm)
     dtype = bfloat16() if args.dtype == "bfloat16" else np.dtype(args.dtype)
     n = max(parse_size(args.size) // dtype.itemsize, 0)
+    if n == 0:  # a 0-element call times nothing, yet would print a time and "OK"
+        raise ValueError(f"--size {args.size} B is less than one {args.dtype} element "
+                         f"({dtype.itemsize} B): give at least {dtype.itemsize}")
+    # int64 indices while building the data, then the buffer, the reference and a copy.
+    check_memory(n * (8 + 3 * dtype.itemsize), comm.local_size, f"--size {args.size}")
     # Rank- and index-dependent small integers: exact in every dtype, so the ring
     # and the native result must agree bit for bit.
     base = ((np.arange(n, dtype=np.int64) * 5 + comm.rank * 3) % 7).astype(dtype)

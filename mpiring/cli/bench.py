@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import sys
 
-from mpiring.cli import add_backend_arguments, non_negative_int, parse_size, positive_int, size_arg
+from mpiring.cli import (
+    add_backend_arguments,
+    check_memory,
+    non_negative_int,
+    output_file,
+    parse_size,
+    positive_int,
+    size_arg,
+)
 
 
 def _csv(text: str) -> list[str]:
@@ -51,14 +59,15 @@ def add_arguments(p) -> None:
     p.add_argument("-w", "--warmup", type=non_negative_int, default=5,
                    help="untimed warm-up iterations, default 5")
     p.add_argument("-d", "--dtype", default="float32", help="element type, default float32")
-    p.add_argument("-o", "--op", default="sum", help="sum, avg, max, min or prod (default sum)")
-    p.add_argument("--root", type=int, default=0, help="root of broadcast and reduce, default 0")
-    p.add_argument("--chunks", type=int, default=None,
+    p.add_argument("-o", "--op", default="sum", choices=("sum", "avg", "max", "min", "prod"),
+                   help="sum, avg, max, min or prod (default sum)")
+    p.add_argument("--root", type=non_negative_int, default=0, help="root of broadcast and reduce, default 0")
+    p.add_argument("--chunks", type=positive_int, default=None,
                    help="pipeline chunks S for broadcast/reduce (default: the cost model's S*, from "
                         "the alpha and beta that tune stored, else the built-in ones)")
-    p.add_argument("--json", metavar="FILE", help="write every row as JSON (one object per "
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write every row as JSON (one object per "
                    "collective, algo and size)")
-    p.add_argument("--plot", metavar="PNG", help="busbw against size, one line per algo "
+    p.add_argument("--plot", metavar="PNG", type=output_file, help="busbw against size, one line per algo "
                    "(with --ps: traffic and time against K)")
     p.add_argument("--model", action="store_true",
                    help="fit the alpha-beta model from a neighbour ping-pong and print its "
@@ -107,6 +116,12 @@ def run(args) -> int:
     if wants_gloo and not gloo_ok:
         raise TypeError("algo 'gloo' needs torch: pip install \"mpiring[torch]\"")
     sizes = report.size_sweep(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)
+    if args.root >= k:
+        raise ValueError(f"--root {args.root}: the job has ranks 0..{k - 1}")
+    # The largest buffer a rank holds at once: the input, the buffer, the reference
+    # and native's result (plus gloo's), about five copies of the largest size.
+    biggest = max([*sizes, parse_size(args.ps or 0), parse_size(args.sweep_chunks or 0)])
+    check_memory(5 * biggest, comm.local_size, f"-e/--ps/--sweep-chunks {biggest} B")
 
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     if out:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from mpiring.cli import add_backend_arguments
+from mpiring.cli import add_backend_arguments, output_file
 
 
 def _floats(text: str) -> list[float]:
@@ -53,8 +53,8 @@ def add_arguments(p) -> None:
                    help="instead of timing: train --steps steps in this one setup and report "
                         "peak RSS (one setup per launch; scripts/ddp_memory.sh runs them all; "
                         "--json appends the line)")
-    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
-    p.add_argument("--plot", metavar="PNG", help="step-time bars, one per mode and bucket size")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write the rows as JSON")
+    p.add_argument("--plot", metavar="PNG", type=output_file, help="step-time bars, one per mode and bucket size")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
                    help="progress bar on rank 0's stderr (auto: when stderr is a terminal)")
     add_backend_arguments(p)

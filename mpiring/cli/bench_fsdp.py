@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mpiring.cli import add_backend_arguments
+from mpiring.cli import add_backend_arguments, output_file
 
 MIB = float(1 << 20)
 
@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank (default 2)")
     p.add_argument("--algo", default=None,
                    help="FSDP's AllGather/ReduceScatter algorithm (default: FSDP's own)")
-    p.add_argument("--json", metavar="FILE", default=None, help="append the result as JSON")
+    p.add_argument("--json", metavar="FILE", type=output_file, default=None, help="append the result as JSON")
     add_backend_arguments(p)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from mpiring.cli import add_backend_arguments
+from mpiring.cli import add_backend_arguments, output_file
 
 
 def _ints(text: str) -> list[int]:
@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the blocks run (default cpu; cuda: each rank on its local "
                         "GPU, mpiring over MPI, torch's TP still over gloo)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="also write the rows as JSON")
     add_backend_arguments(p)
 
 

@@ -14,13 +14,13 @@ import time
 
 import numpy as np
 
-from mpiring.cli import parse_size
+from mpiring.cli import non_negative_int, sizes_arg
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--sizes", default="4K,64M", help="comma-separated message sizes (default 4K,64M)")
-    p.add_argument("--iters", type=int, default=0,
-                   help="timed calls per variant (default: 300 below 1 MiB, 8 above)")
+    p.add_argument("--sizes", default="4K,64M", type=sizes_arg, help="comma-separated message sizes (default 4K,64M)")
+    p.add_argument("--iters", type=non_negative_int, default=0,
+                   help="timed calls per variant (default 0: 300 below 1 MiB, 8 above)")
 
 
 def _median_us(samples: list[float]) -> float:
@@ -34,8 +34,7 @@ def run(args) -> int:
 
     comm = mpiring.init(trace="", log="none")
     rows = []
-    for text in args.sizes.split(","):
-        nbytes = parse_size(text)
+    for nbytes in args.sizes:  # parsed and checked by sizes_arg
         n = max(nbytes // 4, 1)
         base = ((np.arange(n, dtype=np.int64) * 5 + comm.rank * 3) % 7).astype(np.float32)
         iters = args.iters or (300 if nbytes < (1 << 20) else 8)

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from mpiring.cli import parse_size
+from mpiring.cli import output_file, parse_size
 
 
 def add_arguments(p) -> None:
@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed iterations, default 10")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations, default 3")
     p.add_argument("--backends", default="nccl,mpi", help="comma list of nccl, mpi")
-    p.add_argument("--json", metavar="FILE", help="write the rows as JSON (rank 0)")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="write the rows as JSON (rank 0)")
 
 
 def run(args) -> int:

@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 
-from mpiring.cli import add_backend_arguments
+from mpiring.cli import add_backend_arguments, output_file
 
 DEFAULT_HOOKS = "none,fp16,bf16,topk,powersgd"
 
@@ -37,7 +37,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hook-start", type=int, default=10,
                    help="topk/powersgd: plain AllReduce for the first N steps (default 10)")
     p.add_argument("--max-data-mb", type=float, default=4.0, help="corpus to read (default 4)")
-    p.add_argument("--out", default="docs/compression_curves",
+    p.add_argument("--out", default="docs/compression_curves", type=output_file,
                    help="write OUT.json and OUT.png on rank 0 (default docs/compression_curves)")
     p.add_argument("--replot", action="store_true",
                    help="only redraw OUT.png from OUT.json (no training, no MPI)")

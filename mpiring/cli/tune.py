@@ -63,6 +63,8 @@ def run(args) -> int:
     if any(k < 1 or k > comm.size for k in ks):
         raise ValueError(f"--world-sizes must lie in 1..{comm.size}")
     margin = autotune.MARGIN if args.margin is None else args.margin
+    if not 0 <= margin < 1:  # nan compares false: every size would silently keep native
+        raise ValueError(f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.03")
     out = comm.rank == 0
     for k in ks:
         sub = comm if k == comm.size else comm.split(0 if comm.rank < k else None, comm.rank)

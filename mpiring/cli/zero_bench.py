@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mpiring.cli import add_backend_arguments
+from mpiring.cli import add_backend_arguments, output_file, positive_int
 
 
 def add_arguments(p) -> None:
@@ -32,10 +32,10 @@ def add_arguments(p) -> None:
                    help="adamw (DDP + AdamW), zero1 or zero2 (DDP + sharded AdamW); a comma list "
                         "alternates their steps in one process and compares step times")
     p.add_argument("--preset", default="comm", help="GPT preset (default comm, 12.8M params)")
-    p.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
+    p.add_argument("--steps", type=positive_int, default=8, help="training steps (default 8)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per rank (default 4)")
     p.add_argument("--max-data-mb", type=float, default=1.0, help="corpus to read (default 1)")
-    p.add_argument("--json", metavar="FILE", default=None, help="append the result as a JSON line")
+    p.add_argument("--json", metavar="FILE", type=output_file, default=None, help="append the result as a JSON line")
     add_backend_arguments(p)
 
 
