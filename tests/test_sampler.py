@@ -61,3 +61,33 @@ def test_set_epoch_at_the_top_of_a_resumed_epoch_keeps_its_position():
     s.set_epoch(4)  # a new epoch starts at its beginning
     theirs.set_epoch(4)
     assert s.start == 0 and list(s) == list(theirs)
+
+
+@pytest.mark.parametrize("n", [12, 31])
+@pytest.mark.parametrize("old,new", [(2, 4), (4, 2), (3, 2), (2, 3), (1, 4), (4, 3)])
+@pytest.mark.parametrize("start", [0, 1, 3, 5])
+def test_a_position_resumed_on_another_rank_count_skips_nothing(n, old, new, start):
+    """start counts one rank's samples: resumed on another number of ranks it must
+    point at the same place of the epoch's order. Every index the old ranks had not
+    reached is read by the new ones, and at most new - 1 are read a second time."""
+    before = [DistributedSampler(n, old, r, seed=5) for r in range(old)]
+    for s in before:
+        s.set_epoch(2)
+        s.start = start
+    used = [i for s in before for i in s.shard()[:start]]
+    after = [DistributedSampler(n, new, r, seed=5) for r in range(new)]
+    for s in after:
+        s.load_state_dict(before[0].state_dict())
+        s.set_epoch(2)
+    rest = [i for s in after for i in s]
+    order = before[0].global_indices()[:n]
+    left = [i for i in order[min(start * old, n):]]
+    assert set(left) <= set(rest)
+    again = len(rest) - len(set(rest) - set(used))
+    assert 0 <= again <= new - 1 + (after[0].total_size - n)
+
+
+def test_a_state_without_the_rank_count_loads_as_before():
+    s = DistributedSampler(20, 2, 0, seed=1)
+    s.load_state_dict({"seed": 1, "epoch": 3, "start": 4})
+    assert s.start == 4 and s.state_dict()["num_replicas"] == 2

@@ -111,11 +111,24 @@ class DistributedSampler:
         return self.num_samples
 
     def state_dict(self) -> dict[str, int]:
-        """What a checkpoint needs to continue the same order: seed, epoch, position."""
-        return {"seed": self.seed, "epoch": self.epoch, "start": self.start}
+        """What a checkpoint needs to continue the same order: seed, epoch, position,
+        and the number of ranks the position counts in."""
+        return {"seed": self.seed, "epoch": self.epoch, "start": self.start,
+                "num_replicas": self.num_replicas}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore ``state_dict()``'s output."""
+        """Restore ``state_dict()``'s output, on as many ranks as saved it or another number.
+
+        ``start`` counts this rank's samples, so on another number of ranks it is
+        rescaled to the same place in the epoch's order: rank r took positions r,
+        r + K, ..., so ``start * K`` positions were used by all ranks together.
+        Where that does not divide by the new count it rounds down: up to K' - 1
+        samples are seen again, none is skipped.
+        """
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        self.start = int(state.get("start", 0))
+        start = int(state.get("start", 0))
+        saved = int(state.get("num_replicas", self.num_replicas))  # older states: the same K
+        if saved != self.num_replicas:
+            start = min(start * saved // self.num_replicas, self.num_samples)
+        self.start = start

@@ -412,7 +412,10 @@ class Checkpointer:
         if read % now["dp"] or error is not None:
             raise ValueError(error or f"{read} windows read do not split over {now['dp']} "
                              "replicas: resume with the checkpoint's global batch")
-        job.sampler.load_state_dict({**sampler, "start": read // now["dp"]})
+        # The position is rescaled here, with the global batch checked: say so, or
+        # the sampler would rescale it once more from the saved count.
+        job.sampler.load_state_dict({**sampler, "start": read // now["dp"],
+                                     "num_replicas": job.sampler.num_replicas})
         job._shard = None
         job.step = int(state["step"])
         job.losses = [float(v) for v in extra["global_losses"].tolist()]
