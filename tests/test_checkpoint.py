@@ -182,6 +182,32 @@ def test_a_process_killed_mid_write_leaves_the_previous_checkpoint(world, tmp_pa
     wait_quietly(world)
 
 
+def test_each_rank_resumes_its_own_random_stream(world, tmp_path):
+    """Ranks seeded apart (nanoGPT's seed + rank) draw their own numbers after a resume
+    when the state was gathered with comm=; the file is rank 0's, as a job writes it."""
+    random.seed(100 + world.rank)
+    np.random.seed(100 + world.rank)
+    torch.manual_seed(100 + world.rank)
+    draws()
+    state = training_state(5, comm=world)
+    expected = draws()
+    assert len(state["rng_ranks"]) == world.size
+    state["rng"] = state["rng_ranks"][0]  # what rank 0 writes into the file
+    path = save_checkpoint(str(tmp_path), state)
+    torch.manual_seed(7)
+    assert restore_training_state(load_checkpoint(path), comm=world) == 5
+    assert draws() == expected
+    if world.size > 1:
+        # The same file without comm= gives every rank rank 0's numbers, and a
+        # checkpoint of one rank's state says so where the ranks should differ.
+        restore_training_state(load_checkpoint(path))
+        theirs = draws()
+        del state["rng_ranks"]
+        with pytest.warns(ck.CheckpointWarning, match="one rank's state"):
+            restore_training_state(state, comm=world)
+        assert draws() == theirs
+
+
 # --- replicas ----------------------------------------------------------------------------
 
 def test_identical_replicas_pass(comm):

@@ -125,8 +125,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --- what a training checkpoint holds ----------------------------------------------------
 
 def training_state(step: int, model=None, optimizer=None, sampler=None,
-                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                   extra: dict[str, Any] | None = None, *, comm=None) -> dict[str, Any]:
     """Everything a resumed run needs, as a dict ``save_checkpoint`` can write.
+
+    Without ``comm`` the random-number state is this rank's alone; with it, the call
+    is collective (every rank of ``comm`` makes it) and the state holds every rank's
+    too, so that ranks seeded apart (``seed + rank``) each resume their own stream.
 
     Args:
         step: the number of optimizer steps taken so far.
@@ -135,10 +139,11 @@ def training_state(step: int, model=None, optimizer=None, sampler=None,
         sampler: anything with ``state_dict()`` (``mpiring.parallel.data.DistributedSampler``),
             or plain data (an int position, a dict) stored as it is.
         extra: more plain data (tensors, numbers, strings, lists, dicts).
+        comm: gather every rank's random-number state (see above).
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step={step!r}: give the non-negative number of steps taken")
-    return {
+    state = {
         "format": FORMAT,
         "step": int(step),
         "model": model.state_dict() if model is not None else None,
@@ -147,11 +152,24 @@ def training_state(step: int, model=None, optimizer=None, sampler=None,
         "rng": rng_state(),
         "extra": extra,
     }
+    if comm is not None:
+        from mpiring.comm.functional import all_gather_object
+
+        ranks: list[Any] = [None] * comm.size
+        all_gather_object(ranks, state["rng"], group=comm)
+        state["rng_ranks"] = ranks
+    return state
 
 
 def restore_training_state(state: dict[str, Any], model=None, optimizer=None, sampler=None,
-                           *, rng: bool = True) -> int:
-    """Load ``state`` (from ``load_checkpoint``) into the objects given; returns the step."""
+                           *, rng: bool = True, comm=None) -> int:
+    """Load ``state`` (from ``load_checkpoint``) into the objects given; returns the step.
+
+    With ``comm``, each rank takes its own random-number state where the checkpoint
+    holds every rank's (``training_state(..., comm=comm)``); a rank the checkpoint
+    has none for (it was saved on fewer ranks), or a checkpoint of one rank's state,
+    takes that saved state, with a ``CheckpointWarning`` where ranks should differ.
+    """
     if model is not None:
         model.load_state_dict(state["model"])
     if optimizer is not None:
@@ -159,7 +177,19 @@ def restore_training_state(state: dict[str, Any], model=None, optimizer=None, sa
     if sampler is not None and hasattr(sampler, "load_state_dict"):
         sampler.load_state_dict(state["sampler"])
     if rng:
-        set_rng_state(state["rng"])
+        ranks = state.get("rng_ranks")
+        if comm is not None and ranks and comm.rank < len(ranks):
+            set_rng_state(ranks[comm.rank])
+        else:
+            if comm is not None and comm.size > 1:
+                # Each rank drawing the saved rank's numbers is what this checkpoint
+                # can give; an uninterrupted run's ranks would have drawn their own.
+                why = (f"it holds the states of {len(ranks)} rank(s)" if ranks else
+                       "it holds one rank's state (save with training_state(..., comm=comm))")
+                warnings.warn(f"restore_training_state: r{comm.rank} takes the saved random-"
+                              f"number state, not its own: {why}", CheckpointWarning,
+                              stacklevel=2)
+            set_rng_state(state["rng"])
     return int(state["step"])
 
 
