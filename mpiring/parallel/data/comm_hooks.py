@@ -349,13 +349,19 @@ class PowerSGDState(HookState):
         warm_start: start each step's power iteration from the last Q.
         orthogonalization_epsilon: added to column norms in Gram-Schmidt.
         random_seed: seed for the first Q, the same on every rank.
+        compression_stats_logging_frequency: accepted for torch's signature
+            (``bytes_sent`` / ``dense_bytes`` are the statistics here).
+        batch_tensors_with_same_shape: compress the matrices of one shape in
+            one batched matmul (torch's option; the same numbers either way
+            as torch gives for the same setting).
     """
 
     def __init__(self, process_group: Any = None, matrix_approximation_rank: int = 1,
                  start_powerSGD_iter: int = 1_000,
                  min_compression_rate: float = 2, use_error_feedback: bool = True,
                  warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 random_seed: int = 0):
+                 random_seed: int = 0, compression_stats_logging_frequency: int = 10_000,
+                 batch_tensors_with_same_shape: bool = False):
         super().__init__()
         if process_group is not None and not hasattr(process_group, "all_reduce"):
             raise TypeError(f"PowerSGDState: process_group={process_group!r}: pass None or the "
@@ -374,6 +380,8 @@ class PowerSGDState(HookState):
         self.use_error_feedback = use_error_feedback
         self.warm_start = warm_start
         self.orthogonalization_epsilon = orthogonalization_epsilon
+        self.compression_stats_logging_frequency = int(compression_stats_logging_frequency)
+        self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
         # The seeds for the first Qs come from one NumPy stream, drawn in bucket
         # order, so every rank draws the same Q without communicating.
         self.rng = np.random.RandomState(random_seed)
@@ -444,22 +452,39 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.Tensor:  # 
         r = min(n, m, state.matrix_approximation_rank)
         (compress if (n + m) * r * state.min_compression_rate < n * m else plain).append(
             (matrix, g, r))
-    p_size = sum(mat.shape[0] * r for mat, _, r in compress)
-    q_size = sum(mat.shape[1] * r for mat, _, r in compress)
+    # torch's order: the matrices grouped by shape (shapes in order of first
+    # appearance), one batch per shape or one matrix at a time. P and Q are laid
+    # out, and the first random Qs drawn, in that order: in bucket order a bucket
+    # whose shapes interleave (w1, w2, w1) gets other random Qs than torch's.
+    by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+    for mat, _, _ in compress:
+        by_shape.setdefault(mat.shape, []).append(mat)
+    units: list[list[torch.Tensor]] = []
+    for mats in by_shape.values():
+        if state.batch_tensors_with_same_shape:
+            units.append(mats)
+        else:
+            units.extend([mat] for mat in mats)
+    ranks = [min(*mats[0].shape, state.matrix_approximation_rank) for mats in units]
+    p_size = sum(len(mats) * mats[0].shape[0] * r for mats, r in zip(units, ranks))
+    q_size = sum(len(mats) * mats[0].shape[1] * r for mats, r in zip(units, ranks))
     fresh = (not state.warm_start or b not in state.p_memory
              or state.p_memory[b].numel() != p_size or state.q_memory[b].numel() != q_size)
     if fresh:
         state.p_memory[b] = torch.empty(p_size, device=device, dtype=dtype)
         state.q_memory[b] = torch.empty(q_size, device=device, dtype=dtype)
     p_all, q_all = state.p_memory[b], state.q_memory[b]
-    ps, qs = [], []
+    batches, ps, qs = [], [], []
     pi = qi = 0
-    for mat, _, r in compress:
-        n, m = mat.shape
-        ps.append(p_all[pi:pi + n * r].view(1, n, r))
-        qs.append(q_all[qi:qi + m * r].view(1, m, r))
-        pi += n * r
-        qi += m * r
+    for mats, r in zip(units, ranks):
+        count, (n, m) = len(mats), mats[0].shape
+        # One matrix: a view of the bucket (bmm writes the result in place);
+        # several: a stacked copy, written back after decompression.
+        batches.append(mats[0].unsqueeze(0) if count == 1 else torch.stack(mats))
+        ps.append(p_all[pi:pi + count * n * r].view(count, n, r))
+        qs.append(q_all[qi:qi + count * m * r].view(count, m, r))
+        pi += count * n * r
+        qi += count * m * r
     if fresh:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(state.rng.randint(1_000_000_000))
@@ -482,21 +507,24 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.Tensor:  # 
             g.copy_(flat[pos:pos + g.numel()].view_as(g))
             pos += g.numel()
     if compress:
-        for (mat, _, _), p, q in zip(compress, ps, qs):
-            torch.matmul(mat, q[0], out=p[0])
+        for batch, p, q in zip(batches, ps, qs):
+            torch.bmm(batch, q, out=p)
         if k_ranks > 1:
             comm.all_reduce(p_all, op="sum", check=False)
             state._count(comm, p_all.numel(), p_all.element_size())
         for p in ps:
             orthogonalize_(p, state.orthogonalization_epsilon)
-        for (mat, _, _), p, q in zip(compress, ps, qs):
-            torch.matmul(mat.t(), p[0], out=q[0])
+        for batch, p, q in zip(batches, ps, qs):
+            torch.bmm(batch.transpose(1, 2), p, out=q)
         if k_ranks > 1:
             comm.all_reduce(q_all, op="sum", check=False)
             state._count(comm, q_all.numel(), q_all.element_size())
         q_all.div_(k_ranks)
-        for (mat, _, _), p, q in zip(compress, ps, qs):
-            torch.matmul(p[0], q[0].t(), out=mat)
+        for mats, batch, p, q in zip(units, batches, ps, qs):
+            torch.bmm(p, q.transpose(1, 2), out=batch)
+            if len(mats) > 1:
+                for mat, approx in zip(mats, batch):
+                    mat.copy_(approx)
     if state.use_error_feedback:
         state.errors[b] = before - buf
     if not state.warm_start:
