@@ -85,6 +85,10 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
             ``last_grad_norm`` is the norm before clipping. Do not call
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``: until then
             ``p.grad`` is this rank's own gradient, and its norm is not the mean's.
+        process_group: torch's name for ``comm`` (one of the two, or neither).
+        parameters_as_bucket_view: torch's option, accepted: the parameters here
+            always are views of the flat buffers.
+        overlap_with_ddp: torch's option; refused: pass ``ddp=`` with stage 2.
         **defaults: hyperparameters for ``optimizer_class`` (lr, betas, ...),
             checked by that class at construction as torch would (a TypeError
             for a name it does not take, on every rank).
@@ -105,8 +109,32 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], comm=None,
                  optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  stage: int = 2, *, broadcast_params: bool = True, ddp=None,
-                 max_grad_norm: float | None = None, **defaults: Any):
+                 max_grad_norm: float | None = None, process_group=None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 **defaults: Any):
         self._initialized = False
+        # torch's signature is (params, optimizer_class, process_group=None, ...): a
+        # ported call passes the optimizer class where ours takes comm. Refused here,
+        # before any byte moves, since without a communicator no rank can agree.
+        if isinstance(comm, type) and issubclass(comm, torch.optim.Optimizer):
+            raise TypeError(
+                f"ZeroRedundancyOptimizer(params, {comm.__name__}, ...): the second argument is "
+                f"comm here (torch's is optimizer_class): pass optimizer_class={comm.__name__} "
+                "by keyword, and comm=/process_group= the communicator (or nothing, after "
+                "mpiring.init_process_group())")
+        if overlap_with_ddp:
+            raise ValueError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True): pass the DDP model instead, "
+                "ddp=model with stage=2: its comm hook reduce-scatters each bucket while "
+                "backward runs")
+        if process_group is not None:  # torch's name for the communicator
+            if comm is not None and comm is not process_group:
+                raise ValueError("ZeroRedundancyOptimizer: comm and process_group name two "
+                                 "communicators: pass one of them")
+            comm = process_group
+        # parameters_as_bucket_view: ours are always views of flat buffers (the
+        # segments), so torch's option is what this optimizer does anyway.
+        self._broadcast_params = bool(broadcast_params)
         if comm is None:  # torch's habit: the default process group (or DDP's)
             comm = ddp.comm if ddp is not None else resolve(None, "ZeroRedundancyOptimizer")
         error: Exception | None = None
@@ -184,12 +212,54 @@ class ZeroRedundancyOptimizer(ShardLayout, ShardedState, FollowDDP, torch.optim.
         self._initialized = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group before construction ends; afterwards the flat layout is fixed."""
-        if getattr(self, "_initialized", False):
-            raise NotImplementedError(
-                "ZeroRedundancyOptimizer lays its parameters out in flat buffers at construction: "
-                "pass every parameter group to the constructor instead of add_param_group()")
-        super().add_param_group(param_group)
+        """Add a parameter group (a collective after construction, as in torch's ZeRO).
+
+        Call it on every rank with the same group. The flat buffers are laid out
+        again with the new parameters (rank 0's values, if ``broadcast_params``),
+        the shards move with them, and the existing optimizer state follows its
+        parameters to their new shards.
+
+        Raises:
+            TypeError, ValueError: on every rank, before anything moves, if any
+                rank's group is bad (torch's own checks, a sparse or non-float
+                parameter) or the ranks passed different groups; the optimizer
+                is then left as it was.
+        """
+        if not getattr(self, "_initialized", False):
+            super().add_param_group(param_group)  # torch.optim.Optimizer.__init__ builds groups
+            return
+        before, groups_before = len(self._all_params), len(self.param_groups)
+        error: Exception | None = None
+        try:
+            super().add_param_group(param_group)  # torch's checks: duplicates, non-leaf, ...
+        except (TypeError, ValueError) as exc:
+            error = exc
+        added = [] if error is not None else list(self.param_groups[-1]["params"])
+        self._all_params.extend(added)
+        self._shapes.extend(p.shape for p in added)
+        self._group_of.extend(len(self.param_groups) - 1 for _ in added)
+        if error is None:
+            error = self._check_params()
+        try:
+            self._agree(error)  # every rank raises (or none does) before a byte moves
+        except (TypeError, ValueError):
+            # Leave the optimizer as it was, on every rank: it can go on training.
+            del self.param_groups[groups_before:]
+            del self._all_params[before:], self._shapes[before:], self._group_of[before:]
+            raise
+        # The new parameters join the segments: lay them out again and take every
+        # piece's state along to its new shard (the DDP rebuild's path).
+        relayouts = self.relayouts
+        self._relayout(self._layout())
+        self.relayouts = relayouts  # that counter is for DDP bucket rebuilds
+        if self._broadcast_params:  # replicas start equal, as at construction
+            new = set(range(before, len(self._all_params)))
+            for seg in self._segments:
+                if new.intersection(seg.indices):
+                    self.comm.broadcast(seg.flat_param, root=0)
+        # The inner optimizer filled in the new group's defaults: show them here too.
+        self._sync_groups(self.optim.param_groups, self.param_groups)
+        self._consolidated = None
 
     def _check_params(self) -> Exception | None:
         if not self._all_params:
