@@ -12,6 +12,7 @@ from torch import nn  # noqa: E402
 from torch_gloo import gloo_world  # noqa: E402
 
 from mpiring import ZeroRedundancyOptimizer  # noqa: E402
+from mpiring.parallel.data import ParameterServer  # noqa: E402
 from mpiring.parallel.data import comm_hooks as ch  # noqa: E402
 
 
@@ -194,3 +195,50 @@ def test_torch_signature_is_taken_or_refused_naming_the_fix(comm):
     train(other, ref, comm.rank, range(2))
     for p, q in zip(model.parameters(), other.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+# --- the parameter server --------------------------------------------------------------
+
+@pytest.mark.parametrize("server_first", (True, False), ids=("server-shortest", "server-longest"))
+def test_parameter_server_join_trains_ranks_with_fewer_batches(comm, server_first):
+    """Rank r has 2 + r batches. Inside join() a rank out of batches answers the others'
+    steps with zeros: one process summing the ranks still training, divided by K."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    ref = nn.Linear(4, 2).double()
+    ref.load_state_dict(model.state_dict())
+    ps = ParameterServer(model, comm, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                         server=0 if server_first else comm.size - 1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def batches(r):
+        return [data(r, i, torch.float64) for i in range(2 + r)]
+
+    with ps.join():
+        for x, y in batches(comm.rank):
+            ps.zero_grad()
+            (model(x[:, :4]) - y[:, :2]).pow(2).mean().backward()
+            ps.step()
+    for i in range(2 + comm.size - 1):
+        ref_opt.zero_grad()
+        live = [b[i] for r in range(comm.size) if i < len(b := batches(r))]
+        (sum((ref(x[:, :4]) - y[:, :2]).pow(2).mean() for x, y in live) / comm.size).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_parameter_server_refuses_on_every_rank_what_the_server_refuses(comm):
+    """The optimizer factory runs on the server only: its error (an empty parameter
+    list, a bad lr) used to leave the workers waiting in step() until the deadline."""
+    server = comm.size - 1
+    with pytest.raises(ValueError, match=r"Invalid learning rate|r\d failed to build"):
+        ParameterServer(nn.Linear(3, 2), comm, lambda p: torch.optim.SGD(p, lr=-1.0),
+                        server=server)
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ParameterServer(frozen, comm, lambda p: torch.optim.SGD(p, lr=0.1), server=server)
+    # The communicator is still usable: a good one trains.
+    ps = ParameterServer(nn.Linear(3, 2), comm, lambda p: torch.optim.SGD(p, lr=0.1),
+                         server=server)
+    ps.step()

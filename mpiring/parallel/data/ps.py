@@ -17,7 +17,8 @@ goes through one rank in both directions: the two weaknesses the lecture names
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -42,6 +43,13 @@ class ParameterServer:
             Broadcast.
 
     Use ``step()`` after ``loss.backward()`` instead of ``optimizer.step()``.
+
+    The pushed gradient is the mean of the ranks' gradients, as DDP's: with
+    batches of different sizes per rank it is not the gradient of the whole
+    global batch (each rank's mean counts alike); scale each rank's loss by
+    ``K * n_rank / n_total`` for that. A rank with fewer batches than the
+    others trains inside ``with ps.join():`` (else the others wait for it until
+    the deadline aborts the job).
     """
 
     def __init__(self, module: nn.Module, comm,
@@ -60,7 +68,26 @@ class ParameterServer:
                        root=server)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.is_server = comm.rank == server
-        self.optimizer = optimizer(self.params) if self.is_server else None
+        self.optimizer = None
+        error: Exception | None = None
+        if not self.params:
+            error = ValueError("ParameterServer: the model has no trainable parameters (every "
+                               "requires_grad is False): unfreeze some, or train without it")
+        elif self.is_server:
+            # The factory runs on the server only: its error (an empty list, a bad
+            # lr) must stop every rank here, not leave the workers waiting in step().
+            try:
+                self.optimizer = optimizer(self.params)
+            except Exception as exc:  # noqa: BLE001 - any factory error is reported alike
+                error = exc
+        desc = None if error is None else f"{type(error).__name__}: {error}"
+        table = comm.control.allgather_json(desc) if comm.size > 1 else [desc]
+        if error is not None:
+            raise error
+        bad = [r for r, d in enumerate(table) if d is not None]
+        if bad:
+            raise ValueError(f"ParameterServer: rank(s) {', '.join(f'r{r}' for r in bad)} "
+                             f"failed to build ({table[bad[0]]}); no rank went on")
         nbytes = [p.numel() * p.element_size() for p in self.params]
         keys = [(p.dtype, str(p.device)) for p in self.params]
         cap = max(1, int(bucket_cap_mb * MIB))
@@ -74,21 +101,45 @@ class ParameterServer:
 
     def step(self) -> None:
         """Push the gradients, update on the server, pull the parameters (collective)."""
+        self._step(active=True)
+
+    @contextmanager
+    def join(self) -> Iterator[None]:
+        """Train on inputs of different lengths per rank (torch DDP's ``join()``, for the PS).
+
+        Without it, a rank that runs out of batches stops calling ``step()`` and
+        the others wait in their next one until the deadline aborts the job.
+        Inside ``with ps.join():`` a rank that leaves its loop keeps answering
+        the others' steps with zero gradients until every rank is done, so the
+        mean stays over all K ranks (torch's ``divide_by_initial_world_size``
+        default) and every rank ends with the server's parameters.
+        """
+        yield
+        # Only on a normal exit: after an exception the others would wait anyway.
+        while self._step(active=False):
+            pass
+
+    def _step(self, active: bool) -> bool:
+        """One step; ``active=False`` answers it with zero gradients. False once no rank trains."""
         k = self.comm.size
         if k > 1 and self.comm.backend == "mpi" and self.params[0].device.type == "cpu":
             self.comm.control.barrier(poll_s=QUIET_POLL_S)  # no spinning while slower workers compute
         # A parameter with no gradient on any rank keeps grad None on the server, so
         # its optimizer skips it as torch and DDP do (a zero one would still get
-        # weight decay and momentum): one small exchange of flags.
-        flags = [int(p.grad is not None) for p in self.params]
+        # weight decay and momentum): one small exchange of flags, which also says
+        # whether any rank still trains (a joined rank has no gradients).
+        flags = [int(active)] + [int(active and p.grad is not None) for p in self.params]
         if k > 1:
             flags = self.comm.control.allgather_array(flags).max(axis=0).tolist()
+        if not flags[0]:
+            return False  # every rank is in join()'s wait: nothing to step
+        flags = flags[1:]
         with torch.no_grad():
             for group, offsets, flat in self.buckets:
                 for i, off in zip(group, offsets):
                     p = self.params[i]
                     slot = flat[off:off + p.numel()]
-                    if p.grad is None:
+                    if p.grad is None or not active:
                         slot.zero_()  # no gradient here counts as zero, as in DDP
                     else:
                         # Divide before summing: K float16 gradients can overflow.
@@ -100,7 +151,7 @@ class ParameterServer:
                         view = flat[off:off + p.numel()].view_as(p)
                         if not flags[i]:
                             p.grad = None
-                        elif p.grad is None:
+                        elif p.grad is None or not active:
                             p.grad = view.clone()
                         else:
                             p.grad.copy_(view)
@@ -119,6 +170,7 @@ class ParameterServer:
         buffers = list(self.module.buffers())
         if buffers:
             sync_from_root(self.comm, buffers, root=self.server, check=False)
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients on every rank (the server's optimizer included)."""
