@@ -58,15 +58,27 @@ class PipelineStage:
 
     Raises:
         ValueError: on every rank, when any rank's stage_index, num_stages or
-            tied parameters do not fit the communicator.
+            tied parameters do not fit the communicator (or are not integers).
+        TypeError: ``comm`` is not a Communicator (where torch's PipelineStage
+            takes the device).
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, comm, *,
                  tied_parameters: list[nn.Parameter] | None = None,
                  count_activations: bool = False):
+        if not all(hasattr(comm, a) for a in ("rank", "size", "control", "dup")):
+            # torch's PipelineStage takes the device fourth: a ported call lands it here.
+            # Every rank makes the same call, so every rank raises before any message.
+            raise TypeError(f"PipelineStage: comm is a {type(comm).__name__}, not an mpiring "
+                            "Communicator. mpiring's PipelineStage(submodule, stage_index, "
+                            "num_stages, comm) takes the pipeline's communicator (mpiring.init(), "
+                            "or a split of it) where torch's takes the device: move the submodule "
+                            "to its device first (submodule.to(device)) and pass the communicator")
         # A NumPy integer counts (as_int), and travels in the layout's JSON below as a
-        # plain int; anything else is left for _check_layout to refuse by name.
-        stage_index, num_stages = (v if (n := as_int(v)) is None else n
+        # plain int; anything else (True, 1.0, an object) travels as its repr, which
+        # JSON always carries, for _check_layout to refuse by name on every rank: the
+        # value itself could fail to serialise on one rank and leave the others waiting.
+        stage_index, num_stages = (repr(v) if (n := as_int(v)) is None else n
                                    for v in (stage_index, num_stages))
         tied = list(tied_parameters or [])
         own = {id(p) for p in submodule.parameters()}
@@ -141,6 +153,8 @@ class PipelineStage:
         positional arguments). ``max_held``: the most bytes the queued weight
         gradients may keep through this forward (``ScheduleZeroBubble``'s limit).
         ``split``: this micro-batch's backward will leave the weight gradients to W.
+        On the last stage ``loss_fn`` must return a one-element tensor (TypeError
+        naming it otherwise).
         """
         if max_held is not None and self._wq:
             self._hold_at_most(max_held)
@@ -181,6 +195,10 @@ class PipelineStage:
                 self._split_fwd.add(mb)
         self._grow(self._held.get(mb, 0))  # recomputation without counting holds none
         if last:
+            # Checked at F, where the loss is made: B's autograd error ("grad can be
+            # implicitly created only for scalar outputs") would not name loss_fn.
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(_loss_error(loss))
             self._out[mb] = loss * scale
             return out, loss
         self._out[mb] = out
@@ -384,6 +402,15 @@ def _put_back(kept: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
                 m._buffers[k] = old
 
 
+def _loss_error(loss) -> str:
+    """Why ``loss``, loss_fn's value for one micro-batch, cannot start a backward."""
+    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+            else f"a {type(loss).__name__}")
+    return (f"loss_fn returned {what}; each micro-batch's backward starts from its loss, "
+            "a one-element tensor (as in torch's pipelining): reduce it in loss_fn "
+            "(.mean() or .sum()), and compute it with torch ops on the output")
+
+
 def _gpu_of(module: nn.Module) -> torch.device | None:
     """The CUDA device of ``module``'s parameters, or None (a CPU stage)."""
     p = next(module.parameters(), None)
@@ -401,9 +428,19 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_layout(table: list[dict], size: int) -> None:
-    errors = []
+    # Not integers (a repr, from __init__): named before any arithmetic on them. A bool
+    # or a float would compare equal to the rank (True == 1, 1.0 == 1) and pass below.
+    errors = [f"r{r} gave {key}={row[k]}, not an integer"
+              for r, row in enumerate(table)
+              for k, key in (("stage", "stage_index"), ("stages", "num_stages"))
+              if not isinstance(row[k], int)]
+    if errors:
+        raise ValueError("PipelineStage: " + "; ".join(errors) + ". Give each rank of the "
+                         "pipeline's communicator stage_index=comm.rank and "
+                         "num_stages=comm.size as integers (or the layout of several stages "
+                         "per rank, see PipelineStage)")
     n = table[0]["stages"]
-    rnd = table[0]["stage"] // size if isinstance(table[0]["stage"], int) else 0
+    rnd = table[0]["stage"] // size
     # A round of stages goes up the ranks (rank r: rnd * size + r), or the second, on
     # ZB-V's way back up the V, down them (rank r: 2 * size - 1 - r).
     down = size > 1 and rnd == 1 and table[0]["stage"] == 2 * size - 1
