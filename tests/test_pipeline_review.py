@@ -165,3 +165,48 @@ def test_sizes_that_are_not_integers_are_refused_on_every_rank(comm, bad):
     with pytest.raises(ValueError, match=rf"PipelineStage: r\d+ gave {key}=.*, not an integer"):
         PipelineStage(nn.Linear(2, 2), index, stages, comm)
     PipelineStage(nn.Linear(2, 2), comm.rank, comm.size, comm).free()  # the comm still works
+
+
+def one_stage_each(comm):
+    full = model()
+    cuts = bounds(len(full), comm.size)
+    part = copy.deepcopy(full[slice(*cuts[comm.rank])])
+    return full, PipelineStage(part, comm.rank, comm.size, comm)
+
+
+def test_losses_return_outputs_and_loss_kwargs_as_torchs_step(comm):
+    full, stage = one_stage_each(comm)
+    sched = Schedule1F1B(stage, M, mse)
+    first, last = stage.is_first, stage.is_last
+    losses: list = [torch.tensor(9.0)]  # torch's step() clears the list: a reused one too
+    for step in range(2):
+        ids, y = batch(10, step)
+        out = sched.step(ids if first else None, target=y if last else None,
+                         losses=losses if last else None, return_outputs=step == 0)
+        if last:
+            want = [mse(full(a), b) for a, b in zip(torch.tensor_split(ids, M),
+                                                    torch.tensor_split(y, M))]
+            torch.testing.assert_close(torch.stack(losses), torch.stack(want).detach())
+            assert (out is None) == (step == 1)
+        else:
+            assert out is None
+    with pytest.raises(ValueError, match=r"loss_kwargs=\{'w': 2\}: bind them into loss_fn "
+                                         r"instead \(functools\.partial"):
+        ids, y = batch(10, 0)
+        sched.step(ids if first else None, target=y if last else None,
+                   loss_kwargs={"w": 2} if last else None)
+    sched.free()
+    stage.free()
+
+
+def test_a_bad_micro_batch_count_on_one_rank_is_refused_on_every_rank(comm):
+    # Raised before the schedule's exchange, on the bad rank alone, it left the others
+    # waiting there until the deadline.
+    _, stage = one_stage_each(comm)
+    bad = 0 if comm.rank == comm.size - 1 else M
+    with pytest.raises(ValueError, match=rf"Schedule1F1B: r{comm.size - 1}: .*n_microbatches"):
+        Schedule1F1B(stage, bad, mse)
+    with pytest.raises(ValueError, match=r"give loss_fn on the last stage \(for forwards "
+                                         r"alone.*eval\(\)"):
+        Schedule1F1B(stage, M)
+    stage.free()

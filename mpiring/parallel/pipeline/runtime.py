@@ -88,23 +88,33 @@ class PipelineSchedule:
             self.placement = placement  # this schedule's, over the class's
         stages = _local_stages(stage, self.placement)
         stage = stages[0]
-        _, n_microbatches = check_sizes(stage.num_stages, n_microbatches)
+        try:
+            _, n_microbatches = check_sizes(stage.num_stages, n_microbatches)
+            size_error = None
+        except (TypeError, ValueError) as exc:
+            # Agreed below, in the exchange every rank makes: raised here alone, it
+            # would leave the other ranks waiting there to the deadline.
+            size_error, n_microbatches = str(exc), None
         # ``stage``: this rank's (first) stage, as torch's single-stage schedules have it.
         self.stage, self.n_microbatches, self.loss_fn = stage, n_microbatches, loss_fn
         self.stages = stages
         self._at = {st.stage_index: st for st in stages}
         ranks, self.num_stages = stage.comm.size, stage.num_stages
         self.ranks = stage_ranks(ranks, self.num_stages, self.placement)  # checked above
-        if actions is None:
+        if actions is None and size_error is None:
             if self.name == "custom":  # torch's base classes map here (get_schedule_class)
                 raise ValueError(f"{type(self).__name__} runs the program it is given: pass "
                                  "actions= (schedules.build, load_csv or your own), or use a "
                                  "schedule class such as Schedule1F1B")
             actions = build(self.name, ranks, n_microbatches, len(stages))
-        mine = [self.name, n_microbatches, format_schedule(actions), loss_fn is not None,
+        mine = [self.name, n_microbatches,
+                "" if actions is None else format_schedule(actions), loss_fn is not None,
                 any(st.ddp is not None for st in stages),
-                any(data_parallel.is_fsdp(st.ddp) for st in stages)]
+                any(data_parallel.is_fsdp(st.ddp) for st in stages), size_error]
         table = stage.comm.control.allgather_json(mine) if stage.comm.size > 1 else [mine]
+        bad = [f"r{r}: {row[6]}" for r, row in enumerate(table) if row[6]]
+        if bad:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(bad))
         if any(row[:3] != table[0][:3] for row in table):
             raise ValueError(f"{type(self).__name__}: the ranks built different schedules "
                              f"(name, n_microbatches: {[row[:2] for row in table]}); build the "
@@ -113,7 +123,9 @@ class PipelineSchedule:
             raise ValueError(f"{type(self).__name__}: actions holds {len(actions)} programs for "
                              f"{ranks} ranks: give one per rank")
         if not table[self.ranks[-1]][3]:
-            raise ValueError(f"{type(self).__name__}: give loss_fn on the last stage")
+            raise ValueError(f"{type(self).__name__}: give loss_fn on the last stage (for "
+                             "forwards alone, build the schedule with the training loss_fn "
+                             "and call eval(), with or without a target)")
         if any(row[4] for row in table) and not self.allows_ddp:
             raise ValueError(f"{type(self).__name__} steps each stage's optimizer after every "
                              "micro-batch, so its replicas would need a reduction per micro-batch: "
@@ -171,14 +183,18 @@ class PipelineSchedule:
 
     # --- the step ---------------------------------------------------------------
     def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
-             losses: list | None = None, **kwargs):
+             losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
         """One training step's forward and backward over the micro-batches.
 
         Args:
             args: the input batch, on the first stage only: one tensor, or several
                 (the first stage's positional arguments), each split along dim 0.
             target: the targets, on the last stage only.
-            losses: a list the last stage appends each micro-batch's loss to.
+            losses: a list the last stage fills with each micro-batch's loss
+                (cleared first, as torch's).
+            return_outputs: False: return None on the last stage too (torch's).
+            loss_kwargs: refused, naming the fix (bind them into ``loss_fn``).
 
         Returns:
             The merged output (micro-batches concatenated) on the last stage, else None.
@@ -189,7 +205,10 @@ class PipelineSchedule:
             PipelineError: on the rank whose stage failed; the others stop at the
                 communicator's deadline.
         """
-        return self._run(self._train, args, target, losses, kwargs)
+        if loss_kwargs:  # checked with the other arguments, on every rank alike
+            kwargs = {**kwargs, "loss_kwargs": loss_kwargs}
+        out = self._run(self._train, args, target, losses, kwargs)
+        return out if return_outputs else None
 
     def eval(self, *args: torch.Tensor, target: torch.Tensor | None = None,
              losses: list | None = None, **kwargs):
@@ -302,6 +321,7 @@ class PipelineSchedule:
                     data_parallel.reduce_now(st.ddp)
             self._tied.reduce()
         if losses is not None and last and self._losses:
+            losses.clear()  # torch's step() replaces the list's contents, not appends
             losses.extend(self._losses[k] for k in range(m))
         outs = [self._outs[k] for k in range(m)] if last else []
         # Nothing of this step kept past it but what is returned (the last stage's
@@ -340,6 +360,10 @@ class PipelineSchedule:
             err = (f"{self._where}: step() under torch.no_grad() or torch.inference_mode() "
                    "computes no gradient: call it with autograd on, or call eval() for the "
                    "forwards alone")
+        elif "loss_kwargs" in kwargs:
+            err = (f"{self._where}: loss_kwargs={kwargs['loss_kwargs']!r}: bind them into "
+                   "loss_fn instead (functools.partial(loss_fn, **loss_kwargs)) when the "
+                   "schedule is built")
         elif kwargs:
             err = (f"{self._where}: keyword inputs {sorted(kwargs)}: pass the first "
                    "stage's inputs positionally, in its forward's order")
