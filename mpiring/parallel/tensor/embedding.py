@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mpiring.core.chunking import chunk_bounds
-from mpiring.parallel.tensor.layers import _check_comm
+from mpiring.parallel.tensor.layers import SharesCommOnCopy, _check_comm
 from mpiring.parallel.tensor.operators import (
     all_reduce_in_forward,
     reduce_scatter_forward_all_gather_backward,
@@ -28,7 +28,7 @@ def vocab_range(num_embeddings: int, comm) -> tuple[int, int]:
     return chunk_bounds(num_embeddings, comm.size)[comm.rank]
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(SharesCommOnCopy, nn.Module):
     """``nn.Embedding`` with its rows (the vocabulary) split over the ranks of ``comm``.
 
     Args:

@@ -20,6 +20,7 @@ size starts from the same full weights (and equals a plain ``nn.Linear``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -87,7 +88,26 @@ def sequence_sizes(seq_len: int | None, comm) -> list[int] | None:
     return None if seq_len is None else split_sizes(seq_len, comm.size)
 
 
-class _ShardedLinear(nn.Module):
+class SharesCommOnCopy:
+    """Mixin for a module that holds its group's Communicator as ``self.comm``:
+    ``copy.deepcopy`` (``torch.optim.swa_utils.AveragedModel``, an EMA or reference
+    copy) shares the Communicator instead of copying it.
+
+    A Communicator is a handle to a group of processes, not data: it cannot be
+    copied (MPI's communicators do not pickle), and a copy of the model must talk
+    over the same group, as the model's other ranks hold its other shards.
+    """
+
+    def __deepcopy__(self, memo):
+        memo.setdefault(id(self.comm), self.comm)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        # nn.Module's own pickling state, deep-copied: what deepcopy does by default.
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+
+class _ShardedLinear(SharesCommOnCopy, nn.Module):
     """Shared parts: the full layer's init, slicing and ``from_full``."""
 
     #: Which dimension of the (out, in) weight is split: 0 rows (column layer), 1 columns (row).

@@ -73,6 +73,12 @@ class RNGStreams:
         self._kind_states(self.device)
         _LIVE.add(self)
 
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.deepcopy of a model, unpickling) is a live stream too: registered,
+        # or a recomputation would not replay its masks.
+        self.__dict__.update(state)
+        _LIVE.add(self)
+
     def _kind_states(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The streams' states for ``device``'s kind of generator, seeded on first use."""
         kind = device.type
