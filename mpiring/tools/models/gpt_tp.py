@@ -37,10 +37,11 @@ from mpiring.parallel.tensor import (
     split_sizes,
     vocab_parallel_cross_entropy,
 )
+from mpiring.parallel.tensor.layers import SharesCommOnCopy
 from mpiring.tools.models.gpt import GPT, GPTConfig
 
 
-class _Replicated(nn.Module):
+class _Replicated(SharesCommOnCopy, nn.Module):
     """A LayerNorm whose parameters sum their gradients over the group under sequence parallelism."""
 
     def __init__(self, full: nn.LayerNorm, comm, sequence_parallel: bool, algo: str):
@@ -57,6 +58,9 @@ class _Replicated(nn.Module):
             w, b = (all_reduce_in_backward(p, self.comm, self.algo) for p in (w, b))
         return F.layer_norm(x, self.shape, w, b, self.eps)
 
+
+#: GPT's names for the tied output layer -> the parameter that holds it here.
+TIED = {"head.weight": "tok.weight"}
 
 #: Seed distance between two blocks' streams: a prime above the tensor stream's offset
 #: plus any tensor-parallel rank, so no block's stream starts where another's does.
@@ -105,7 +109,7 @@ class TensorParallelBlock(nn.Module):
         return x + self._drop(self.out(F.gelu(self.fc(self.ln2(x), seq_len=seq_len))))
 
 
-class TensorParallelGPT(nn.Module):
+class TensorParallelGPT(SharesCommOnCopy, nn.Module):
     """``GPT`` split over the tensor-parallel group ``comm``.
 
     Args:
@@ -170,7 +174,10 @@ class TensorParallelGPT(nn.Module):
                                                            split_sizes(t, self.comm.size), self.algo)
         else:
             h = all_reduce_in_backward(h, self.comm, self.algo)
-        return F.linear(h, self.tok.weight).transpose(0, 1)         # tied head: [b, t, V_r]
+        # Tied head, batch-first [b, t, V_r]. The (d-wide) activations are transposed
+        # before the GEMM, not the (V_r-wide) logits after it: the logits come out
+        # contiguous, as GPT's do, so a caller's logits.view(-1, V_r) works.
+        return F.linear(h.transpose(0, 1), self.tok.weight)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of this rank's logits (collective over the group)."""
@@ -178,11 +185,41 @@ class TensorParallelGPT(nn.Module):
                                             vocab_size=self.cfg.vocab_size, algo=self.algo)
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the full model's parameter (or gradient) ``name``."""
+        """This rank's part of the full model's parameter (or gradient) ``name``
+        (``head.weight``, GPT's name of the tied output layer, is ``tok.weight``'s)."""
+        name = TIED.get(name, name)
         owner, _, leaf = name.rpartition(".")
         module = self.get_submodule(owner) if owner else self
         cut = getattr(module, "shard", None)
         return cut(leaf, full) if cut is not None and module is not self else full.detach().clone()
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
+        """Load the full ``GPT``'s ``state_dict()``: each rank keeps its part (``shard``).
+
+        No communication: every rank reads the whole state. GPT's ``state_dict`` holds
+        the tied weight twice (``tok.weight`` and ``head.weight``); ``tok.weight`` is
+        loaded, and ``head.weight`` must be the same tensor's values.
+
+        Raises:
+            ValueError: ``head.weight`` differs from ``tok.weight`` (an untied output
+                layer, which this model cannot hold).
+        """
+        state = dict(state)
+        for alias, name in TIED.items():
+            if alias in state and name in state and not torch.equal(state[alias], state[name]):
+                raise ValueError(f"{alias} differs from {name}: TensorParallelGPT ties the "
+                                 "output layer to the embedding; load a GPT whose output "
+                                 "layer is tied")
+            if alias in state:
+                state.setdefault(name, state[alias])
+                del state[alias]
+        mine = {}
+        for k, v in state.items():
+            try:
+                mine[k] = self.shard(k, v)
+            except AttributeError:  # no such module: load_state_dict names the key (strict)
+                mine[k] = v
+        return self.load_state_dict(mine, strict=strict)
 
     def num_params(self) -> int:
         """This rank's trainable parameters."""
