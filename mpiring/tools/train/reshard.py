@@ -23,9 +23,8 @@ from typing import Any
 import torch
 
 from mpiring.parallel.pipeline.schedules import PLACEMENT
+from mpiring.tools.models.gpt_tp import TIED as _TIED
 from mpiring.tools.train.grid3d import stage_of
-
-_TIED = {"head.weight": "tok.weight"}
 
 
 def layout(job) -> dict[str, Any]:
