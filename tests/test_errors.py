@@ -308,7 +308,7 @@ def test_check_cost_command_runs(world, capsys):
 
     from mpiring.cli import check_cost
 
-    assert check_cost.run(Namespace(sizes="1K", iters=3)) == 0
+    assert check_cost.run(Namespace(sizes=[1024], iters=3)) == 0  # as the parser gives it
     out = capsys.readouterr().out
     if world.rank == 0:
         assert "check on" in out and "1.0 KiB" in out and "watchdog stamp" in out, out
