@@ -136,7 +136,7 @@ def run(args) -> int:
             comm, max_bytes=max(1 << 20, min(sizes[-1], 16 << 20)))
     ab = fits.get(args.fit)
     if out:
-        print(f"# memory: {bound.describe()} (see the README's Performance section for the bound)",
+        print(f"# memory: {bound.describe()} (docs/benchmarks.md: the memory-bandwidth bound)",
               file=out)
         for name, fit in fits.items():
             what = ("ping-pong r0<->r1, other ranks idle" if name == "pair" else

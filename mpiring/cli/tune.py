@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
                    help="also fit sub-communicators of these sizes on the first ranks "
                         "(e.g. 2,3,4); default: the job's size only")
     p.add_argument("--margin", type=float, default=None,
-                   help="keep native unless another algorithm is this much faster (default 0.03)")
+                   help="keep native unless another algorithm is this much faster (default: "
+                        "mpiring.comm.autotune.MARGIN, 0.05)")
     p.add_argument("--cache", default=None,
                    help="JSON file to store into (default $MPIRING_CACHE/tune.json or "
                         "~/.cache/mpiring/tune.json)")
