@@ -370,7 +370,9 @@ class _CupyOps:
 
         ts = torch.cuda.current_stream(tensor.device)
         if ts.cuda_stream != self.current_stream().ptr:
-            self.cupy.cuda.ExternalStream(ts.cuda_stream).wait_event(event)
+            # By the stream's handle: CuPy 14 deprecates ExternalStream (a
+            # DeprecationWarning on every staged collective on a torch tensor).
+            self.cupy.cuda.runtime.streamWaitEvent(ts.cuda_stream, event.ptr)
 
 
 _OPS: Any = None

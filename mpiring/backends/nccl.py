@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 from contextlib import contextmanager
 from typing import Any
@@ -124,8 +125,16 @@ def broadcast_unique_id(comm, uid, root: int = 0):
 
 
 # --- can NCCL run here? decided locally, then agreed by every rank ---------------------
-def probe(local_size: int, env: dict | None = None) -> tuple[str | None, str, dict]:
+def probe(local_size: int, env: dict | None = None, *,
+          sharing: int | None = None) -> tuple[str | None, str, dict]:
     """Check CuPy, a CUDA device, NCCL and the ranks-per-GPU limit on this rank.
+
+    Args:
+        local_size: ranks of the communicator on this host.
+        env: the environment (``os.environ`` by default).
+        sharing: how many ranks of the communicator use this rank's physical GPU
+            (``count_sharing``); None estimates it as ``local_size`` over the
+            devices this rank sees, 0 leaves the limit unchecked.
 
     Returns:
         ``(problem, fix, facts)``: ``problem`` is None when NCCL can run; facts
@@ -156,20 +165,91 @@ def probe(local_size: int, env: dict | None = None) -> tuple[str | None, str, di
         return (f"NCCL does not answer ncclGetVersion ({_first_line(exc)})",
                 "reinstall nvidia-nccl-cu12/-cu13, or run with --backend mpi", facts)
     facts["version"] = version
-    per_gpu = math.ceil(local_size / ndev)
-    if per_gpu > 1:
-        allowed = 1
-        if version >= (2, 30) and env.get(MULTI_RANK_ENV, "") == "1":
-            allowed = 2
-        if per_gpu > allowed:
-            text = ".".join(map(str, version))
-            return (f"{local_size} ranks on this host share {ndev} GPU(s) and NCCL {text} "
-                    f"allows {allowed} rank(s) per GPU",
-                    f"start one rank per GPU (mpiexec -n {ndev} per host; see "
-                    "hostfiles/gpu-nodes.example), or with NCCL >= 2.30 set "
-                    f"{MULTI_RANK_ENV}=1 for up to 2 ranks per GPU, or run with --backend mpi",
-                    facts)
-    return None, "", facts
+    if sharing is None:
+        # An estimate: right when every rank sees every GPU of its host.
+        sharing = math.ceil(local_size / ndev)
+        subject = f"{local_size} ranks on this host share {ndev} GPU(s)"
+    else:
+        subject = f"{sharing} ranks of this communicator use this rank's GPU"
+    problem, fix = _sharing_problem(sharing, subject, version, env)
+    return problem, fix, facts
+
+
+def _sharing_problem(sharing: int, subject: str, version: tuple,
+                     env) -> tuple[str | None, str]:
+    if sharing <= 1:
+        return None, ""
+    allowed = 1
+    # NCCL >= 2.30 lets ranks share a GPU behind this switch; its guide says
+    # "up to 2 ranks per GPU" with the default resources, and more can hang.
+    if version >= (2, 30) and env.get(MULTI_RANK_ENV, "") == "1":
+        allowed = 2
+    if sharing <= allowed:
+        return None, ""
+    text = ".".join(map(str, version))
+    return (f"{subject} and NCCL {text} allows {allowed} rank(s) per GPU",
+            "start one rank per GPU (mpiexec -n <GPUs> per host; see "
+            "hostfiles/gpu-nodes.example), or with NCCL >= 2.30 set "
+            f"{MULTI_RANK_ENV}=1 for up to 2 ranks per GPU, or run with --backend mpi")
+
+
+def gpu_identity(cupy, device_id: int) -> bytes:
+    """Which physical GPU CUDA device ``device_id`` of this process is; b"" if unknown.
+
+    Device numbers are per process: under a launcher that gives each rank its
+    own CUDA_VISIBLE_DEVICES, every rank's GPU is device 0. NCCL itself tells
+    ranks apart by the GPU's UUID (``peerInfo.gpuUuid`` in its init.cc), so
+    that is what is compared; the PCI address on this host is the fallback.
+    """
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    except Exception:  # noqa: BLE001 - no answer: the estimate is used instead
+        return b""
+    uuid = props.get("uuid")
+    if uuid and any(bytes(uuid)):
+        return b"uuid:" + bytes(uuid)
+    pci = tuple(props.get(k) for k in ("pciDomainID", "pciBusID", "pciDeviceID"))
+    if None in pci:
+        return b""
+    return f"pci:{socket.gethostname()}:{pci[0]}:{pci[1]}:{pci[2]}".encode()
+
+
+def count_sharing(identities: list[bytes], mine: bytes) -> int | None:
+    """How many ranks name the same physical GPU as ``mine`` (None if any is unknown)."""
+    if not mine or not all(identities):
+        return None
+    return identities.count(mine)
+
+
+def check_devices(mpi: MPIBackend, local_rank: int, local_size: int,
+                  device_id: int | None = None, env: dict | None = None) -> tuple[int, tuple]:
+    """Probe this rank, count the ranks on each physical GPU, and agree (collective).
+
+    Returns:
+        ``(device_id, version)`` for this rank.
+
+    Raises:
+        BackendUnavailable: on every rank, if any rank cannot run NCCL.
+    """
+    problem, fix, facts = probe(local_size, env, sharing=0)
+    mine = b""
+    if problem is None:
+        if device_id is None:
+            device_id = local_rank % facts["devices"]
+        cupy, _ = import_cupy()
+        mine = gpu_identity(cupy, device_id)
+    # Collective: every rank sends its GPU's identity, b"" when it has none.
+    identities = mpi.exchange_bytes(mine)
+    if problem is None:
+        sharing = count_sharing(identities, mine)
+        if sharing is None:
+            problem, fix, _ = probe(local_size, env)  # no identity: the estimate
+        else:
+            problem, fix = _sharing_problem(
+                sharing, f"{sharing} ranks of this communicator use this rank's GPU "
+                f"(device {device_id} here)", facts["version"], os.environ if env is None else env)
+    agree(mpi, problem, fix)  # all ranks raise together, or none does
+    return device_id, facts["version"]
 
 
 def agree(mpi: MPIBackend, problem: str | None, fix: str) -> None:
@@ -235,33 +315,43 @@ class CupyDevice:
         previous_device = cupy.cuda.runtime.getDevice()
         if previous_device != self.device_id:
             cupy.cuda.runtime.setDevice(self.device_id)
-        callers = [cupy.cuda.get_current_stream()]
-        torch_stream = self._torch_stream(buf)
-        if torch_stream is not None:
-            callers.append(torch_stream)
-        for stream in callers:  # the input is complete once the caller's queued work is
-            self.stream.wait_event(stream.record())
-        self._saved.append((previous_device, callers))
+        caller = cupy.cuda.get_current_stream()
+        # The input is complete once the caller's queued work is.
+        self.stream.wait_event(caller.record(self._event()))
+        torch_ptr = self._torch_stream_ptr(buf)
+        if torch_ptr is not None:
+            # torch's stream by its handle, through the runtime: CuPy 14 deprecates
+            # ExternalStream (a DeprecationWarning on every collective).
+            ready = self._event()
+            cupy.cuda.runtime.eventRecord(ready.ptr, torch_ptr)
+            self.stream.wait_event(ready)
+        self._saved.append((previous_device, caller, torch_ptr))
         self.stream.use()
 
     def leave(self) -> None:
-        previous_device, callers = self._saved.pop()
-        done = self.stream.record()
-        for stream in callers:
-            stream.wait_event(done)
-        callers[0].use()
+        previous_device, caller, torch_ptr = self._saved.pop()
+        done = self.stream.record(self._event())
+        caller.wait_event(done)
+        if torch_ptr is not None:
+            self.cupy.cuda.runtime.streamWaitEvent(torch_ptr, done.ptr)
+        caller.use()
         if previous_device != self.device_id:
             self.cupy.cuda.runtime.setDevice(previous_device)
 
-    def _torch_stream(self, buf: Buffer):
+    def _event(self):
+        # Ordering only: an event without timing is the cheaper kind to record.
+        return self.cupy.cuda.Event(disable_timing=True)
+
+    def _torch_stream_ptr(self, buf: Buffer) -> int | None:
+        """torch's current stream on the tensor's GPU, unless it is CuPy's current one."""
         if buf.kind != "torch":
             return None
         import torch
 
-        ts = torch.cuda.current_stream(buf.obj.device)
-        if ts.cuda_stream == self.cupy.cuda.get_current_stream().ptr:
+        ptr = int(torch.cuda.current_stream(buf.obj.device).cuda_stream)
+        if ptr == self.cupy.cuda.get_current_stream().ptr:
             return None
-        return self.cupy.cuda.ExternalStream(ts.cuda_stream)
+        return ptr
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -578,14 +668,11 @@ def make_backend(comm=None, *, device_id: int | None = None) -> NCCLBackend:
     """
     mpi = world_backend() if comm is None else MPIBackend(comm.Dup())
     local_rank, local_size = mpi.local_rank()
-    problem, fix, facts = probe(local_size)
-    agree(mpi, problem, fix)  # all ranks raise together, or none does
+    device_id, version = check_devices(mpi, local_rank, local_size, device_id)
     cupy, _ = import_cupy()
     nccl, _ = import_nccl()
-    if device_id is None:
-        device_id = local_rank % facts["devices"]
     cupy.cuda.Device(device_id).use()
-    return _create(mpi, cupy, nccl, device_id, facts["version"])
+    return _create(mpi, cupy, nccl, device_id, version)
 
 
 def _create(mpi: MPIBackend, cupy, nccl, device_id: int, version) -> NCCLBackend:

@@ -183,8 +183,11 @@ def _from_torch(x) -> Buffer:
     if x.device.type == "cuda":
         cupy = _import_cupy()
         try:
-            array = cupy.from_dlpack(flat)
-        except (TypeError, ValueError, NotImplementedError, BufferError) as exc:
+            array = _cuda_from_dlpack(torch, cupy, flat)
+        except (TypeError, NotImplementedError) as exc:
+            # Only what CuPy raises for a dtype it cannot map (NotImplementedError
+            # from CuPy 13/14, TypeError before): a BufferError is torch refusing
+            # the export, which is no matter of CuPy's version.
             if name != "bfloat16":
                 raise
             raise TypeError(
@@ -193,6 +196,24 @@ def _from_torch(x) -> Buffer:
             ) from exc
         return Buffer(x, array, name, "cuda", "torch")
     raise TypeError(f"tensors on device {x.device} are not supported: use a CPU or CUDA tensor")
+
+
+def _cuda_from_dlpack(torch, cupy, flat):
+    """``cupy.from_dlpack(flat)``, with torch's current device made ``flat``'s first.
+
+    torch's ``__dlpack__`` refuses a tensor that is not on torch's current device
+    ("Can't export tensors on a different CUDA device index", torch/_tensor.py),
+    and synchronizes that device's current stream with CuPy's. CuPy sets the
+    CUDA runtime's device before asking, but torch's current device can differ
+    from the runtime's: after a device guard it keeps a lazily-set target index
+    when the old device has no context (``MaybeSetDevice``, c10/cuda), so a tensor
+    on cuda:1 in a process that never called ``torch.cuda.set_device(1)`` would
+    be refused.
+    """
+    if torch.cuda.current_device() == flat.device.index:
+        return cupy.from_dlpack(flat)
+    with torch.cuda.device(flat.device):
+        return cupy.from_dlpack(flat)
 
 
 def _import_cupy():
