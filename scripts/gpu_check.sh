@@ -136,10 +136,14 @@ if [ "${NCCL_AT_LEAST_2_30:-0}" = 1 ]; then
 fi
 
 # --- 4. GPU tests --------------------------------------------------------------------
-note "GPU tests: mpiexec -n $NP pytest tests/test_gpu.py tests/test_gpu_cpu_side.py"
+# test_gpu_review.py: the stream hand-over on one GPU (where a one-rank collective
+# moves nothing, so test_gpu.py's stream check cannot fail), and the CPU-side
+# checks of the CUDA calls against CuPy's and NCCL's real signatures.
+GPU_TESTS=(tests/test_gpu.py tests/test_gpu_cpu_side.py tests/test_gpu_review.py)
+note "GPU tests: mpiexec -n $NP pytest ${GPU_TESTS[*]}"
 t=$SECONDS
 run_ranks 240 "$NP" "$PY" -m pytest -q -rs -p no:cacheprovider \
-    tests/test_gpu.py tests/test_gpu_cpu_side.py 2>&1 | tee "$LOGS/tests.txt"
+    "${GPU_TESTS[@]}" 2>&1 | tee "$LOGS/tests.txt"
 rc=${PIPESTATUS[0]}
 counts=$(grep -E '[0-9]+ (passed|failed|skipped|error)' "$LOGS/tests.txt" | tail -1 | tr -d '=')
 if [ "$rc" = 0 ] && grep -q "no GPU:" "$LOGS/tests.txt"; then

@@ -11,6 +11,17 @@ memory the pointers address. It is strict where NCCL is strict:
 * Every call outside a group runs alone and to completion, in call order, as
   on a CUDA stream.
 * Reduce ignores the receive buffer on ranks other than the root.
+* Every call is checked against ``NcclCommunicator``'s real signature
+  (cupy_backends/cuda/libs/nccl.pyx: ``allReduce(sendbuf, recvbuf, count,
+  datatype, op, stream)``, ``reduce(..., op, root, stream)``, ``bcast(buff,
+  count, datatype, root, stream)``, ``reduceScatter(sendbuf, recvbuf,
+  recvcount, ...)``, ``allGather(sendbuf, recvbuf, count, datatype, stream)``,
+  ``send/recv(buf, count, datatype, peer, stream)``): integer pointers, counts
+  in elements, a known ``ncclDataType_t`` and ``ncclRedOp_t`` (bfloat16 and avg
+  only from NCCL 2.10), peers and roots in range, and NCCL's in-place rule (a
+  buffer pair is either the exact in-place layout or disjoint: anything in
+  between is undefined on a GPU, while the fake, which copies first, would
+  still compute the right answer).
 
 Collectives are computed independently of mpiring: gather every rank's bytes,
 reduce them with NumPy in rank order.
@@ -45,8 +56,9 @@ def memory(ptr: int, nbytes: int) -> np.ndarray:
 class FakeNccl:
     """Module-level group calls and one communicator's calls, over an MPI communicator."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, version=(2, 30, 0)):
         self.comm = comm
+        self.version = tuple(version)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.depth = 0
@@ -98,6 +110,7 @@ class FakeNccl:
         pass
 
     def _call(self, op):
+        check_call(op, self.rank, self.size, self.version)
         self.streams.add(op[-1])
         if self.depth:
             self.queue.append(op)
@@ -160,6 +173,51 @@ class FakeNccl:
             memory(recv, out.nbytes)[:] = out.view(np.uint8)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _span(ptr, count, dtype, times=1):
+    return ptr, ptr + count * times * np.dtype(NP_DTYPES[dtype]).itemsize
+
+
+def _disjoint(a, b) -> bool:
+    return a[0] == a[1] or b[0] == b[1] or a[1] <= b[0] or b[1] <= a[0]
+
+
+def check_call(op, rank: int, size: int, version) -> None:
+    """Refuse what the real ``NcclCommunicator`` call would refuse or leave undefined."""
+    kind, args = op[0], op[1:]
+    arity = {"send": 5, "recv": 5, "allReduce": 6, "reduceScatter": 6, "allGather": 5,
+             "bcast": 5, "reduce": 7}[kind]
+    assert len(args) == arity, f"{kind} takes {arity} arguments, got {len(args)}"
+    assert all(_is_int(a) for a in args), f"{kind}: every argument is an int: {args}"
+    # (count, datatype): after one pointer for send/recv/bcast, after two otherwise
+    count, dtype = args[1:3] if kind in ("send", "recv", "bcast") else args[2:4]
+    assert count >= 0, f"{kind}: count {count} (size_t)"
+    assert dtype in NP_DTYPES, f"{kind}: no ncclDataType_t {dtype}"
+    if dtype == 9:
+        assert version >= (2, 10), f"{kind}: ncclBfloat16 needs NCCL 2.10"
+    if kind in ("allReduce", "reduceScatter", "reduce"):
+        assert args[4] in UFUNCS, f"{kind}: no ncclRedOp_t {args[4]}"
+        assert args[4] != 4 or version >= (2, 10), f"{kind}: ncclAvg needs NCCL 2.10"
+    if kind in ("send", "recv"):
+        assert 0 <= args[3] < size, f"{kind}: peer {args[3]} of {size}"
+    if kind in ("bcast", "reduce"):
+        assert 0 <= args[-2] < size, f"{kind}: root {args[-2]} of {size}"
+    if kind in ("allReduce", "reduce"):
+        send, recv = _span(args[0], count, dtype), _span(args[1], count, dtype)
+        assert send == recv or _disjoint(send, recv), f"{kind}: partly overlapping buffers"
+    if kind == "reduceScatter":  # in place: recvbuff == sendbuff + rank * recvcount
+        send, recv = _span(args[0], count, dtype, size), _span(args[1], count, dtype)
+        in_place = recv[0] == send[0] + (recv[1] - recv[0]) * rank
+        assert in_place or _disjoint(send, recv), f"{kind}: not in place and overlapping"
+    if kind == "allGather":  # in place: sendbuff == recvbuff + rank * sendcount
+        send, recv = _span(args[0], count, dtype), _span(args[1], count, dtype, size)
+        in_place = send[0] == recv[0] + (send[1] - send[0]) * rank
+        assert in_place or _disjoint(send, recv), f"{kind}: not in place and overlapping"
+
+
 class HostDevice:
     """``CupyDevice`` on the host: NumPy arrays, a numbered stream, enter/leave logged."""
 
@@ -200,7 +258,7 @@ def fake_backend(mpi_comm, version=(2, 30, 0)):
     from mpiring.backends.nccl import NCCLBackend
 
     def make(mpi):
-        fake = FakeNccl(mpi.comm.Dup())
+        fake = FakeNccl(mpi.comm.Dup(), version)
         return NCCLBackend(mpi, fake, fake, HostDevice(), version, make)
 
     return make(MPIBackend(mpi_comm.Dup()))
