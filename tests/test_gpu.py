@@ -73,7 +73,10 @@ else:
     DEVICE = 0
 
 MULTI = None
-if NCCL_VERSION is not None:
+# The 2-rank communicator is world ranks 0 and 1: they share a GPU only where they sit
+# on one host with the same device (a host with several GPUs gives them two).
+_WHERE = WORLD.allgather((MPI.Get_processor_name(), DEVICE))
+if NCCL_VERSION is not None and len(_WHERE) > 1 and _WHERE[0] == _WHERE[1]:
     if NCCL_VERSION < (2, 30):
         MULTI = (f"NCCL {'.'.join(map(str, NCCL_VERSION))} < 2.30 refuses two ranks of one "
                  "communicator on one GPU ('Duplicate GPU detected')")
@@ -226,7 +229,7 @@ def test_nccl_rejects_host_buffers_on_every_rank(nccl1):
         nccl1.all_reduce(np.zeros(4, dtype=np.float32))
 
 
-# --- NCCL, two ranks on one GPU -------------------------------------------------------
+# --- NCCL, two ranks (on one GPU or two) -------------------------------------------------------
 @pytest.fixture(scope="module")
 def nccl2(subcomms, world):
     if NO_NCCL is not None:
