@@ -139,7 +139,7 @@ class FullyShardedDataParallel(nn.Module):
             if not isinstance(module, nn.Module):
                 raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
             mp = _mixed(mixed_precision)
-            if mp is not None and not mp.param_dtype.is_floating_point:
+            if mp is not None and mp.param_dtype is not None and not mp.param_dtype.is_floating_point:
                 raise TypeError(f"mixed_precision param_dtype={mp.param_dtype}: use a floating "
                                 "dtype such as torch.bfloat16")
             units = choose_units(module, auto_wrap)
@@ -213,9 +213,10 @@ class FullyShardedDataParallel(nn.Module):
             if u.module is module:  # the root's: forward() calls them
                 continue
             # With the keyword inputs too: a wholly frozen unit is freed when its inputs'
-            # gradients are in, wherever they were passed (returns None: inputs unchanged).
+            # gradients are in, wherever they were passed.
             self._handles.append(u.module.register_forward_pre_hook(
-                lambda m, args, kwargs, u=u: u.pre_forward(args, kwargs), with_kwargs=True))
+                lambda m, args, kwargs, u=u: self._unit_pre_forward(u, args, kwargs),
+                with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(
                 lambda m, args, out, u=u: u.post_forward(out)))
         self._order: list[Unit] = []
@@ -283,6 +284,17 @@ class FullyShardedDataParallel(nn.Module):
         for root in roots:
             out = root.post_forward(out)
         return out
+
+    def _unit_pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
+        """A unit's forward pre-hook: cast its inputs (mixed precision), then gather it."""
+        mp = self.mixed_precision
+        if mp is not None and mp.cast_forward_inputs:
+            # Every unit's inputs, not only the root's (torch FSDP2's per-module cast): a
+            # float32 buffer added on the way (a positional table, a mask) promotes the
+            # activation back to float32, which a bfloat16 LayerNorm or Linear refuses.
+            args, kwargs = _cast(args, mp.param_dtype), _cast(kwargs, mp.param_dtype)
+        unit.pre_forward(args, kwargs)  # after the cast: a frozen unit hooks what it gets
+        return args, kwargs
 
     def _on_pre_forward(self, unit: Unit) -> None:
         if self._recording and unit.position is None:

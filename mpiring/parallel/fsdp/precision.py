@@ -12,14 +12,20 @@ class MixedPrecision:
     """Compute in ``param_dtype`` (gathered copies of full-precision shards).
 
     Args:
-        param_dtype: dtype of the gathered parameters (torch.bfloat16 or float16).
+        param_dtype: dtype of the gathered parameters (torch.bfloat16 or float16;
+            None: the parameters' own, as torch's ``MixedPrecisionPolicy`` and
+            ``MixedPrecision``, so that ``MixedPrecision(reduce_dtype=...)`` alone
+            changes only the reduction).
         reduce_dtype: dtype the gradients are reduce-scattered in (default
             ``param_dtype``; torch.float32 sums more exactly).
-        cast_forward_inputs: cast floating-point inputs of the model to
-            ``param_dtype``.
+        cast_forward_inputs: cast floating-point inputs of the model and of every
+            unit to ``param_dtype`` (torch FSDP2's per-module cast: an activation
+            that a float32 buffer promoted on the way reaches a unit in its dtype).
     """
 
-    param_dtype: torch.dtype = torch.bfloat16
+    # None, not bfloat16: torch's policies default to no cast, and a port that names
+    # only reduce_dtype must not start computing in bfloat16 without a word.
+    param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
@@ -34,8 +40,12 @@ def _mixed(mp) -> MixedPrecision | None:
 
 
 def _cast(obj, dtype):
+    if dtype is None:
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields apart
+        return type(obj)(*(_cast(o, dtype) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast(o, dtype) for o in obj)
     if isinstance(obj, dict):
