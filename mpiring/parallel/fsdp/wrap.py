@@ -4,11 +4,15 @@ A unit is gathered as one piece, so its size sets the memory of the gathered
 parameters: by default every block of the model is one (each child of an
 ``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers, an MLP's
 layers), and whatever is left (embeddings, final norm, head) belongs to the
-root unit. Units do not nest: a chosen module's children are not visited.
+root unit. A policy does not nest units: a chosen module's children are not
+visited. A list may name nested modules (a block and its MLP, as torch's
+``fully_shard(block.mlp); fully_shard(block)``): each parameter then belongs to
+the innermost unit around it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 from torch import nn
@@ -51,6 +55,8 @@ def choose_units(module: nn.Module, auto_wrap: Policy = "blocks") -> list[nn.Mod
         def pick(m: nn.Module, parent: nn.Module) -> bool:
             return isinstance(m, auto_wrap)
     elif callable(auto_wrap):
+        _check_one_argument(auto_wrap, module)
+
         def pick(m: nn.Module, parent: nn.Module) -> bool:
             return bool(auto_wrap(m))
     else:
@@ -75,6 +81,22 @@ def choose_units(module: nn.Module, auto_wrap: Policy = "blocks") -> list[nn.Mod
     return units
 
 
+def _check_one_argument(policy: Callable, module: nn.Module) -> None:
+    """Refuse torch's auto-wrap policies, whose call takes ``(module, recurse,
+    nonwrapped_numel)``: called with one module they fail with a message about
+    ``recurse`` that says nothing of what to pass here."""
+    try:
+        inspect.signature(policy).bind(module)
+    except TypeError:
+        raise TypeError(f"auto_wrap={policy!r} is not called as f(module) -> bool (torch's "
+                        "auto-wrap policies take (module, recurse, nonwrapped_numel)): for "
+                        "torch's ModuleWrapPolicy({Block}) or transformer_auto_wrap_policy "
+                        "with transformer_layer_cls={Block} pass auto_wrap=(Block,); else "
+                        "auto_wrap=lambda m: <True for a unit>") from None
+    except ValueError:  # no signature to read (a builtin): call it as it is
+        pass
+
+
 def assign_parameters(module: nn.Module, units: list[nn.Module]):
     """Every place a parameter is registered, grouped by unit (0 = the root).
 
@@ -87,14 +109,19 @@ def assign_parameters(module: nn.Module, units: list[nn.Module]):
     number = {id(u): i + 1 for i, u in enumerate(units)}
     # Every name a unit is registered under, not only its first: the parameters seen
     # under a second name are still that unit's (else they would look shared with the root).
-    unit_prefixes = sorted(((name, number[id(m)])
-                            for name, m in module.named_modules(remove_duplicate=False)
-                            if id(m) in number), key=lambda pu: pu[1])
+    unit_prefixes = [(name, number[id(m)])
+                     for name, m in module.named_modules(remove_duplicate=False)
+                     if id(m) in number]
     places: list[list] = [[] for _ in range(len(units) + 1)]
     owner: dict[int, tuple[int, str]] = {}
     shared: list[str] = []
     for name, m in module.named_modules(remove_duplicate=False):
-        u = next((i for p, i in unit_prefixes if name == p or name.startswith(p + ".")), 0)
+        # The innermost unit around the module (the longest prefix): units listed nested
+        # (a block and its MLP, as fully_shard(block.mlp) then fully_shard(block)) keep
+        # their own parameters, as torch's nested units do; the outermost would take them
+        # all and leave the inner unit empty, gathering the whole block at once.
+        inside = [(len(p), i) for p, i in unit_prefixes if name == p or name.startswith(p + ".")]
+        u = max(inside)[1] if inside else 0
         for attr, p in m._parameters.items():
             if p is None:
                 continue
