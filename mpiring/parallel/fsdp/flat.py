@@ -33,6 +33,45 @@ from torch import nn
 from mpiring.core.chunking import chunk_bounds
 
 
+class ShardedParameter(torch.Tensor):
+    """What a module holds for a parameter while its unit is sharded (outside its forward).
+
+    The views of ``full`` would point at zero bytes then: reading one (logging a
+    weight, another module's forward using it) read freed memory and crashed the
+    process. This stand-in keeps the shape and dtype and refuses anything else,
+    naming where the values are. A meta tensor: it never holds any bytes.
+    """
+
+    _fqn = "a parameter"
+    # Metadata that does not read the values: allowed (a module's repr, a shape check).
+    _ALLOWED = frozenset([torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
+                          torch.Tensor.ndim.__get__, torch.Tensor.size, torch.Tensor.dim,
+                          torch.Tensor.numel, torch.Tensor.requires_grad.__get__])
+
+    @staticmethod
+    def make(fqn: str, shape: torch.Size, dtype: torch.dtype) -> ShardedParameter:
+        t = torch.Tensor._make_subclass(ShardedParameter, torch.empty(shape, dtype=dtype,
+                                                                       device="meta"))
+        t._fqn = fqn
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._ALLOWED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        fqn = next((a._fqn for a in args if isinstance(a, ShardedParameter)), cls._fqn)
+        raise RuntimeError(
+            f"FullyShardedDataParallel: {fqn} is sharded now (each rank holds 1/K of it, as "
+            "the flat model.parameters()), so its module has its values only inside its "
+            f"unit's forward and backward. Read it with model.full_state_dict()[{fqn!r}] (on "
+            "every rank); a module that uses another unit's parameter in its forward must be "
+            "in that unit: list both in one unit with auto_wrap")
+
+    def __repr__(self, *args, **kwargs):
+        return f"ShardedParameter({self._fqn}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
 @dataclass
 class Slot:
     """Where one parameter lives: ``module.<name>`` is ``full[offset:offset+numel].view(shape)``."""
@@ -89,6 +128,10 @@ class FlatParam:
         self.shard = nn.Parameter(flat[self.lo:self.hi].clone(), requires_grad=requires_grad)
         self.full = torch.empty(numel, dtype=self.compute_dtype, device=self.device)
         self.full.requires_grad_(requires_grad)
+        # One stand-in per distinct parameter, shown by its module while it is sharded.
+        self.hidden = [ShardedParameter.make(next(s.fqn for s in self.slots if s.index == i),
+                                             shape, self.dtype)
+                       for i, shape in enumerate(self.shapes)]
         self.free()
 
     @property
@@ -133,12 +176,17 @@ class FlatParam:
             # A shared parameter gets the same view in each place.
             setattr(s.module, s.name, views[s.index])
 
+    def hide_views(self) -> None:
+        """Point every module attribute at its ``ShardedParameter`` (once ``full`` is freed)."""
+        for s in self.slots:
+            setattr(s.module, s.name, self.hidden[s.index])
+
     def unregister(self) -> None:
         """Remove the original parameters from their modules (the shard replaces them)."""
         for s in self.slots:
             s.module._parameters.pop(s.name, None)
-            # None until the first gather sets the views (a view needs the bytes).
-            setattr(s.module, s.name, None)
+        # Stand-ins until the first gather sets the views (a view needs the bytes).
+        self.hide_views()
 
     def pieces(self, rank: int | None = None):
         """``(slot, start, stop)`` for the part ``[start, stop)`` of each parameter in a shard.

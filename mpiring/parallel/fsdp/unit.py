@@ -128,6 +128,8 @@ class Unit:
             if self.flat.allocated:
                 self.owner._count(-self.flat.numel * self.flat.full.element_size())
             self.flat.free()
+            # Views of freed bytes would crash whoever reads them outside the forward.
+            self.flat.hide_views()
             self.status = SHARDED
 
     # --- hooks ------------------------------------------------------------------------
