@@ -136,9 +136,42 @@ def _scalars_from_wire(wire: dict[str, Any]) -> dict[str, Any]:
     return {k: back(v) for k, v in wire.items()}
 
 
+def _check_optim_state(fsdp, state) -> None:
+    """Refuse a state that would load nothing, or part of a unit, without a word."""
+    fix = ("save it with full_optim_state_dict(model, opt) (keyed by parameter name) and load "
+           "that")
+    if not isinstance(state, dict) or not {"state", "param_groups", "per_element"} <= set(state):
+        kind = ("torch's optimizer.state_dict() (keyed by parameter number)"
+                if isinstance(state, dict) and {"state", "param_groups"} <= set(state)
+                else f"a {type(state).__name__} without 'state', 'param_groups', 'per_element'")
+        raise ValueError(f"load_full_optim_state_dict: got {kind}, which names no parameter "
+                         f"of the model, so no state would load; {fix}")
+    names = {s.fqn for u in fsdp.units for s in u.flat.slots}
+    unknown = [k for k in state["state"] if k not in names]
+    if unknown:
+        raise ValueError(f"load_full_optim_state_dict: the state names {unknown[:5]}, which "
+                         f"are not parameters of this model (its own: {sorted(names)[:3]}...): "
+                         f"its state would be dropped; {fix} from the same model")
+    for u in fsdp.units:
+        have = [s.fqn for s in u.flat.slots if state["state"].get(s.fqn)]
+        if have and len(have) != len(u.flat.slots):
+            missing = [s.fqn for s in u.flat.slots if not state["state"].get(s.fqn)]
+            raise ValueError(f"load_full_optim_state_dict: the state has {have[:3]} but not "
+                             f"{missing[:3]} of the same unit: a unit's optimizer state is one "
+                             f"flat shard, it loads whole or not at all; {fix}")
+
+
 def load_full_optim_state_dict(fsdp, optimizer: torch.optim.Optimizer,
                                state: dict[str, Any]) -> None:
-    """Give ``optimizer`` (over ``fsdp.parameters()``) this rank's part of a full state."""
+    """Give ``optimizer`` (over ``fsdp.parameters()``) this rank's part of a full state.
+
+    Raises:
+        ValueError: ``state`` is not ``full_optim_state_dict``'s (torch's own
+            ``optimizer.state_dict()``, keyed by number), names parameters this
+            model does not have, or gives a unit's parameters only in part;
+            nothing is loaded then.
+    """
+    _check_optim_state(fsdp, state)
     if len(state["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"the optimizer state has {len(state['param_groups'])} parameter "
                          f"groups, this optimizer {len(optimizer.param_groups)}")
