@@ -7,7 +7,8 @@ Files: ``flat`` (one unit's flat layout and shard), ``unit`` (gather, free,
 reduce-scatter, the hooks), ``wrap`` (auto_wrap), ``runner`` (the
 communication thread), ``module`` (the wrapper), ``state`` (full state dicts),
 ``precision`` (mixed precision), ``scaler`` (the loss scaler agreed
-over the ranks), ``checkpoint`` (files that load at any number of ranks).
+over the ranks). Files that load at any number of ranks: the full state dicts
+saved with ``mpiring.parallel.checkpoint``.
 """
 
 from mpiring.parallel.fsdp.module import DEFAULT_ALGO, FullyShardedDataParallel
