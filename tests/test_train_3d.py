@@ -353,10 +353,13 @@ def test_bad_layouts_are_refused_on_every_rank(world):
     _refused(world, "--schedule dualpipev: the V holds 2 stages per rank", pp=2, vpp=3,
              schedule="dualpipev")
     if k % 2 == 0:
-        # 6 windows per replica (12 over dp = 2): 6 is the one count from 2 pp = 4 up.
+        # The 12 windows over dp = k / 2 replicas (6 on 4 ranks, 12 on 2): the counts
+        # offered are those from 2 pp = 4 up that divide them.
+        per = 12 // (k // 2)
+        counts = " or ".join(str(c) for c in range(4, per + 1) if per % c == 0)
         _refused(world, r"dualpipev runs at least one micro-batch per stage, 2 pp = 4, in "
-                 r"equal micro-batches of the 6 windows per replica, not 3: give "
-                 r"--microbatches 6, or use zbv", pp=2, vpp=2, microbatches=3,
+                 rf"equal micro-batches of the {per} windows per replica, not 3: give "
+                 rf"--microbatches {counts}, or use zbv", pp=2, vpp=2, microbatches=3,
                  schedule="dualpipev")
     if k % 2 == 0:
         _refused(world, r"pp=6 stages for a GPT of 4 units.*\(pp=2 x vpp=3\)", pp=2,
