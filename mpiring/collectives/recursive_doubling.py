@@ -16,8 +16,10 @@ rank holds the sum over a block of 2^(s+1) ranks. K = 8::
       1  | x0+x1+x2+x3
       2  | x0+...+x7                  (every rank: the same sum)
 
-Partners add the same two values (a+b on one side, b+a on the other), so every
-rank ends with bit-identical results.
+Partners combine the same two values, and both put the lower rank's operand
+first (``ufunc(lower, upper)``), so every rank ends with bit-identical results:
+``a+b`` and ``b+a`` are equal in IEEE arithmetic, but ``max(0.0, -0.0)`` and
+``max(-0.0, 0.0)`` (or ``max`` of two NaNs) are not, they return the first operand.
 
 K not a power of two: let p be the largest power of two <= K and rem = K - p.
 First the 2*rem lowest ranks *fold* in pairs: each even rank r sends its buffer
@@ -39,7 +41,7 @@ but the whole message every step, so it loses once M/B outgrows alpha.
 
 from __future__ import annotations
 
-from mpiring.core.ops import finish, reducer
+from mpiring.core.ops import finish, ufunc
 from mpiring.runtime.trace import clock
 
 
@@ -49,7 +51,7 @@ def recursive_doubling_all_reduce(be, x, op: str, trace, phase: str = "doubling"
     if size > 1 and x.size > 0:
         p = 1 << (size.bit_length() - 1)  # largest power of two <= K
         rem = size - p
-        reduce = reducer(op)
+        combine = ufunc(op)
         buffer = be.scratch(x, x.size)
         # Small messages are this algorithm's domain: with tracing off, no clock reads.
         step = _Recorder(trace, x.size * x.itemsize)
@@ -64,7 +66,7 @@ def recursive_doubling_all_reduce(be, x, op: str, trace, phase: str = "doubling"
                 t0 = step.now()
                 be.wait(be.irecv(buffer, rank - 1))
                 t1 = step.now()
-                reduce(x, buffer)
+                combine(buffer, x, out=x)  # the lower rank's operand first, as below
                 step("fold", 0, 1, t0, t1, src=rank - 1)
                 vrank = rank // 2
         else:
@@ -77,7 +79,13 @@ def recursive_doubling_all_reduce(be, x, op: str, trace, phase: str = "doubling"
                 t0 = step.now()
                 be.sendrecv(x, partner, buffer, partner)
                 t1 = step.now()
-                reduce(x, buffer)
+                # Both partners compute ufunc(lower rank's x, upper rank's x): with the
+                # operands in each rank's own order, max/min of 0.0 and -0.0 (or of two
+                # NaNs) would leave the partners holding different bits.
+                if partner > rank:
+                    combine(x, buffer, out=x)
+                else:
+                    combine(buffer, x, out=x)
                 step(phase, s, steps, t0, t1, dst=partner, src=partner)
         # Unfold: the odd ranks give the result back to the even ones that folded.
         if rank < 2 * rem:

@@ -4,9 +4,11 @@ An op is applied in place, ``dst = dst (op) src``, through the NumPy ufunc of th
 same name. NumPy ufuncs dispatch to CuPy for CuPy arrays (``__array_ufunc__``),
 so the same line reduces on the CPU or on the GPU.
 
-``avg`` is ``sum`` followed by one division by K on the finished result, as
-NCCL's ncclAvg; it is defined for floating dtypes only (an integer mean would
-silently truncate). The bitwise ``band``, ``bor`` and ``bxor`` (torch's
+``avg`` is ``sum`` followed by one division by K on the finished result (as
+MPI users do it, and as NCCL's ncclAvg does for integers; for floats NCCL
+multiplies each input by 1/K first, so a float16 sum that overflows gives
+``inf`` here, not there); it is defined for floating dtypes only (an integer
+mean would silently truncate). The bitwise ``band``, ``bor`` and ``bxor`` (torch's
 ``ReduceOp.BAND``/``BOR``/``BXOR``, MPI's ``MPI_BAND``...) are defined for
 integer dtypes only: the bits of a float are not a number to combine.
 """
@@ -59,6 +61,16 @@ def reducer(op: str):
         ufunc(dst, src, out=dst)
 
     return apply
+
+
+def ufunc(op: str):
+    """The NumPy ufunc that reduces ``op``: ``ufunc(a, b, out=...)`` computes ``a (op) b``.
+
+    For an algorithm that must choose the operands' order itself: ``max``/``min``
+    of ``0.0`` and ``-0.0``, or of two NaNs, return the first operand, so two ranks
+    that combine the same pair in opposite orders end with different bits.
+    """
+    return _UFUNC[op]
 
 
 def finish(op: str, x, size: int) -> None:
