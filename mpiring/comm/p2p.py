@@ -106,7 +106,7 @@ class PreparedSend:
 
     def __init__(self, comm, like, dst: int, tag: int):
         self._comm, self._peer, self._tag = comm, check_peer(comm, dst, "dst"), check_tag(tag)
-        buf = as_buffer(like)
+        buf = send_buffer(like)
         if getattr(comm._be, "accepts_cuda", False):  # NCCL: device memory only, said now
             comm._be.check_buffer(buf, "send", "p2p", None)
         self._meta, self._header = _Sent(buf), descriptor(buf)
@@ -123,10 +123,10 @@ class PreparedSend:
         """
         meta, comm = self._meta, self._comm
         if not self._raw:
-            got = as_buffer(x)
+            got = send_buffer(x)
             if got.dtype != meta.dtype or got.count != meta.count or got.device != meta.device:
                 raise self._unlike(x)
-            return comm._post("send", x, self._peer, self._tag)
+            return comm._post("send", x, self._peer, self._tag, got)
         try:
             unlike = (x.dtype is not self._dtype or x.numel() != meta.count or not x.is_cpu
                       or not x.is_contiguous() or x.requires_grad)
@@ -137,6 +137,8 @@ class PreparedSend:
         # The message first, the bookkeeping while it travels (right after a compute
         # action every step here runs cold).
         be = comm._be
+        if comm._group_reqs:
+            _check_group_overlap(comm._group_reqs, None, x, self.what)
         header = self._header if comm.check else None
         handle = be.post_send(be.host_buffer(x.data_ptr(), meta.nbytes), self._peer,
                               self._tag, header)
@@ -146,6 +148,10 @@ class PreparedSend:
         if comm._group_reqs is not None:
             comm._group_reqs.append(req)
         return req
+
+    @property
+    def what(self) -> str:
+        return f"prepared send to r{self._peer} tag {self._tag}"
 
     def _unlike(self, x) -> ValueError:
         meta = self._meta
@@ -193,6 +199,65 @@ class PreparedRecv:
         return comm._issue(req, buf, buf.array)
 
 
+def send_buffer(x) -> Buffer:
+    """``as_buffer(x)`` for a buffer that is only read (a send): read-only NumPy memory
+    (``np.frombuffer`` of bytes, ``setflags(write=False)``, a read-only memmap) is fine.
+    """
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        flags = x.flags
+        # as_buffer refuses it only for being read-only when everything else is in order
+        # (a dtype it reduces, aligned, native byte order, contiguous); MPI sends from
+        # read-only memory. Anything else wrong: as_buffer's own error names it.
+        if (flags.c_contiguous and flags.aligned and x.dtype.isnative
+                and x.dtype.name in DTYPES):
+            return Buffer(x, x.reshape(-1), x.dtype.name, "cpu", "numpy")
+    return as_buffer(x)
+
+
+def _check_group_overlap(reqs: list, req, array, what: str | None = None) -> None:
+    """Refuse a message whose memory overlaps a message of the other direction in the
+    open group, before it is posted.
+
+    Everything in a group is in flight at once: a receive into memory that a send
+    of the same group still reads can land before the send has read it (a large
+    message is read only when the peer is ready), and the peer then gets our new
+    data instead of the old. Nothing raises and the result is silently wrong, so
+    refuse it here.
+    """
+    op = "send" if req is None else req._op
+    for other in reqs:
+        if other._op != op and other._keep is not None and _overlap(array, other._keep):
+            mine = what if req is None else req.what
+            raise ValueError(
+                f"[r{other._comm.rank}] {mine}: its buffer overlaps that of {other.what} in "
+                "the same group, so the receive could overwrite what the send has not read "
+                "yet; use comm.sendrecv(x, dst, x, src) (it sends a copy), or receive into "
+                "another buffer")
+
+
+def _span(a) -> tuple[bool, int, int]:
+    """(on the host?, first byte, end) of the memory a message reads or fills."""
+    if isinstance(a, np.ndarray):
+        start = a.__array_interface__["data"][0]
+        return True, start, start + a.nbytes
+    if hasattr(a, "data_ptr"):  # a torch tensor (a prepared send's raw path)
+        start = a.data_ptr()
+        return a.device.type == "cpu", start, start + a.numel() * a.element_size()
+    start = a.data.ptr  # a CuPy array
+    return False, start, start + a.nbytes
+
+
+def _overlap(a, b) -> bool:
+    """Whether the memory of two contiguous buffers (NumPy or CuPy arrays, torch
+    tensors) shares bytes."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        # Bounds only: exact for contiguous arrays, and the cheapest test there is.
+        return np.may_share_memory(a, b)
+    host_a, lo_a, hi_a = _span(a)
+    host_b, lo_b, hi_b = _span(b)
+    return host_a == host_b and lo_a < hi_b and lo_b < hi_a and lo_a < hi_a and lo_b < hi_b
+
+
 def check_peer(comm, peer, name: str) -> int:
     if not _is_int(peer) or not 0 <= peer < comm.size:
         raise ValueError(f"{name}={peer!r} out of range: use a rank in 0..{comm.size - 1} "
@@ -224,8 +289,9 @@ class PointToPoint:
     _group_reqs: list | None = None
     _p2p_calls = 0
 
-    def _post(self, op: str, x, peer: int, tag: int) -> Request:
-        buf = as_buffer(x)
+    def _post(self, op: str, x, peer: int, tag: int, buf: Buffer | None = None) -> Request:
+        if buf is None:
+            buf = send_buffer(x) if op == "send" else as_buffer(x)
         peer = check_peer(self, peer, "dst" if op == "send" else "src")
         tag = check_tag(tag)
         self._p2p_calls += 1
@@ -249,6 +315,8 @@ class PointToPoint:
     def _issue(self, req: Request, buf: Buffer, array) -> Request:
         """Hand ``req``'s message (``array``: the memory the backend reads or fills) to the
         backend, with the descriptor when the check is on; join the open group."""
+        if self._group_reqs:
+            _check_group_overlap(self._group_reqs, req, array)
         req._keep = array  # the backend reads or fills it until the message completes
         mine = descriptor(buf) if self.check else None
         if req._op == "send":
@@ -330,10 +398,21 @@ class PointToPoint:
         """Send ``send_x`` to ``dst`` while receiving ``recv_x`` from ``src``; returns ``recv_x``.
 
         Both go out together (one group), so a ring of sendrecvs cannot deadlock.
+        ``recv_x`` may be ``send_x`` itself, or overlap it (MPI_Sendrecv_replace):
+        the message sent is then a copy of ``send_x`` taken before anything arrives.
         """
+        # Both wrapped (and so checked) before either is posted: a bad send buffer
+        # must not leave a receive posted behind it.
+        send_buf, recv_buf = send_buffer(send_x), as_buffer(recv_x)
+        if _overlap(send_buf.array, recv_buf.array):
+            # The receive would overwrite what the send still reads: a large message
+            # (rendezvous) is read from our memory only once the peer is ready, by
+            # which time our own receive may have landed in it. So send a copy,
+            # taken before the receive is posted (MPI_Sendrecv_replace does the same).
+            send_buf = send_buffer(send_buf.array.copy())
         with self.group():
-            self.irecv(recv_x, src, tag)
-            self.isend(send_x, dst, tag)
+            self._post("recv", recv_x, src, tag, recv_buf)
+            self._post("send", send_buf.obj, dst, tag, send_buf)
         return recv_x
 
     @contextmanager
