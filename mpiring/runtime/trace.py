@@ -20,6 +20,7 @@ spent waiting for data vs reducing it.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -133,29 +134,37 @@ class Tracer:
         self.rank = rank
         self.directory = directory
         self.log_steps = log_steps
-        self._file: IO[str] | None = None
+        self._file: _TraceFile | None = None
         self._name = name or f"rank{rank}"
         if directory:
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, f"{self._name}.jsonl")
-            # O_NOFOLLOW: never write through a symlink someone planted in DIR.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-            self._file = os.fdopen(fd, "w", buffering=1 << 16)
+            self._file, fresh = _TraceFile.open(path)
             _OPEN.add(self)  # flushed at exit and before an abort: no lost tail
-            self._file.write(json.dumps({
-                "type": "header", "rank": rank, "pid": os.getpid(),
-                "wall_minus_clock": time.time() - clock(),
-            }) + "\n")
+            if fresh:  # a second tracer of this process on the file adds to it, header once
+                self._file.write(json.dumps({
+                    "type": "header", "rank": rank, "pid": os.getpid(),
+                    "wall_minus_clock": time.time() - clock(),
+                }) + "\n")
         if log_steps:
             _ensure_stderr_handler()
 
     @classmethod
     def from_env(cls, rank: int, directory: str | None = None, log: str | None = None,
                  name: str | None = None) -> Tracer:
-        """Build from explicit settings, falling back to MPIRING_TRACE and MPIRING_LOG."""
+        """Build from explicit settings, falling back to MPIRING_TRACE and MPIRING_LOG.
+
+        Raises:
+            ValueError: a ``log`` (or ``MPIRING_LOG``) other than "steps" or off.
+            OSError: the trace file cannot be written (``TraceInUse``: another
+                process writes it).
+        """
         directory = directory if directory is not None else os.environ.get("MPIRING_TRACE") or None
-        log = log if log is not None else os.environ.get("MPIRING_LOG", "")
-        return cls(rank, directory, log_steps=(log == "steps"), name=name)
+        if log is None:
+            steps = parse_log(os.environ.get("MPIRING_LOG", ""), "MPIRING_LOG")
+        else:
+            steps = parse_log(log, "log")
+        return cls(rank, os.fspath(directory) if directory else None, log_steps=steps, name=name)
 
     @property
     def enabled(self) -> bool:
@@ -189,8 +198,98 @@ class Tracer:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            self._file.release()
             self._file = None
+
+
+#: What ``log=``/``MPIRING_LOG`` accept: "steps" logs every step, these turn it off.
+LOG_OFF = ("", "off", "0", "none", "no", "false")
+
+
+def parse_log(value: Any, source: str = "log") -> bool:
+    """Whether ``value`` (``log=`` or ``MPIRING_LOG``) asks for the step log.
+
+    Raises:
+        ValueError: anything but "steps" or off; the message names ``source``
+            and the values (a silently ignored ``MPIRING_LOG=1`` logs nothing).
+    """
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text == "steps":
+        return True
+    if text in LOG_OFF or value is None or value is False:
+        return False
+    raise ValueError(f"{source}={value!r}: use 'steps' (one line per ring step on stderr) "
+                     "or leave it unset / 'off'")
+
+
+class TraceInUse(OSError):
+    """Another process holds the trace file: two jobs were given one trace directory."""
+
+
+class _TraceFile:
+    """One open trace file of this process, shared by every Tracer writing it.
+
+    Two tracers of one process on one path (``mpiring.init()`` twice with
+    ``MPIRING_TRACE`` set, e.g. ``init`` and then ``init_process_group``) write
+    through one file object, in order: opened twice, the second open would empty
+    the file and both would write from their own offsets, over each other's
+    records. Another *process* writing the same file (a second job given the same
+    directory) holds its lock: refused.
+    """
+
+    _by_path: weakref.WeakValueDictionary[str, _TraceFile] = weakref.WeakValueDictionary()
+
+    def __init__(self, fh: IO[str]):
+        self.fh = fh
+        self.users = 1
+        self.write = fh.write  # the file's own method: no extra call per record
+
+    @classmethod
+    def open(cls, path: str) -> tuple[_TraceFile, bool]:
+        """The file for ``path`` and whether it is new (truncated, needs a header)."""
+        key = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        shared = cls._by_path.get(key)
+        if shared is not None and not shared.fh.closed:
+            shared.users += 1
+            return shared, False
+        # O_NOFOLLOW: never write through a symlink someone planted in DIR. No
+        # O_TRUNC: the file is emptied only once its lock shows no other process
+        # is writing it (truncating first would wipe the other job's records).
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            _lock(fd, path)
+            os.ftruncate(fd, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        shared = cls(os.fdopen(fd, "w", buffering=1 << 16))
+        cls._by_path[key] = shared
+        return shared, True
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def release(self) -> None:
+        """One tracer is done with the file; the last one closes it."""
+        self.users -= 1
+        if self.users <= 0:
+            self.fh.close()
+
+
+def _lock(fd: int, path: str) -> None:
+    """Hold an exclusive lock on the trace file for as long as it is open."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock, as before
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise TraceInUse(errno.EBUSY, f"{path} is being written by another running process "
+                         "(two jobs given one trace directory would overwrite each other's "
+                         "records): give each job its own directory") from None
+    except OSError:  # a filesystem without locks (ENOLCK, EOPNOTSUPP): write unlocked
+        pass
 
 
 # Every tracer with a file: a buffered tail would be lost when the process ends
