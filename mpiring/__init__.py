@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mpiring.backends import BACKENDS
 from mpiring.comm.communicator import Communicator
-from mpiring.comm.start import init
+from mpiring.comm.start import ConfigError, init
 from mpiring.core.errors import BackendUnavailable, MismatchError, MpiringTimeout
 from mpiring.runtime import pages  # huge-page buffers and steady_malloc (no torch needed to import)
 
@@ -94,8 +94,8 @@ _LAZY = {
     "group": "mpiring.comm.default",
 }
 
-__all__ = ["BACKENDS", "BackendUnavailable", "Communicator", "MismatchError", "MpiringTimeout",
-           "init", "pages", *_LAZY]
+__all__ = ["BACKENDS", "BackendUnavailable", "Communicator", "ConfigError", "MismatchError",
+           "MpiringTimeout", "init", "pages", *_LAZY]
 
 
 def __getattr__(name: str):

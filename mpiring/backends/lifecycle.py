@@ -39,6 +39,7 @@ import traceback
 
 from mpi4py import MPI
 
+from mpiring.backends.control import Control
 from mpiring.runtime import desync, watchdog
 from mpiring.runtime.trace import flush_all
 
@@ -49,6 +50,62 @@ WAIT_TAG = 8
 #: Bytes a notice may have; a longer message is drained and dropped.
 MAX_NOTICE = 1 << 16
 _state: dict = {}
+
+
+def start_mpi() -> str | None:
+    """Make MPI ready for mpiring in this process (local, no message).
+
+    Initializes MPI at ``THREAD_MULTIPLE`` when nobody has (``mpi4py.rc.initialize =
+    False``). Returns why mpiring cannot run on the MPI it found, or None: its
+    monitor thread (exit notices, desync) and DDP's communication thread call MPI
+    beside the main thread, which MPI allows only at ``THREAD_MULTIPLE``; below it
+    the calls race inside the library (corrupt messages or a crash, not an error).
+
+    Raises:
+        RuntimeError: MPI was finalized: it cannot be started again in this process.
+    """
+    if MPI.Is_finalized():
+        exc = RuntimeError("mpiring.init: MPI was already finalized in this process "
+                           "(MPI.Finalize() ran) and cannot be started again: call "
+                           "mpiring.init() before finalizing, and finalize once, at the end "
+                           "(mpi4py does that at exit by itself)")
+        exc.on_every_rank = True  # no MPI_Abort is possible after MPI_Finalize
+        raise exc
+    if not MPI.Is_initialized():
+        # The script left MPI to us (mpi4py.rc.initialize = False): the level our
+        # threads need. mpi4py then finalizes only what it initialized itself.
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize)
+    level = MPI.Query_thread()
+    if level >= MPI.THREAD_MULTIPLE:
+        return None
+    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+             MPI.THREAD_SERIALIZED: "SERIALIZED"}
+    return (f"MPI runs at thread level THREAD_{names.get(level, level)}, and mpiring's "
+            "monitor and DDP's communication threads call MPI beside the main thread, "
+            "which needs THREAD_MULTIPLE: drop mpi4py.rc.thread_level (its default is "
+            "'multiple') or set it to 'multiple' before importing mpi4py.MPI, and use an "
+            "MPI library built with thread support")
+
+
+def _finalize() -> None:
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def exchange(value, timeout: float = watchdog.DEFAULT_TIMEOUT):
+    """Every rank's JSON value, in rank order, over the whole job: ``mpiring.init``'s
+    agreement on its settings, before any communicator of its own exists (collective
+    over ``MPI.COMM_WORLD``: every rank calls it, in the same order).
+
+    Under the deadline ``timeout`` (0: none): a rank that never reaches init (it
+    failed before, with no hook installed yet to end the job) gets a stall report
+    and the end of the job, not a wait for ever.
+    """
+    world = MPI.COMM_WORLD
+    act = watchdog.Activity(world.Get_rank(), world.Get_size(), timeout=timeout)
+    act.collective = "mpiring.init"  # what the stall report names
+    return Control(world, act).allgather_json(value)
 
 
 def install() -> None:

@@ -16,10 +16,12 @@ see an MPI world of one process per rank and train K unrelated models, so a
 from __future__ import annotations
 
 import datetime
+import numbers
 import os
 from typing import Any
 
 from mpiring.comm.communicator import Communicator
+from mpiring.comm.start import ConfigError, start
 
 __all__ = ["destroy_process_group", "get_rank", "get_world_size", "init_process_group",
            "is_initialized", "default_comm", "resolve"]
@@ -44,7 +46,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         backend: None or "mpi"/"gloo": mpiring's MPI backend (CPU tensors; CUDA
             tensors are staged). "nccl": NCCL over the GPU of ``device_id`` (or
             of ``local_rank % device_count``).
-        init_method: accepted and not used: MPI has already connected the ranks.
+        init_method: None or a URL (``env://``, ``tcp://...``, ``file://...``), not
+            used: MPI has already connected the ranks. A ``rank`` or
+            ``world_size`` in its query is checked as the arguments are.
         timeout: a ``timedelta`` or seconds: the deadline of one blocking wait
             (mpiring's watchdog; default ``MPIRING_TIMEOUT`` or 300 s).
         world_size, rank: -1, or the values MPI gives (checked).
@@ -58,31 +62,61 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
 
     Raises:
         RuntimeError: called twice without ``destroy_process_group()``.
-        ValueError: an unknown backend, a ``world_size``/``rank`` argument or a
+        ConfigError: (a ValueError) on every rank together: an unknown backend, a
+            ``world_size``/``rank`` argument, ``init_method`` query or
             ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` variable that MPI contradicts,
-            or a store or options that cannot be honoured.
+            a store, options or ``device_id`` that cannot be honoured, or any
+            of ``mpiring.init``'s refusals (a bad timeout, ``MPIRING_*`` variable...).
     """
     global _default, _backend_name
     if _default is not None:
         raise RuntimeError("init_process_group: the default process group is already "
                            "initialized; call destroy_process_group() first")
-    if backend is not None and not isinstance(backend, str):
-        raise ValueError(f"init_process_group: backend={backend!r}: pass a name")
-    name = backend.lower() if backend else None
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"init_process_group: backend={backend!r}: use None, 'mpi', 'gloo' "
-                         "(both: mpiring's MPI backend) or 'nccl'")
+    # Argument problems go through init's agreement: a rank that raised here alone
+    # would leave the others waiting in it.
+    problems = []
+    name = backend.lower() if isinstance(backend, str) else backend
+    if not isinstance(name, (str, type(None))) or name not in BACKEND_NAMES:
+        problems.append(f"init_process_group: backend={backend!r}: use None, 'mpi', 'gloo' "
+                        "(both: mpiring's MPI backend) or 'nccl'")
+        name = None
     if store is not None or pg_options is not None:
-        raise ValueError("init_process_group: store= and pg_options= are torch's rendezvous and "
-                         "ProcessGroup options; mpiring's ranks come from MPI: leave them None")
-    from mpiring.comm.start import init
-
-    comm = init(backend=BACKEND_NAMES[name], timeout=seconds(timeout))
+        problems.append("init_process_group: store= and pg_options= are torch's rendezvous "
+                        "and ProcessGroup options; mpiring's ranks come from MPI: leave "
+                        "them None")
+    if init_method is not None and not isinstance(init_method, str):
+        problems.append(f"init_process_group: init_method={init_method!r}: give a URL "
+                        "string (env://, tcp://..., file://...) or leave it out: MPI has "
+                        "already connected the ranks")
+    if device_id is not None and not _device_like(device_id):
+        problems.append(f"init_process_group: device_id={device_id!r}: give a torch.device "
+                        "(e.g. torch.device('cuda', local_rank)) or a device index")
+    # launcher=False: _check_agrees below names WORLD_SIZE/RANK/LOCAL_RANK with the rest.
+    comm = start(backend=BACKEND_NAMES[name], timeout=seconds(timeout), problems=problems,
+                 launcher=False)
     if device_id is not None:
         _check_device(comm, device_id)
-    _check_agrees(comm, world_size, rank)
+    _check_agrees(comm, world_size, rank, _url_settings(init_method))
     _default, _backend_name = comm, name or "mpi"
     return comm
+
+
+def _device_like(device_id: Any) -> bool:
+    """A torch.device (or anything with a device ``type``) or a non-negative index."""
+    if hasattr(device_id, "type") and hasattr(device_id, "index"):
+        return True
+    return isinstance(device_id, int) and not isinstance(device_id, bool) and device_id >= 0
+
+
+def _url_settings(init_method: Any) -> dict[str, str]:
+    """``rank`` and ``world_size`` of an ``init_method`` URL's query, as torch reads them
+    (``tcp://host:port?rank=1&world_size=4``)."""
+    if not isinstance(init_method, str) or "?" not in init_method:
+        return {}
+    from urllib.parse import parse_qs, urlsplit
+
+    query = parse_qs(urlsplit(init_method).query)
+    return {k: query[k][-1] for k in ("rank", "world_size") if query.get(k)}
 
 
 def backend_name(comm: Communicator) -> str:
@@ -109,18 +143,28 @@ def _check_device(comm: Communicator, device_id: Any) -> None:
     flags = comm.control.allgather_array([int(wrong)])[:, 0]
     if flags.any():
         bad = ", ".join(f"r{r}" for r in range(comm.size) if flags[r])
-        raise ValueError(f"init_process_group: device_id={device_id!r} on {bad} is not the GPU "
-                         "the NCCL backend uses (local_rank % device_count): leave device_id "
-                         "out, or give each rank its local rank's GPU")
+        raise ConfigError(f"init_process_group: device_id={device_id!r} on {bad} is not the "
+                          "GPU the NCCL backend uses (local_rank % device_count): leave "
+                          "device_id out, or give each rank its local rank's GPU")
 
 
-def _check_agrees(comm: Communicator, world_size: int, rank: int) -> None:
-    """Every rank raises the same error if an argument or the environment contradicts MPI."""
+def _check_agrees(comm: Communicator, world_size: int, rank: int,
+                  url: dict[str, str] | None = None) -> None:
+    """Every rank raises the same error if an argument, the ``init_method`` URL or the
+    environment contradicts MPI."""
     problems = []
-    if world_size not in (-1, None) and int(world_size) != comm.size:
-        problems.append(f"world_size={world_size}")
-    if rank not in (-1, None) and int(rank) != comm.rank:
-        problems.append(f"rank={rank}")
+    for what, given, value in (("world_size", world_size, comm.size), ("rank", rank, comm.rank)):
+        if given in (-1, None):
+            continue
+        # int() made 2.5 (or True) agree with rank 2 (or 1); a string of digits, as the
+        # launcher's variables are, still counts as its number.
+        if isinstance(given, str) and given.strip().isdigit():
+            given = int(given)
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given != value:
+            problems.append(f"{what}={given!r}")
+    for key, value in (url or {}).items():
+        if value.strip() != str(comm.size if key == "world_size" else comm.rank):
+            problems.append(f"init_method's {key}={value}")
     for var, value in (("WORLD_SIZE", comm.size), ("RANK", comm.rank),
                        ("LOCAL_RANK", comm.local_rank)):
         text = os.environ.get(var)
@@ -131,9 +175,10 @@ def _check_agrees(comm: Communicator, world_size: int, rank: int) -> None:
     if not bad:
         return
     shown = "; ".join(f"r{r} (MPI rank {r} of {comm.size}) got {', '.join(p)}" for r, p in bad)
-    raise ValueError(f"init_process_group: the launcher and MPI disagree: {shown}. mpiring "
-                     f"takes rank and size from MPI: {_LAUNCH_HINT} (torchrun starts "
-                     "independent MPI singletons), and drop rank=/world_size= or make them match")
+    raise ConfigError(f"init_process_group: the launcher and MPI disagree: {shown}. mpiring "
+                      f"takes rank and size from MPI: {_LAUNCH_HINT} (torchrun starts "
+                      "independent MPI singletons), and drop rank=/world_size= or make them "
+                      "match")
 
 
 def destroy_process_group(group: Communicator | None = None) -> None:

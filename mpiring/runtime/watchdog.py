@@ -98,14 +98,19 @@ P2P = desync.P2P  # the Communicator's public point-to-point calls
 def parse_timeout(value: float | str | None, default: float = DEFAULT_TIMEOUT) -> float:
     """Seconds as a float; ``None`` means ``MPIRING_TIMEOUT`` or the default; 0 disables.
 
+    ``value`` may be a number, a string of seconds (``"300"``, ``"300s"``, ``"off"``)
+    or a ``datetime.timedelta``.
+
     Raises:
         ValueError: not a number of seconds (the message names the fix).
     """
     source = "timeout"
+    if hasattr(value, "total_seconds"):  # a datetime.timedelta, as torch.distributed takes
+        value = value.total_seconds()
     if value is None:
         value = os.environ.get("MPIRING_TIMEOUT", "")
         source = "MPIRING_TIMEOUT"
-        if value == "":
+        if value.strip() == "":  # set but empty (VAR= in a launch line): the default
             return float(default)
     if isinstance(value, str):
         text = value.strip().lower()
@@ -255,7 +260,9 @@ class Activity:
         since = self.since if since is None else since
         waited = at - since if since else 0.0
         me = f"[r{self.rank}]"
-        where = f"{self.collective}#{self.call}" if self.collective else "a blocking call"
+        # Call 0: a wait outside the numbered calls (mpiring.init's agreement).
+        where = (f"{self.collective}#{self.call}" if self.collective and self.call
+                 else self.collective or "a blocking call")
         if self.collective and self.algo:
             where += f" (algo {self.algo}, {self.size} ranks)"
         if self.collective in P2P:  # a public message: the wait names it
