@@ -4,6 +4,7 @@
     python -m mpiring trace plot DIR -o timeline.png    # the same timeline as a PNG
     python -m mpiring trace explain DIR                 # the lecture's step diagram for a ring call
     python -m mpiring trace explain DIR --collective all_reduce --call 2
+    python -m mpiring trace explain DIR --collective all_reduce --call 1 --nth 2   # "(2nd)"
     python -m mpiring trace explain DIR --list          # the traced calls
 
 No MPI needed: these read the files the ranks wrote.
@@ -32,6 +33,9 @@ def add_arguments(p) -> None:
     e.add_argument("dir", help="trace directory")
     e.add_argument("--collective", default=None, help="which collective (default: the first call)")
     e.add_argument("--call", type=int, default=None, help="call number (all_reduce#3 -> 3)")
+    e.add_argument("--nth", type=int, default=None, metavar="N",
+                   help="the N-th call of that name, as --list shows it (all_reduce#1 (2nd) -> "
+                        "--call 1 --nth 2): another communicator's call with the same number")
     e.add_argument("--list", action="store_true", help="list the traced calls and exit")
 
 
@@ -47,7 +51,9 @@ def run(args) -> int:
         if args.action == "merge":
             doc = timeline.chrome_trace(files)
             with open(args.output, "w") as fh:
-                json.dump(doc, fh)
+                # allow_nan=False: a browser's JSON.parse rejects NaN (chrome_trace
+                # already wrote them as strings; this makes sure).
+                json.dump(doc, fh, allow_nan=False)
             n = sum(1 for e in doc["traceEvents"] if e["ph"] == "X")
             print(f"wrote {args.output}: {n} spans from {len(files)} file(s); open it in "
                   "Perfetto (ui.perfetto.dev) or chrome://tracing")
@@ -56,12 +62,22 @@ def run(args) -> int:
             timeline.plot(files, args.output, title=args.title, window=window)
             print(f"wrote {args.output}")
         elif args.list:
+            groups = timeline.group_sizes(files)
             for coll, num, algo, nth, nranks in timeline.list_calls(files):
-                print(f"{timeline.call_name(coll, num, nth)} ({algo}) on {nranks} rank(s)")
+                k = groups.get((coll, num, algo, nth))
+                # Several sub-communicators' calls share a name: say so, not "on 4 ranks".
+                where = (f"on {nranks} rank(s)" if k is None else
+                         f"on {nranks} rank(s) in groups of {k} (one call per group)")
+                print(f"{timeline.call_name(coll, num, nth)} ({algo}) {where}")
         else:
-            print(timeline.explain(files, args.collective, args.call))
+            print(timeline.explain(files, args.collective, args.call, args.nth))
     except ValueError as exc:  # bad input: a message, not a traceback
         print(f"mpiring trace {args.action}: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        # -o into a missing folder, an unreadable trace file...
+        print(f"mpiring trace {args.action}: {exc.strerror or exc}: {exc.filename}",
+              file=sys.stderr)
         return 2
     return 0
 

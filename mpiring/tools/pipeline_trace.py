@@ -89,6 +89,7 @@ def steps(files) -> list[Step]:
     for rank, (_, recs) in by_rank.items():  # a rank by its first stage (r of r, r + p, ...)
         first = min(int(r["stage"]) for r in recs)
         pipelines[int(recs[0].get("replica", 0))][first] = rank
+    _check_complete(pipelines, by_rank)
     out: list[Step] = []
     for replica in sorted(pipelines):
         stages = pipelines[replica]
@@ -106,6 +107,26 @@ def steps(files) -> list[Step]:
             out.append(Step(k + 1, replica, str(first.get("schedule", "custom")), m, ranks,
                             rows, _missing(rows, ranks, held, m)))
     return out
+
+
+def _check_complete(pipelines: dict[int, dict[int, int]],
+                    by_rank: dict[int, tuple[float, list[dict[str, Any]]]]) -> None:
+    """Refuse a pipeline whose stages are not all there: a missing rank file would
+    otherwise be drawn as a shorter pipeline, with made-up bubbles and predictions."""
+    held = {replica: sorted({int(r["stage"]) for rank in stages.values()
+                             for r in by_rank[rank][1]})
+            for replica, stages in pipelines.items()}
+    if not held:  # no pipeline at all: explain says so
+        return
+    top = max(h[-1] for h in held.values())
+    for replica, stages in sorted(held.items()):
+        lost = sorted(set(range(top + 1)) - set(stages))
+        if lost:
+            where = f" of replica {replica}" if len(held) > 1 else ""
+            raise ValueError(
+                f"no trace file holds pipeline stage(s) {', '.join(map(str, lost))}{where} "
+                f"(the files hold stages {', '.join(map(str, stages))}): a rank's file is "
+                "missing; copy every rank's file of the run into the directory")
 
 
 def _missing(rows: list[list[Span]], ranks: list[int], held: list[set[int]], m: int) -> str:

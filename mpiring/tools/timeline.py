@@ -29,7 +29,9 @@ several hosts line up as well as the hosts' clocks agree.
 from __future__ import annotations
 
 import json
+import math
 import os
+import time
 import warnings
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -37,6 +39,13 @@ from typing import Any
 
 # Phases whose receive reduces into what the rank holds; the others copy.
 REDUCING_PHASES = ("reduce-scatter", "reduce", "push")
+# Recursive doubling's and halving-doubling's phases that reduce what they receive
+# (the fold hands an even rank's data to the odd one above it, which adds it).
+EXCHANGE_REDUCING = ("doubling", "fold")
+# Algorithms whose every message is the whole buffer: their steps carry no chunk
+# numbers, and replaying them as one chunk is exact.
+WHOLE_BUFFER_ALGOS = ("recursive-doubling",)
+MAX_LABELS = 2000  # plot's F1/B1 labels: more are unreadable at the PNG's width
 PHASE_COLORS = {
     "reduce-scatter": "tab:blue", "all-gather": "tab:green", "broadcast": "tab:orange",
     "reduce": "tab:red", "push": "tab:purple", "pull": "tab:brown",
@@ -85,11 +94,32 @@ class Call:
         return self.collective, self.call, self.algo
 
 
+# The trace format this reader understands. A header without "version" is version 1
+# (every file written so far); a newer writer that changes the records must bump it.
+FORMAT_VERSION = 1
+# The fields each record type must have for the tools to read it: a file of another
+# mpiring version that lacks one is refused naming it, not a KeyError traceback.
+REQUIRED = {
+    "step": ("collective", "call", "algo", "phase", "step", "steps", "t_start", "t_end"),
+    "event": ("t_start", "t_end"),
+    "p2p": ("op", "peer", "t_start", "t_end"),
+}
+NUMERIC = ("call", "step", "steps", "t_start", "t_end")
+# Two files whose records are this far apart are taken for two runs: a new mpiexec
+# job takes longer than this to start, while one run's ranks overlap in time.
+RUN_GAP_S = 1.0
+
+
 def load(directory: str) -> list[TraceFile]:
     """Read every ``*.jsonl`` file of a trace directory.
 
+    Warns (``UserWarning``) when the files' spans fall into runs that never overlap
+    in time: an earlier run's files left in the directory (a later run with fewer
+    ranks overwrites only its own ranks' files).
+
     Raises:
-        ValueError: the directory has no trace files, or a file has no header.
+        ValueError: the directory has no trace files, a file has no header, two
+            files claim the same rank, or a file is of another trace format version.
     """
     if not os.path.isdir(directory):
         raise ValueError(f"{directory!r} is not a directory: pass the directory given to "
@@ -105,14 +135,74 @@ def load(directory: str) -> list[TraceFile]:
         h = headers[0]
         try:
             rank, offset = int(h["rank"]), float(h.get("wall_minus_clock", 0.0))
+            version = int(h.get("version", 1))
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{name}: its header has no valid rank; is it an mpiring trace "
                              "file?") from None
-        files.append(TraceFile(name, rank, offset, [r for r in recs if r.get("type") != "header"]))
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{name}: trace format version {version}, but this mpiring reads "
+                             f"version {FORMAT_VERSION}: read it with the mpiring version that "
+                             "wrote it, or record the run again with this one")
+        body = [r for r in recs if r.get("type") != "header"]
+        _check_fields(name, body)
+        files.append(TraceFile(name, rank, offset, body))
     if not files:
         raise ValueError(f"no trace files (*.jsonl) in {directory!r}: record one with "
                          "--trace DIR or MPIRING_TRACE=DIR")
+    by_rank: dict[int, list[str]] = defaultdict(list)
+    for f in files:
+        by_rank[f.rank].append(f.name)
+    twice = {r: names for r, names in by_rank.items() if len(names) > 1}
+    if twice:  # merged, their calls would pair up with themselves and nothing would match
+        r, names = min(twice.items())
+        raise ValueError(f"{' and '.join(names)} are both rank {r}'s trace: they come from "
+                         "different runs; keep one run's files per directory (trace each run "
+                         "into its own --trace DIR)")
+    _warn_separate_runs(files)
     return files
+
+
+def _check_fields(name: str, recs: list[dict[str, Any]]) -> None:
+    for rec in recs:
+        need = REQUIRED.get(rec.get("type"), ())
+        if rec.get("type") == "event" and rec.get("cat") == "pipeline":  # pipeline_trace's
+            need = need + ("action", "stage", "mb")
+        missing = [k for k in need if k not in rec]
+        bad = [k for k in NUMERIC if k in need and k not in missing
+               and (isinstance(rec[k], bool) or not isinstance(rec[k], (int, float)))]
+        if missing or bad:
+            what = (f"no {', '.join(missing)}" if missing else f"a non-numeric {', '.join(bad)}")
+            article = "an" if rec["type"][0] in "aeiou" else "a"
+            raise ValueError(f"{name}: {article} {rec['type']} record has {what}: the file was "
+                             "written by another mpiring version (or edited); record the run "
+                             "again with this one")
+
+
+def _warn_separate_runs(files: list[TraceFile]) -> None:
+    """Warn when the files form groups whose time spans never overlap: every rank of one
+    run takes part in its collectives, so one run's files overlap in time (but for an
+    eager send that completes before its receiver starts waiting: hence the slack).
+    The header carries no job id to tell for sure."""
+    spans = []
+    for f in files:
+        ts = [(r["t_start"], r["t_end"]) for r in f.records if "t_start" in r and "t_end" in r]
+        if ts:
+            spans.append((min(a for a, _ in ts) + f.offset, max(b for _, b in ts) + f.offset,
+                          f.name))
+    runs: list[list[tuple[float, float, str]]] = []
+    for span in sorted(spans):
+        if runs and span[0] <= max(e for _, e, _ in runs[-1]) + RUN_GAP_S:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    if len(runs) > 1:
+        parts = "; ".join(", ".join(sorted(n for _, _, n in run))
+                          + f" (from {time.strftime('%H:%M:%S', time.localtime(run[0][0]))})"
+                          for run in runs)
+        warnings.warn(f"the files look like {len(runs)} separate runs (their records are "
+                      f"more than {RUN_GAP_S:g} s apart): {parts}. An earlier run's files are "
+                      "left when a later one has fewer ranks: trace each run into its own "
+                      "directory", stacklevel=2)
 
 
 def _read_records(path: str, name: str) -> list[dict[str, Any]]:
@@ -225,10 +315,26 @@ def tracks(files: list[TraceFile]) -> list[dict[str, Any]]:
                 spans.append({"kind": "step", "rank": rank, "track": track,
                               "name": _step_name(s), "cat": s["phase"], "start": start,
                               "end": end, "args": args})
-                if s.get("reduce_s", 0.0) > 0:
+                # Only a step that received into a reducing phase reduced anything: a
+                # broadcast root's or a reduce leaf's send-only step also has reduce_s
+                # (its send time, as t_recv = t_start), and an all-gather only copies.
+                if (s.get("reduce_s", 0.0) > 0 and s.get("src") is not None
+                        and s["phase"] in REDUCING_PHASES + EXCHANGE_REDUCING):
                     spans.append({"kind": "reduce", "rank": rank, "track": track,
                                   "name": "reduce", "cat": s["phase"],
                                   "start": end - s["reduce_s"], "end": end, "args": {}})
+    for f in files:  # point-to-point messages (a pipeline's activations): one track
+        msgs = [r for r in f.records if r.get("type") == "p2p"]
+        lanes = _lanes([(m["t_start"], m["t_end"]) for m in msgs])
+        for m, lane in zip(msgs, lanes):
+            arrow = "->" if m["op"] == "send" else "<-"
+            spans.append({"kind": "event", "rank": f.rank, "group": "p2p",
+                          "track": "p2p" if lane == 0 else f"p2p ({lane + 1})",
+                          "name": f"{m['op']} {arrow}r{m['peer']} tag {m.get('tag')}",
+                          "cat": "p2p", "start": m["t_start"] + f.offset - t0,
+                          "end": m["t_end"] + f.offset - t0,
+                          "args": {k: m.get(k) for k in ("call", "peer", "tag", "bytes", "dtype",
+                                                         "via") if k in m}})
     for f in files:
         events = [r for r in f.records if r.get("type") == "event"]
         # A track per event name (ddp.backward, ddp.all_reduce...), unless a
@@ -289,9 +395,23 @@ def chrome_trace(files: list[TraceFile]) -> dict[str, Any]:
     for s in sorted(spans, key=lambda s: (s["start"], depth[s["kind"]])):
         events.append({"ph": "X", "name": s["name"], "cat": s["cat"], "pid": s["rank"],
                        "tid": tids[(s["rank"], s["track"])], "ts": s["start"] * 1e6,
-                       "dur": max(0.0, (s["end"] - s["start"]) * 1e6), "args": s["args"]})
+                       "dur": max(0.0, (s["end"] - s["start"]) * 1e6),
+                       "args": _json_safe(s["args"])})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": "mpiring trace merge", "ranks": len({f.rank for f in files})}}
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as strings: JSON has no such numbers, so a
+    diverged run's ``loss: NaN`` would make the whole file unreadable to the browser's
+    JSON.parse (Perfetto, chrome://tracing), though Python's json reads it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def plot(files: list[TraceFile], path: str, title: str = "",
@@ -332,30 +452,43 @@ def plot(files: list[TraceFile], path: str, title: str = "",
     cat_colors: dict[str, str] = {}
     palette = ["tab:cyan", "tab:olive", "tab:pink", "tab:gray", "gold", "teal"]
     used: dict[str, str] = {}
+    # One broken_barh per (row, look), not one per span: every call adds a collection
+    # and re-runs autoscale over all the earlier ones, so per-span calls cost O(n^2)
+    # (10k spans took 4 minutes; 250k, from 100k step records, did not end in 10).
+    bars: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    texts = []
     for s in spans:
         y = row[(s["rank"], s["track"])]
         x, w = s["start"] * 1e3, max((s["end"] - s["start"]) * 1e3, 1e-6)
         if s["kind"] == "call":
-            ax.broken_barh([(x, w)], (y - 0.42, 0.84), facecolors="none", edgecolors="black",
-                           linewidth=0.6)
+            look = (y, 0.42, (("facecolors", "none"), ("edgecolors", "black"),
+                              ("linewidth", 0.6)))
         elif s["kind"] == "step":
             color = PHASE_COLORS.get(s["cat"], "tab:gray")
             used[s["cat"]] = color
-            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors=color, edgecolors="white",
-                           linewidth=0.3)
+            look = (y, 0.32, (("facecolors", color), ("edgecolors", "white"),
+                              ("linewidth", 0.3)))
         elif s["kind"] == "reduce":
-            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors="black", alpha=0.35)
+            look = (y, 0.32, (("facecolors", "black"), ("alpha", 0.35)))
         elif label is not None and (kind := label(s)) is not None:
             color, text = kind
             used[text[0]] = color
-            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors=color, edgecolors="black",
-                           linewidth=0.3)
-            ax.text(x + w / 2, y, text, ha="center", va="center", fontsize=6, clip_on=True)
+            look = (y, 0.32, (("facecolors", color), ("edgecolors", "black"),
+                              ("linewidth", 0.3)))
+            texts.append((x + w / 2, y, text))
         else:
             color = cat_colors.setdefault(s["group"], palette[len(cat_colors) % len(palette)])
             used[s["group"]] = color
-            ax.broken_barh([(x, w)], (y - 0.32, 0.64), facecolors=color, edgecolors="black",
-                           linewidth=0.3, alpha=0.8)
+            look = (y, 0.32, (("facecolors", color), ("edgecolors", "black"),
+                              ("linewidth", 0.3), ("alpha", 0.8)))
+        bars[look].append((x, w))
+    for (y, half, style), xs in bars.items():
+        ax.broken_barh(xs, (y - half, 2 * half), **dict(style))
+    # Labels only while they can be read: thousands of them are a grey smear that
+    # costs minutes to render (--window picks a stretch to label).
+    if len(texts) <= MAX_LABELS:
+        for x, y, text in texts:
+            ax.text(x, y, text, ha="center", va="center", fontsize=6, clip_on=True)
     if window is not None:
         ax.set_xlim(window[0], window[1])
     ax.set_yticks(range(len(order)), [f"r{r} {t}" for r, t in order], fontsize=8)
@@ -390,6 +523,16 @@ def list_calls(files: list[TraceFile]) -> list[tuple[str, int, str, int, int]]:
 
         rows += pipeline_trace.list_steps(files)
     return rows
+
+
+def group_sizes(files: list[TraceFile]) -> dict[tuple[str, int, str, int], int]:
+    """The calls that ran on several smaller communicators (see ``group_size``): ident ->
+    the size of each group."""
+    per_call: dict[tuple[str, int, str, int], dict[int, list[dict[str, Any]]]] = defaultdict(dict)
+    for c in calls(files):
+        per_call[c.ident][c.rank] = c.steps
+    sizes = {ident: group_size(per_rank) for ident, per_rank in per_call.items()}
+    return {ident: k for ident, k in sizes.items() if k is not None and k < len(per_call[ident])}
 
 
 def has_pipeline(files: list[TraceFile]) -> bool:
@@ -434,23 +577,27 @@ def _table(state: dict[int, list[frozenset[int] | None]], everyone: frozenset[in
     return lines
 
 
-def _pick(files, collective, call):
+def _pick(files, collective, call, nth=None):
     found = list_calls(files)
     if collective is not None:
         found = [c for c in found if c[0] == collective]
     if call is not None:
         found = [c for c in found if c[1] == call]
+    if nth is not None:  # "all_reduce#1 (2nd)" is nth=2: the second call with that name
+        found = [c for c in found if c[3] == nth - 1]
     if not found and not list_calls(files):
         raise ValueError("the trace has no collective calls (a rank alone, or a run that "
                          "ended before its first one): trace a run of 2 or more ranks")
     if not found:
         have = ", ".join(call_name(c, n, i) for c, n, _, i, _ in list_calls(files)[:20]) or "none"
-        raise ValueError(f"no traced call matches collective={collective} call={call}; "
+        raise ValueError(f"no traced call matches collective={collective} call={call}"
+                         + (f" nth={nth}" if nth is not None else "") + "; "
                          f"the trace has: {have}")
     return found[0]
 
 
-def replay(files: list[TraceFile], collective: str | None = None, call: int | None = None):
+def replay(files: list[TraceFile], collective: str | None = None, call: int | None = None,
+           nth: int | None = None):
     """Replay one call's steps; return (key, ranks, snapshots).
 
     ``snapshots`` is a list of (label, transfers, state): the state after each
@@ -466,23 +613,23 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
         ValueError: no such call, or steps that do not match up (for example a
             call recorded on a sub-communicator whose ranks are not the trace's).
     """
-    coll, num, algo, nth, _ = _pick(files, collective, call)
+    coll, num, algo, nth, _ = _pick(files, collective, call, nth)
     per_rank = {c.rank: c.steps for c in calls(files) if c.ident == (coll, num, algo, nth)}
     ranks = sorted(per_rank)
-    everyone = frozenset(ranks)
-    for steps in per_rank.values():
-        for s in steps:
-            for peer in (s.get("src"), s.get("dst")):
-                if peer is not None and peer not in everyone:
-                    raise ValueError(
-                        f"{coll}#{num}: a step names rank {peer}, which has no records for this "
-                        "call: the call ran on a sub-communicator (its ranks differ from the "
-                        "trace's), or some rank files are missing")
+    _check_one_communicator(call_name(coll, num, nth), per_rank)
+    if algo in WHOLE_BUFFER_ALGOS and not _has_chunks(per_rank):
+        # Each message is the whole buffer: chunk 0 of 1.
+        per_rank = {r: [_whole_buffer(s) for s in st] for r, st in per_rank.items()}
+    elif not _has_chunks(per_rank):
+        raise ValueError(f"{call_name(coll, num, nth)} ({algo}): its steps record who exchanged "
+                         "with whom, not which chunks, so there is nothing to replay; see "
+                         "explain's list of exchanges instead")
     # Ring collectives cut the buffer into K chunks; the pipelined ones into S
     # segments (one per step); the parameter server moves one whole buffer.
     nchunks = max([1] + [int(c) + 1 for st in per_rank.values() for s in st
                          for c in (s.get("send_chunk"), s.get("recv_chunk")) if c is not None])
-    if coll in ("all_reduce", "reduce_scatter", "all_gather"):
+    whole = any(s.get("exchange") for st in per_rank.values() for s in st)
+    if coll in ("all_reduce", "reduce_scatter", "all_gather") and not whole:
         nchunks = max(nchunks, len(ranks))
     if coll == "all_gather":
         state = {r: [frozenset([r]) if c == r else None for c in range(nchunks)] for r in ranks}
@@ -506,7 +653,9 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
         has_recv = s.get("recv_chunk") is not None and s.get("src") is not None
         # Ring steps send one chunk and receive another (the send reads the
         # state before the receive); pipelined steps forward the chunk just received.
-        forward = has_send and has_recv and s["send_chunk"] == s["recv_chunk"]
+        # A whole-buffer exchange (recursive doubling's sendrecv) sends what it held before.
+        forward = (has_send and has_recv and s["send_chunk"] == s["recv_chunk"]
+                   and not s.get("exchange"))
         if has_send and not forward and not sent[r]:
             send(r, s)
             sent[r] = True
@@ -519,7 +668,7 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
                 raise ValueError(f"{coll}#{num}: r{r} expected chunk {s['recv_chunk']} from "
                                  f"r{s['src']} but the next one sent was chunk {chunk}")
             mine = state[r][chunk]
-            if s["phase"] in REDUCING_PHASES and mine is not None and value is not None:
+            if s["phase"] in _reducing(algo) and mine is not None and value is not None:
                 state[r][chunk] = mine | value
             else:
                 state[r][chunk] = value
@@ -549,7 +698,8 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
             if not progressed:
                 if limit >= rounds:
                     raise ValueError(f"{coll}#{num}: the steps do not match up (a receive "
-                                     "without its send); is a rank's file missing or cut short?")
+                                     "without its send); is a rank's file missing or cut short, "
+                                     "or left from another run?")
                 limit += 1
         phases = sorted({per_rank[r][i]["phase"] for r in ranks if i < len(per_rank[r])})
         counts = {per_rank[r][i]["steps"] for r in ranks if i < len(per_rank[r])}
@@ -559,6 +709,80 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
         transfers.sort(key=lambda t: int(t[1:t.index(" ")]))
         snapshots.append((label, transfers, {r: list(v) for r, v in state.items()}))
     return (coll, num, algo, nth), ranks, snapshots
+
+
+def _reducing(algo: str) -> tuple[str, ...]:
+    # "reduce-scatter" of halving-doubling reduces too, but its steps are not replayed.
+    return REDUCING_PHASES + (EXCHANGE_REDUCING if algo in WHOLE_BUFFER_ALGOS else ())
+
+
+def _has_chunks(per_rank: dict[int, list[dict[str, Any]]]) -> bool:
+    return any(s.get(k) is not None for st in per_rank.values() for s in st
+               for k in ("send_chunk", "recv_chunk"))
+
+
+def _whole_buffer(s: dict[str, Any]) -> dict[str, Any]:
+    out = dict(s)
+    out["send_chunk"] = 0 if s.get("dst") is not None else None
+    out["recv_chunk"] = 0 if s.get("src") is not None else None
+    out["exchange"] = True
+    return out
+
+
+def _peers(per_rank: dict[int, list[dict[str, Any]]]) -> set[int]:
+    return {p for st in per_rank.values() for s in st for p in (s.get("src"), s.get("dst"))
+            if p is not None}
+
+
+def group_size(per_rank: dict[int, list[dict[str, Any]]]) -> int | None:
+    """The size of the communicators a call ran on, when they were smaller than the set
+    of ranks that recorded it (tensor- or data-parallel groups: every group counts its
+    own ``all_reduce#1``); None when it ran on one communicator of exactly those ranks.
+
+    The steps name peers by their rank within the call's communicator, so ranks that
+    nobody names (or peers that recorded nothing) give the groups away."""
+    everyone, named = set(per_rank), _peers(per_rank)
+    if not named or named == everyone:
+        return None
+    return max(named) + 1
+
+
+def _check_one_communicator(name: str, per_rank: dict[int, list[dict[str, Any]]]) -> None:
+    """Refuse, with the reason, a call that cannot be replayed as one communicator's."""
+    k = group_size(per_rank)
+    if k is not None and k < len(per_rank):
+        raise ValueError(
+            f"{name} was recorded by ranks {_ranges(sorted(per_rank))}, but its steps name only "
+            f"peers {_ranges(sorted(_peers(per_rank)))}: it ran on several communicators of "
+            f"{k} rank(s) (tensor-, data- or pipeline-parallel groups), each counting its own "
+            f"{name.split(' ')[0]}, and the trace names peers by their rank in the group, so "
+            "the groups cannot be told apart. Explain a call of the whole job (--list), or "
+            "trace a run without groups")
+    if k is not None:
+        raise ValueError(
+            f"{name}: its steps name rank(s) {_ranges(sorted(_peers(per_rank) - set(per_rank)))}"
+            f", which have no records for this call: the call ran on a sub-communicator (its "
+            f"ranks differ from the trace's), or some rank files are missing")
+    counts: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for r, st in per_rank.items():
+        for s in st:
+            counts[(s["phase"], s["steps"])].add(r)
+    by_phase: dict[str, set[int]] = defaultdict(set)
+    for phase, n in counts:
+        by_phase[phase].add(n)
+    for phase, ns in by_phase.items():
+        if len(ns) > 1 and phase in ("reduce-scatter", "all-gather"):
+            a, b = sorted(ns)[:2]
+            raise ValueError(
+                f"{name}: ranks {_ranges(sorted(counts[(phase, a)]))} ran {a} {phase} step(s), "
+                f"ranks {_ranges(sorted(counts[(phase, b)]))} {b}: they were rings of different "
+                "sizes, so the files come from different runs (an earlier run's files left in "
+                "the directory?) or different communicators; trace each run into its own "
+                "directory")
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]}"
 
 
 def check_final(collective: str, ranks: list[int], state) -> list[str]:
@@ -581,7 +805,31 @@ def check_final(collective: str, ranks: list[int], state) -> list[str]:
     return problems
 
 
-def explain(files: list[TraceFile], collective: str | None = None, call: int | None = None) -> str:
+def _exchanges(name: str, algo: str, per_rank: dict[int, list[dict[str, Any]]]) -> str:
+    """Who sent how many bytes to whom, round by round: for algorithms whose steps do not
+    say which part of the buffer moved (halving-doubling's halves), so that a replay of
+    chunk contents would be made up."""
+    ranks = sorted(per_rank)
+    out = [f"{name} ({algo}) on {len(ranks)} ranks: its steps record who exchanged how many "
+           "bytes with whom, not which chunks, so the chunk table is not replayed", ""]
+    for i in range(max(len(st) for st in per_rank.values())):
+        moves = []
+        for r in ranks:
+            if i < len(per_rank[r]):
+                s = per_rank[r][i]
+                if s.get("dst") is not None:
+                    moves.append(f"r{r}->r{s['dst']} {s.get('bytes_sent', 0)} B")
+        label = ", ".join(sorted({f"{per_rank[r][i]['phase']} {per_rank[r][i]['step'] + 1}/"
+                                 f"{per_rank[r][i]['steps']}" for r in ranks
+                                 if i < len(per_rank[r])}))
+        out.append(f"round {i + 1} ({label}): " + ("  ".join(moves) or "receives only"))
+    out.append("")
+    out.append("result: not checked (the steps carry no chunk numbers)")
+    return "\n".join(out)
+
+
+def explain(files: list[TraceFile], collective: str | None = None, call: int | None = None,
+            nth: int | None = None) -> str:
     """The lecture's step diagram for one traced call, as text.
 
     Args:
@@ -596,8 +844,12 @@ def explain(files: list[TraceFile], collective: str | None = None, call: int | N
         from mpiring.tools import pipeline_trace
 
         return pipeline_trace.explain(files, call)
-    (coll, num, algo, nth), ranks, snaps = replay(files, collective, call)
+    coll, num, algo, nth, _ = _pick(files, collective, call, nth)
     per_rank = {c.rank: c.steps for c in calls(files) if c.ident == (coll, num, algo, nth)}
+    if algo not in WHOLE_BUFFER_ALGOS and not _has_chunks(per_rank):
+        _check_one_communicator(call_name(coll, num, nth), per_rank)
+        return _exchanges(call_name(coll, num, nth), algo, per_rank)
+    (coll, num, algo, nth), ranks, snaps = replay(files, coll, num, nth + 1)
     everyone = frozenset(ranks)
     nchunks = len(snaps[0][2][ranks[0]])
     sizes = sorted({max(s.get("bytes_sent", 0), s.get("bytes_recv", 0))
