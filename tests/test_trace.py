@@ -53,6 +53,19 @@ def test_pipelined_broadcast_trace_counts_chunks(comm, tmp_path):
     pos = (comm.rank - 1) % comm.size
     assert sum(s["bytes_recv"] for s in steps) == (0 if pos == 0 else 8000)
     assert sum(s["bytes_sent"] for s in steps) == (0 if pos == comm.size - 1 else 8000)
+    if pos == 0:  # the root only sends: its steps wait on the send and reduce nothing
+        assert all(s["reduce_s"] == 0 and s["wait_s"] >= 0 for s in steps), steps
+
+
+@pytest.mark.parametrize("algo", ["ring", "pipelined"])
+def test_a_reduce_leaf_that_only_sends_reduces_nothing(comm, tmp_path, algo):
+    tc = traced(comm, tmp_path)
+    x = np.arange(1000, dtype=np.float64) + comm.rank
+    tc.reduce(x, root=0, algo=algo, chunks=4)
+    tc.tracer.close()
+    steps = [r for r in read_trace(str(tmp_path)) if r["type"] == "step"]
+    sends_only = [s for s in steps if s["bytes_recv"] == 0]
+    assert all(s["reduce_s"] == 0 for s in sends_only), sends_only
 
 
 def test_step_log_lines_rank_first(comm, tmp_path, caplog):

@@ -56,7 +56,7 @@ def pipelined_broadcast(be, x, root: int, chunks: int, trace, phase: str = "broa
             be.send(x[a:b], right)
             trace.step(phase, s, nsteps, send_chunk=s, dst=right,
                        bytes_sent=(b - a) * x.itemsize, t_start=t_start,
-                       t_recv=t_start, t_end=clock())
+                       t_recv=None, t_end=clock())
         return x
     a, b = segments[0]
     req = be.irecv(x[a:b], left)
@@ -99,7 +99,7 @@ def _streamed(be, x, segments, pos: int, left: int, right: int, trace, phase: st
             be.wait_send(req, right)
             t_end = clock()
             trace.step(phase, s, nsteps, send_chunk=s, dst=right,
-                       bytes_sent=(b - a) * x.itemsize, t_start=t_start, t_recv=t_start,
+                       bytes_sent=(b - a) * x.itemsize, t_start=t_start, t_recv=None,
                        t_end=t_end)
             t_start = t_end
         return x

@@ -34,7 +34,7 @@ def pipelined_reduce(be, x, op: str, root: int, chunks: int, trace, phase: str =
             t_start = clock()
             be.send(x[a:b], right)
             trace.step(phase, s, nsteps, send_chunk=s, dst=right,
-                       bytes_sent=(b - a) * x.itemsize, t_start=t_start, t_recv=t_start,
+                       bytes_sent=(b - a) * x.itemsize, t_start=t_start, t_recv=None,
                        t_end=clock())
         return x
     reduce = reducer(op)

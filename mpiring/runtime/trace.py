@@ -95,7 +95,10 @@ class CallTrace:
     def step(self, phase: str, step: int, steps: int, *, send_chunk=None, dst=None,
              recv_chunk=None, src=None, bytes_sent=0, bytes_recv=0,
              t_start=0.0, t_recv=0.0, t_end=0.0) -> None:
-        """Record one ring step: what went where, and how long waiting and reducing took."""
+        """Record one ring step: what went where, and how long waiting and reducing took
+        (``t_recv=None``: a step that only sends, all of it waiting on the send)."""
+        if t_recv is None:
+            t_recv = t_end
         self.tracer.write({
             "type": "step", "rank": self.tracer.rank, "collective": self.collective,
             "call": self.call, "algo": self.algo, "phase": phase, "step": step,
