@@ -22,13 +22,17 @@ import tempfile
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT, data
 from mpi4py import MPI
 from mpi_harness import scrubbed_env
 
 import mpiring
+from mpiring.backends.mpi import world_backend
 from mpiring.comm import default
+from mpiring.comm.communicator import Communicator
 from mpiring.comm.start import KNOWN, REMOVED, ConfigError
+from mpiring.runtime import pages
 
 
 @pytest.fixture
@@ -91,6 +95,23 @@ def test_a_bad_variable_on_one_rank_is_refused_on_every_rank(world, clean_env, n
         assert f"(on r{last})" in message
     clean_env.delenv(name, raising=False)
     _sum_check(mpiring.init(), world)  # a refused init left nothing behind
+
+
+# The readers used without init (a Communicator built directly, the page allocator, the
+# malloc tuning) read "off", "maybe" and "no" as on before; now they refuse what init does.
+READ_WITHOUT_INIT = {
+    "MPIRING_CHECK": lambda world: Communicator(world_backend()),
+    "MPIRING_HUGE_PAGES": lambda world: pages.zeros(1 << 21, torch.float32),
+    "MPIRING_STEADY_MALLOC": lambda world: pages.steady_malloc(),
+}
+
+
+@pytest.mark.parametrize("name", list(READ_WITHOUT_INIT))
+def test_a_bad_variable_is_refused_without_init_too(world, clean_env, name):
+    value, match = BAD_VALUES[name]
+    clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        READ_WITHOUT_INIT[name](world)
 
 
 def test_a_variable_like_none_of_mpirings_is_ignored_with_a_warning(world, clean_env):

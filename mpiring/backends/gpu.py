@@ -44,15 +44,13 @@ from typing import Any
 import numpy as np
 
 from mpiring.core.buffers import Buffer, bfloat16
+from mpiring.runtime.env import FALSE, TRUE
 
 #: Environment variable that overrides the CUDA-awareness probe (1/0, or "auto").
 CUDA_AWARE_ENV = "MPIRING_CUDA_AWARE"
 
 GPU_INSTALL_HINT = ('pip install "mpiring[gpu]" (CUDA 12; "mpiring[gpu13]" for CUDA 13), '
                     "or run with --backend mpi")
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 # --- CuPy, imported lazily and quietly ---------------------------------------------
@@ -174,9 +172,9 @@ def cuda_aware_mpi(refresh: bool = False) -> tuple[bool, str]:
     """
     global _AWARE
     value = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
-    if value in _TRUE:
+    if value in TRUE:
         return True, f"{CUDA_AWARE_ENV}={value}"
-    if value in _FALSE:
+    if value in FALSE:
         return False, f"{CUDA_AWARE_ENV}={value}"
     if value not in ("", "auto"):
         raise ValueError(f"{CUDA_AWARE_ENV}={value!r}: use 1, 0 or auto")

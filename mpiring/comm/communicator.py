@@ -16,7 +16,6 @@ Every collective goes through the same three steps:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import zlib
@@ -32,19 +31,13 @@ from mpiring.comm.p2p import PointToPoint
 from mpiring.comm.prepare import Preparation, _is_int
 from mpiring.core.chunking import chunk_bounds
 from mpiring.runtime import desync
+from mpiring.runtime.env import env_flag
 from mpiring.runtime.trace import Tracer
 from mpiring.runtime.watchdog import Activity, parse_timeout
 
 #: Seconds between polls in ``wait_until`` (a flag in shared memory costs nothing to read;
 #: the sleep gives the core to the rank being waited for).
 WAIT_SLEEP_S = 2e-5
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.lower() not in ("0", "false", "no", "off")
 
 
 class Communicator(Preparation, AutoChoice, PointToPoint):
@@ -76,7 +69,7 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
             self._act.name = _root_name(self._act)
         self.local_rank, self.local_size = be.local_rank()
         self.tracer = tracer if tracer is not None else Tracer.from_env(self.rank)
-        self.check = _env_flag("MPIRING_CHECK", True) if check is None else check
+        self.check = env_flag("MPIRING_CHECK", True) if check is None else check
         self._calls: dict[str, int] = {}
         self._groups_made: dict[tuple[int, ...], int] = {}  # create_group's, per list
         # Held from the start of a collective to its end: a second thread calling

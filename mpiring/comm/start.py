@@ -21,6 +21,7 @@ import numpy as np
 
 from mpiring.backends import BACKENDS
 from mpiring.comm.communicator import Communicator
+from mpiring.runtime.env import FALSE, TRUE, env_flag
 
 #: Every variable mpiring reads (docs/configuration.md); any other ``MPIRING_*``
 #: is a typo (a TIMOUT for TIMEOUT would leave the deadline at 300 s) and refused.
@@ -35,8 +36,6 @@ REMOVED = {
     "MPIRING_QUIET_WAIT": "DistributedDataParallel(..., quiet_wait=True)",
     "MPIRING_TEST_CRASH": "nothing: the crash-test hook lives in the tests",
 }
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 class ConfigError(ValueError):
@@ -161,21 +160,6 @@ def _settings(backend, log, check, timeout) -> tuple[list[str], dict, dict]:
     return problems, agreed, settings
 
 
-def env_flag(name: str, default: bool) -> bool:
-    """``name`` as a flag (1/true/yes/on, 0/false/no/off; unset or empty: ``default``).
-
-    Raises:
-        ValueError: any other value (``environment_problems`` reports it first).
-    """
-    raw = os.environ.get(name, "")
-    text = raw.strip().lower()
-    if text == "":
-        return default
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ValueError(f"{name}={raw!r}: use 1 or 0 (true/false, yes/no, on/off)")
-
-
 def environment_problems() -> list[str]:
     """What is wrong with this process's ``MPIRING_*`` variables, one line each (local).
 
@@ -212,7 +196,7 @@ def environment_problems() -> list[str]:
             problems.append(f"{name}={env[name]!r}: {fix}")
 
     checks = {
-        "MPIRING_CHECK": (("",) + _TRUE + _FALSE, "use 1 or 0 (true/false, yes/no, on/off)"),
+        "MPIRING_CHECK": (("",) + TRUE + FALSE, "use 1 or 0 (true/false, yes/no, on/off)"),
         "MPIRING_IDLE": (("",) + IDLE_MODES, f"use one of {', '.join(IDLE_MODES)} (or unset "
                                              "it: yield when oversubscribed, else spin)"),
         # The sets their readers accept (parallel/pipeline/shared.py, runtime/pages.py,
@@ -221,7 +205,7 @@ def environment_problems() -> list[str]:
                                                            "stages on one host) or 0"),
         "MPIRING_HUGE_PAGES": (("", "0", "1"), "use 1 (huge pages, the default) or 0"),
         "MPIRING_STEADY_MALLOC": (("", "0", "1"), "use 1 (the default) or 0"),
-        "MPIRING_CUDA_AWARE": (("", "auto") + _TRUE + _FALSE, "use 1, 0 or auto"),
+        "MPIRING_CUDA_AWARE": (("", "auto") + TRUE + FALSE, "use 1, 0 or auto"),
         "MPIRING_LOG": (("steps", "", "off", "0", "none", "no", "false"),
                         "use 'steps' (one line per ring step on stderr) or unset it"),
     }

@@ -28,14 +28,16 @@ import os
 
 import numpy as np
 
+from mpiring.runtime.env import env_switch
+
 #: The huge-page size (x86-64 and most aarch64 kernels).
 HUGE_PAGE = 2 << 20
 
 
 def enabled() -> bool:
     """Whether :func:`zeros` maps huge pages (``MPIRING_HUGE_PAGES``, default on)."""
-    return (hasattr(mmap, "MADV_HUGEPAGE")
-            and os.environ.get("MPIRING_HUGE_PAGES", "1").strip() != "0")
+    return (env_switch("MPIRING_HUGE_PAGES", "use 1 (huge pages, the default) or 0")
+            and hasattr(mmap, "MADV_HUGEPAGE"))
 
 
 def thp_mode() -> str:
@@ -113,7 +115,7 @@ def steady_malloc(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int 
     ``trim_threshold`` bytes of freed memory stay mapped.
     """
     env = os.environ
-    if env.get("MPIRING_STEADY_MALLOC", "1").strip() == "0" or any(
+    if not env_switch("MPIRING_STEADY_MALLOC", "use 1 (the default) or 0") or any(
             k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
         return False
     try:
