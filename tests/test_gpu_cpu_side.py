@@ -21,7 +21,7 @@ import types
 import numpy as np
 import pytest
 from conftest import data
-from fake_nccl import BACKEND_STREAM, fake_backend
+from fake_nccl import BACKEND_STREAM, CALLER_STREAM, fake_backend
 
 import mpiring
 import mpiring.backends.gpu as cuda
@@ -391,6 +391,36 @@ def test_ring_and_native_over_fake_nccl_match_the_reference(fake_nccl_comm, algo
         c.reduce(r, root=root, op="sum", algo="native" if algo == "native" else "pipelined", chunks=2)
         expected = _reference(k, n, np.float32, "sum", salt=4) if rank == root else mine
         np.testing.assert_array_equal(r, expected)
+
+
+@pytest.mark.parametrize("where", ("ring send", "native"))
+def test_a_collective_that_raises_midway_hands_the_caller_stream_back(fake_nccl_comm, monkeypatch,
+                                                                      where):
+    # Every rank fails at the same point (an NCCL error), so nothing waits. Before,
+    # the backend's stream stayed current for the caller's next GPU work, and the
+    # ring's recorded receive was issued by the next call's first send.
+    c = fake_nccl_comm
+    be, device = c._be, c._be.device
+
+    def nccl_error(*args):
+        raise RuntimeError("NCCL error: unhandled cuda error")
+
+    x = data(c.rank, 4 * c.size + 1, np.float32)
+    if where == "native":
+        monkeypatch.setattr(be.nccl, "_allReduce", nccl_error)
+    elif c.size > 1:
+        monkeypatch.setattr(be, "send", nccl_error)
+    else:
+        pytest.skip("one rank's ring sends nothing")
+    with pytest.raises(RuntimeError, match="unhandled cuda error"):
+        c.all_reduce(x, algo="native" if where == "native" else "ring")
+    assert device.current == CALLER_STREAM and device.log == ["enter", "leave"]
+    assert be._pending == []
+    monkeypatch.undo()
+    y = data(c.rank, 4 * c.size + 1, np.float32, salt=1)
+    c.all_reduce(y, algo="ring")  # the next call is whole, and hands the stream back too
+    np.testing.assert_array_equal(y, _reference(c.size, y.size, np.float32, "sum", salt=1))
+    assert device.current == CALLER_STREAM
 
 
 def test_each_ring_step_sends_and_receives_in_one_group_on_the_backend_stream(fake_nccl_comm):

@@ -196,6 +196,9 @@ class _Plan:
     def leave(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        """The collective raised midway: undo ``enter`` without ``leave``'s work."""
+
 
 class _BackendPlan(_Plan):
     """The NCCL backend: it switches to its stream and back (``begin``/``end``)."""
@@ -211,6 +214,9 @@ class _BackendPlan(_Plan):
 
     def leave(self) -> None:
         self.be.end()
+
+    def abandon(self) -> None:
+        self.be.abandon()
 
 
 class _PassThrough(_Plan):
@@ -249,6 +255,11 @@ class _Staged(_Plan):
             ops.copy(host.ctypes.data, device_pointer(buf.array), buf.nbytes, "d2h", self.stream)
             self.stream.synchronize()  # MPI reads the host copy next
         return replace(buf, array=host, device="cpu")
+
+    def abandon(self) -> None:
+        # No copy back: the host copy holds a half-finished reduction, and the
+        # caller's buffer keeps its own bytes.
+        self.buf = None
 
     def leave(self) -> None:
         buf, self.buf = self.buf, None

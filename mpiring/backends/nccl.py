@@ -520,6 +520,15 @@ class NCCLBackend:
         self.synchronize()
         self.device.leave()
 
+    def abandon(self) -> None:
+        """A collective raised midway: drop its unissued receives, hand the stream back.
+
+        A receive left recorded would be issued with the next call's first send,
+        into a buffer the failed call owned.
+        """
+        self._pending.clear()
+        self.device.leave()
+
     def scratch(self, like, n: int):
         """A device receive buffer of ``n`` elements of ``like``'s dtype, reused across calls."""
         key = like.dtype

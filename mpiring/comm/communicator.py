@@ -174,22 +174,26 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
             ``x``.
         """
         buf, call = self._prepare("all_reduce", x, op=op, algo=algo, check=check)
-        if algo == "auto":
-            algo = self._auto_algo("all_reduce", buf, op)
-        if algo == "native":
-            self._be.native_all_reduce(buf.array, op)
-        elif algo == "ring-seg":
-            coll.segmented_all_reduce(self._be, buf.array, op,
-                                      self._steps("all_reduce", call, algo),
-                                      segment_bytes=self._segment_bytes)
-        elif algo == "recursive-doubling":
-            coll.recursive_doubling_all_reduce(self._be, buf.array, op,
-                                               self._steps("all_reduce", call, algo))
-        elif algo == "halving-doubling":
-            coll.halving_doubling_all_reduce(self._be, buf.array, op,
-                                             self._steps("all_reduce", call, algo))
-        else:
-            coll.ring_all_reduce(self._be, buf.array, op, self._steps("all_reduce", call, algo))
+        try:
+            if algo == "auto":
+                algo = self._auto_algo("all_reduce", buf, op)
+            if algo == "native":
+                self._be.native_all_reduce(buf.array, op)
+            elif algo == "ring-seg":
+                coll.segmented_all_reduce(self._be, buf.array, op,
+                                          self._steps("all_reduce", call, algo),
+                                          segment_bytes=self._segment_bytes)
+            elif algo == "recursive-doubling":
+                coll.recursive_doubling_all_reduce(self._be, buf.array, op,
+                                                   self._steps("all_reduce", call, algo))
+            elif algo == "halving-doubling":
+                coll.halving_doubling_all_reduce(self._be, buf.array, op,
+                                                 self._steps("all_reduce", call, algo))
+            else:
+                coll.ring_all_reduce(self._be, buf.array, op, self._steps("all_reduce", call, algo))
+        except BaseException:
+            self._abandon()
+            raise
         self._finish()
         return x
 
@@ -205,17 +209,21 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
             The view of chunk ``self.rank`` of ``x`` (same type as ``x``).
         """
         buf, call = self._prepare("reduce_scatter", x, op=op, algo=algo, check=check)
-        if algo == "auto":
-            algo = self._auto_algo("reduce_scatter", buf, op)
-        if algo == "native":
-            lo, hi = self._be.native_reduce_scatter(buf.array, op)
-        elif algo == "ring-seg":
-            lo, hi = coll.segmented_reduce_scatter(
-                self._be, buf.array, op, self._steps("reduce_scatter", call, algo),
-                segment_bytes=self._segment_bytes)
-        else:
-            lo, hi = coll.ring_reduce_scatter(
-                self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
+        try:
+            if algo == "auto":
+                algo = self._auto_algo("reduce_scatter", buf, op)
+            if algo == "native":
+                lo, hi = self._be.native_reduce_scatter(buf.array, op)
+            elif algo == "ring-seg":
+                lo, hi = coll.segmented_reduce_scatter(
+                    self._be, buf.array, op, self._steps("reduce_scatter", call, algo),
+                    segment_bytes=self._segment_bytes)
+            else:
+                lo, hi = coll.ring_reduce_scatter(
+                    self._be, buf.array, op, self._steps("reduce_scatter", call, algo))
+        except BaseException:
+            self._abandon()
+            raise
         self._finish()
         return buf.chunk(lo, hi)
 
@@ -228,15 +236,19 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
             ``x``.
         """
         buf, call = self._prepare("all_gather", x, algo=algo, check=check)
-        if algo == "auto":
-            algo = self._auto_algo("all_gather", buf, None)
-        if algo == "native":
-            self._be.native_all_gather(buf.array)
-        elif algo == "ring-seg":
-            coll.segmented_all_gather(self._be, buf.array, self._steps("all_gather", call, algo),
-                                      segment_bytes=self._segment_bytes)
-        else:
-            coll.ring_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
+        try:
+            if algo == "auto":
+                algo = self._auto_algo("all_gather", buf, None)
+            if algo == "native":
+                self._be.native_all_gather(buf.array)
+            elif algo == "ring-seg":
+                coll.segmented_all_gather(self._be, buf.array, self._steps("all_gather", call, algo),
+                                          segment_bytes=self._segment_bytes)
+            else:
+                coll.ring_all_gather(self._be, buf.array, self._steps("all_gather", call, algo))
+        except BaseException:
+            self._abandon()
+            raise
         self._finish()
         return x
 
@@ -256,12 +268,16 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         """
         buf, call = self._prepare("broadcast", x, algo=algo, root=root, chunks=chunks,
                                   check=check)
-        if algo == "native":
-            self._be.native_broadcast(buf.array, root)
-        else:
-            s = self._pipeline_chunks(buf, algo, chunks)
-            coll.pipelined_broadcast(self._be, buf.array, root, s,
-                                     self._steps("broadcast", call, algo))
+        try:
+            if algo == "native":
+                self._be.native_broadcast(buf.array, root)
+            else:
+                s = self._pipeline_chunks(buf, algo, chunks)
+                coll.pipelined_broadcast(self._be, buf.array, root, s,
+                                         self._steps("broadcast", call, algo))
+        except BaseException:
+            self._abandon()
+            raise
         self._finish()
         return x
 
@@ -278,12 +294,16 @@ class Communicator(Preparation, AutoChoice, PointToPoint):
         """
         buf, call = self._prepare("reduce", x, op=op, algo=algo, root=root, chunks=chunks,
                                   check=check)
-        if algo == "native":
-            self._be.native_reduce(buf.array, op, root)
-        else:
-            s = self._pipeline_chunks(buf, algo, chunks)
-            coll.pipelined_reduce(self._be, buf.array, op, root, s,
-                                  self._steps("reduce", call, algo))
+        try:
+            if algo == "native":
+                self._be.native_reduce(buf.array, op, root)
+            else:
+                s = self._pipeline_chunks(buf, algo, chunks)
+                coll.pipelined_reduce(self._be, buf.array, op, root, s,
+                                      self._steps("reduce", call, algo))
+        except BaseException:
+            self._abandon()
+            raise
         self._finish()
         return x
 

@@ -45,6 +45,14 @@ class Preparation:
         # through host memory, or switch to the NCCL stream.
         return buf if self._plan is None else self._plan.enter(buf)
 
+    def _abandon(self) -> None:
+        # A collective raised midway (a deadline, a GPU error): the caller gets its
+        # own stream back and nothing the call queued is issued by the next one.
+        # The lock stays with this thread (see ``_other_thread``).
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            plan.abandon()
+
     def _finish(self) -> None:
         plan, self._plan = self._plan, None
         if plan is not None:
