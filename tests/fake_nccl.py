@@ -251,6 +251,9 @@ class HostDevice:
     def synchronize(self):
         pass
 
+    def torch_event(self, buf):
+        return None  # host arrays: no torch stream to follow
+
 
 def fake_backend(mpi_comm, version=(2, 30, 0)):
     """An ``NCCLBackend`` over ``mpi_comm`` whose NCCL and GPU are the fakes above."""

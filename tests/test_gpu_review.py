@@ -262,6 +262,51 @@ def test_staged_copy_back_orders_torch_stream_with_cupy_14(monkeypatch):
     assert fake.log == [("wait", 777, event.ptr)]
 
 
+@pytest.mark.parametrize("torch_ptr", (777, 1000))
+def test_cupy_device_orders_a_message_with_torch_s_stream(monkeypatch, torch_ptr):
+    # NCCL's point-to-point calls go to CuPy's current stream (1000); a torch tensor
+    # written under `with torch.cuda.stream(s)` (777) was sent before its kernels ran
+    # and read before its message came.
+    fake = _FakeCupy()
+    dev = nccl_mod.CupyDevice(fake, 0)
+    buf = _torch_buffer(monkeypatch, torch_ptr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        got = dev.torch_event(buf)
+        if torch_ptr == 1000:  # torch's stream is CuPy's: nothing to order
+            assert got is None and fake.log == []
+            return
+        ready, ptr = got
+        dev.current_waits(ready)
+        dev.streams_wait_current({ptr})
+    done = fake.log[2][2]
+    assert fake.log == [("record", 777, ready.ptr), ("wait", 1000, ready.ptr),
+                        ("record", 1000, done), ("wait", 777, done)]
+
+
+def test_point_to_point_over_nccl_waits_on_torch_s_stream_around_the_group(comm, monkeypatch):
+    torch = pytest.importorskip("torch")
+    c = Communicator(fake_backend(comm.mpi_comm), comm.tracer, check=True)
+    if c.size < 2:
+        pytest.skip("a message needs two ranks")
+    dev, log = c._be.device, []
+    monkeypatch.setattr(dev, "torch_event", lambda buf: log.append("post") or ("ev", 777))
+    monkeypatch.setattr(dev, "current_waits", lambda ev: log.append(("wait", ev)), raising=False)
+    monkeypatch.setattr(dev, "streams_wait_current", lambda ptrs: log.append(("after", ptrs)),
+                        raising=False)
+    real_start = c._be.nccl.groupStart
+    monkeypatch.setattr(c._be.nccl, "groupStart", lambda: log.append("group") or real_start())
+    peer = c.rank ^ 1
+    out = torch.zeros(5, dtype=torch.float64)
+    if peer < c.size:
+        with c.group():
+            c.isend(torch.arange(5, dtype=torch.float64) + c.rank, peer)
+            c.irecv(out, peer)
+        assert out.tolist() == (torch.arange(5) + peer).tolist()
+        assert log == ["post", "post", ("wait", "ev"), ("wait", "ev"), "group",
+                       ("after", {777})]
+
+
 # --- DLPack from a torch tensor that is not on torch's current device ----------------------
 class _TorchCudaTensor:
     """What ``as_buffer`` reads of a torch CUDA tensor, and torch 2.13's ``__dlpack__`` rule."""

@@ -338,6 +338,26 @@ class CupyDevice:
         if previous_device != self.device_id:
             self.cupy.cuda.runtime.setDevice(previous_device)
 
+    def torch_event(self, buf: Buffer):
+        """An event at the end of torch's queued work on ``buf``'s GPU (when torch's current
+        stream is not CuPy's), with that stream: ``(event, torch stream)`` or None."""
+        torch_ptr = self._torch_stream_ptr(buf)
+        if torch_ptr is None:
+            return None
+        ready = self._event()
+        self.cupy.cuda.runtime.eventRecord(ready.ptr, torch_ptr)
+        return ready, torch_ptr
+
+    def current_waits(self, event) -> None:
+        """CuPy's current stream (where the next NCCL calls go) waits for ``event``."""
+        self.cupy.cuda.get_current_stream().wait_event(event)
+
+    def streams_wait_current(self, stream_ptrs) -> None:
+        """Each of ``stream_ptrs`` waits for what is queued on CuPy's current stream now."""
+        done = self.cupy.cuda.get_current_stream().record(self._event())
+        for ptr in stream_ptrs:
+            self.cupy.cuda.runtime.streamWaitEvent(ptr, done.ptr)
+
     def _event(self):
         # Ordering only: an event without timing is the cheaper kind to record.
         return self.cupy.cuda.Event(disable_timing=True)
@@ -369,11 +389,12 @@ class _Recv:
 class _P2P:
     """A public send or receive, recorded until its group is issued."""
 
-    __slots__ = ("what", "buf", "peer", "desc", "issued", "error")
+    __slots__ = ("what", "buf", "peer", "desc", "issued", "error", "torch")
 
     def __init__(self, what: str, buf, peer: int, desc):
         self.what, self.buf, self.peer, self.desc = what, buf, peer, desc
         self.issued, self.error = False, None
+        self.torch = None  # (event, stream) of torch's current stream at the post
 
 
 class NCCLBackend:
@@ -476,6 +497,14 @@ class NCCLBackend:
         self._p2p_pending.append(op)
         return op
 
+    def follow_torch_stream(self, op: _P2P, buf: Buffer) -> None:
+        """Order ``op`` (a posted send or receive of the torch tensor ``buf``) with torch's
+        current stream when it is not CuPy's: the message waits for the kernels that
+        wrote (or last read) the tensor before the post, and torch's stream waits for
+        the message before its next kernel. NCCL's calls go to CuPy's stream only.
+        """
+        op.torch = self.device.torch_event(buf)
+
     def complete(self, op: _P2P, what: str, peer: int) -> None:
         if not op.issued:
             self.flush(what)
@@ -501,9 +530,14 @@ class NCCLBackend:
                     continue
             live.append(op)
         if live:
+            torch_streams = [op.torch for op in live if op.torch is not None]
+            for ready, _ in torch_streams:
+                self.device.current_waits(ready)
             with self.group():
                 for op in live:
                     self._p2p(op.what, op.buf, op.peer)
+            if torch_streams:
+                self.device.streams_wait_current({ptr for _, ptr in torch_streams})
 
     def synchronize(self) -> None:
         """Issue a receive that no send or wait picked up (the host does not block)."""

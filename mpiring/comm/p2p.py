@@ -310,7 +310,10 @@ class PointToPoint:
             array = to_host(array) if op == "send" else np.empty(buf.count,
                                                                   dtype=host_dtype(buf.dtype))
             req._staged = None if op == "send" else array
-        return self._issue(req, buf, array)
+        req = self._issue(req, buf, array)
+        if buf.kind == "torch" and getattr(self._be, "accepts_cuda", False):
+            self._be.follow_torch_stream(req._handle, buf)
+        return req
 
     def _issue(self, req: Request, buf: Buffer, array) -> Request:
         """Hand ``req``'s message (``array``: the memory the backend reads or fills) to the
