@@ -500,11 +500,31 @@ def _refuse_if(comm: Communicator, collective: str, problem: str | None) -> None
         comm.refuse(collective, ValueError(f"r{comm.rank}: {problem}"))
 
 
-def _raise_together(comm: Communicator, problem: str | None) -> None:
+def _raise_together(comm: Communicator, problem: str | None, shape: tuple | None = None,
+                    what: str = "", end: str = "") -> None:
     """Every rank raises (with every rank's problem) or none does, before a byte moves:
-    for the calls made of point-to-point messages, which have no argument check."""
-    problems = comm.control.allgather_json(problem) if comm.size > 1 else [problem]
-    bad = [f"r{r}: {p}" for r, p in enumerate(problems) if p]
+    for the calls made of point-to-point messages, which have no argument check.
+
+    ``shape``: this rank's (group root, element count, dtype) for a rooted call
+    (gather, scatter): every rank must name the same root and pass a tensor of
+    the root's count and dtype (the root's list holds tensors like its own).
+    """
+    mine = [problem, None if shape is None else list(shape)]
+    rows = comm.control.allgather_json(mine) if comm.size > 1 else [mine]
+    bad = [f"r{r}: {p}" for r, (p, _) in enumerate(rows) if p]
+    if not bad and shape is not None:
+        roots = [s[0] for _, s in rows]
+        if len(set(roots)) > 1:
+            bad = [f"{what}: the ranks name different roots ("
+                   + ", ".join(f"r{r}: group rank {x}" for r, x in enumerate(roots))
+                   + f"): pass the same {end} on every rank"]
+        else:
+            _, n, dtype = rows[roots[0]][1]
+            bad = [f"{what}: r{r}'s tensor is {s[1]} x {s[2]}, {end} r{roots[0]}'s "
+                   f"{n} x {dtype}" for r, (_, s) in enumerate(rows) if s[1:] != [n, dtype]]
+            if bad:
+                bad[-1] += (": give every rank a tensor of the root's size and dtype "
+                            "(as the root's list holds)")
     if bad:
         raise ValueError("; ".join(bad))
 
@@ -607,13 +627,19 @@ def _rooted(what: str, tensor, parts, root_rank, group_root, group, async_op: bo
     (the root's ``parts`` into every rank's ``tensor``): one message per other rank."""
     comm = resolve(group, what)
     end, listname = ("dst", "gather_list") if to_root else ("src", "scatter_list")
-    root = _group_rank(comm, root_rank, group_root, what, end)
-    if comm.rank == root:
+    try:
+        root, problem = _group_rank(comm, root_rank, group_root, what, end), None
+    except ValueError as exc:  # on this rank alone, maybe: raised with the others' below
+        root, problem = -1, str(exc)
+    if problem is None and comm.rank == root:
         problem = _like_error(what, listname, parts, tensor, comm.size)
-    else:
+    elif problem is None:
         problem = (f"{what}: {listname} is given on a rank that is not {end}: pass it on "
                    f"{end} only" if parts else None)
-    _raise_together(comm, problem)
+    # Every rank's root, element count and dtype ride on the problem exchange: a
+    # tensor unlike the root's list (or a root that differs) raised only at the
+    # receiving end, or left a receive that nothing matches, while the others returned.
+    _raise_together(comm, problem, (root, _numel(tensor), str(tensor.dtype)), what, end)
     # Strided tensors go through contiguous copies (_dense), written back (_assign).
     if comm.rank == root:
         if to_root:
