@@ -108,6 +108,25 @@ def test_gather_scatter_refuse_roots_that_differ_on_every_rank(comm):
         assert all(o is not None and "name different roots" in o[1] for o in got), got
 
 
+@pytest.mark.parametrize("op", ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BXOR"))
+def test_torch_reduce_op_objects_equal_torch_over_gloo(world, op):
+    # torch.distributed.ReduceOp(RedOpType) is the object torch's own code passes (its
+    # RedOpType sits in .op); the drop-in refused it as an unknown op.
+    tdist = gloo_world(world)
+    me = world.rank
+    dtype = torch.int64 if op in ("BAND", "BXOR") else torch.float64
+    obj = tdist.ReduceOp(getattr(tdist.ReduceOp, op))
+    for n in (1, 9):
+        want, got = _x(me, n, dtype), _x(me, n, dtype)
+        tdist.all_reduce(want, op=obj)
+        dist.all_reduce(got, op=obj, group=world)
+        assert torch.equal(got, want), (op, n)
+        want, got = _x(me, n * world.size, dtype), torch.zeros(n, dtype=dtype)
+        dist.reduce_scatter_tensor(got, want.clone(), op=obj, group=world)
+        tdist.all_reduce(want, op=obj)
+        assert torch.equal(got, want[me * n:(me + 1) * n]), (op, n)
+
+
 def test_group_keyword_forms_equal_torch_over_gloo(world):
     """torch 2.13's group_src/group_dst/group_peer on a group of job ranks 1..k-1, where a
     group rank is not the job rank: every call's result equals torch's over gloo."""

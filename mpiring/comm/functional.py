@@ -86,6 +86,10 @@ def _op(op: Any, what: str, tensor=None) -> str:
     if isinstance(op, str) and op in _TORCH_OPS.values():
         how = op
     else:
+        # torch's ReduceOp(...) object (what its own code passes around) holds its
+        # RedOpType in .op; the RedOpType member is what the name lookup below reads.
+        inner = getattr(op, "op", None)
+        op = inner if inner is not None and not isinstance(op, str) else op
         # torch's ReduceOp.SUM prints as "RedOpType.SUM" (or "ReduceOp.SUM"): its last part.
         name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
         if name not in _TORCH_OPS:
