@@ -62,3 +62,23 @@ def test_a_bad_value_found_while_running_is_one_line_too(rank0_subprocess):
     assert out.strip().splitlines()[-1] == (
         "python -m mpiring tune: error: ValueError: size '12Q': use a number of bytes "
         "with an optional binary suffix K, M or G (e.g. 4096, 4K, 16M, 1.5G)"), out
+
+
+@pytest.mark.deadline(120)
+def test_under_mpiexec_errors_every_rank_shares_are_printed_once(rank0_subprocess):
+    # Four copies of argparse's usage, and init's refused setting printed by each
+    # rank and ended with MPI_Abort (exit 1): both are one message, exit 2, now.
+    result = rank0_subprocess(2, ["-m", "mpiring", "allreduce", "--no-such-flag"], timeout=60)
+    if result is not None:
+        rc, out, _ = result
+        assert rc == 2 and out.count("unrecognized arguments: --no-such-flag") == 1, out
+        assert out.count("usage:") == 1, out
+    refused = ("import os, sys; os.environ['MPIRING_CHECK'] = 'maybe'; "
+               "from mpiring.cli import main; sys.exit(main(['allreduce']))")
+    result = rank0_subprocess(2, ["-c", refused], timeout=60)
+    if result is not None:
+        rc, out, _ = result
+        assert rc == 2 and "Abort" not in out and "[r" not in out, out
+        assert out.strip().splitlines() == [
+            "python -m mpiring allreduce: mpiring.init: MPIRING_CHECK='maybe': use 1 or 0 "
+            "(true/false, yes/no, on/off)"], out

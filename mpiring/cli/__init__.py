@@ -22,11 +22,38 @@ def _commands() -> dict[str, object]:
     return found
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+#: The variables launchers set to each process's rank, read before MPI starts:
+#: Hydra (MPICH, Intel MPI), PMIx and Open MPI.
+_LAUNCHER_RANK = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def _launched_rank() -> int:
+    """This process's rank as the launcher numbered it (0 when not launched by one)."""
+    import os
+
+    for name in _LAUNCHER_RANK:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, speaking on the launcher's rank 0 only: a usage error or
+    ``--help`` under ``mpiexec -n 4`` was printed four times. Every rank still
+    exits with argparse's status (2 for an error). Its subparsers are of its class."""
+
+    def _print_message(self, message, file=None):
+        if _launched_rank() == 0:
+            super()._print_message(message, file)
+
+
+def build_parser(only: str | None = None, *,
+                 rank0_speaks: bool = False) -> argparse.ArgumentParser:
     """The command line's parser: every command, or with ``only`` (a command's name)
     that one alone, so that running it imports no other command's module (train's
-    import torch)."""
-    parser = argparse.ArgumentParser(
+    import torch). ``rank0_speaks``: usage and help on the launcher's rank 0 only."""
+    parser = (_Parser if rank0_speaks else argparse.ArgumentParser)(
         prog="python -m mpiring",
         description="Ring collectives and DDP from first principles. Run collective "
                     "commands under mpiexec, e.g. mpiexec -n 4 python -m mpiring allreduce.")
@@ -167,23 +194,23 @@ def non_negative_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     # A known command first: only its parser. Anything else (--help, a typo) gets them
     # all, so that the usage lists every command.
     only = argv[0] if argv and argv[0] in _commands() else None
-    args = build_parser(only).parse_args(argv)
-    from mpiring.core.errors import BackendUnavailable
-
+    args = build_parser(only, rank0_speaks=from_command_line).parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
-    except BackendUnavailable as exc:
-        # Raised on every rank at once with the same text: one message, no traceback.
-        from mpiring.backends.mpi import world_rank
-
-        if world_rank() == 0:
-            sys.stderr.write(f"python -m mpiring {args.command}: {exc}\n")
-        return 2
     except Exception as exc:
+        if getattr(exc, "on_every_rank", False):
+            # Raised on every rank at once with the same text (a missing backend,
+            # init's refused settings): one message, no traceback, no abort.
+            from mpiring.backends.mpi import world_rank
+
+            if world_rank() == 0:
+                sys.stderr.write(f"python -m mpiring {args.command}: {exc}\n")
+            return 2
         # Any other failure must end every rank, not leave the others waiting in
         # their next collective: print it with the rank, then abort the job.
         import traceback
