@@ -90,10 +90,13 @@ def step_both(world, models, opts, step, micro=1, clip=None, dtype=torch.float64
     return norms
 
 
+@pytest.mark.parametrize("policy", ("list", "classes", "callable"))
 @pytest.mark.parametrize("reshard", (True, False), ids=("reshard", "keep"))
-def test_nested_units_match_torch_fully_shard(world, reshard):
+def test_nested_units_match_torch_fully_shard(world, reshard, policy):
     # torch: fully_shard(block.mlp), then fully_shard(block), then the root. The same
-    # nesting here as a list of modules: each keeps its own parameters, as torch's do.
+    # nesting here as a list of modules, or as torch's ModuleWrapPolicy({Block, MLP})
+    # (a tuple, or a callable, which did not look inside a chosen block before):
+    # each keeps its own parameters, as torch's do.
     from torch.distributed.fsdp import fully_shard
 
     gloo_world(world)
@@ -103,7 +106,9 @@ def test_nested_units_match_torch_fully_shard(world, reshard):
         fully_shard(b, reshard_after_forward=reshard)
     fully_shard(ref, reshard_after_forward=reshard)
     net = make()
-    nested = [m for b in net.blocks for m in (b, b.mlp)]
+    nested = {"list": [m for b in net.blocks for m in (b, b.mlp)],
+              "classes": (Block, nn.Sequential),
+              "callable": lambda m: isinstance(m, (Block, nn.Sequential))}[policy]
     model = FullyShardedDataParallel(net, world, auto_wrap=nested, reshard_after_forward=reshard)
     # The root (inp, out), then each block's LayerNorm apart from its MLP.
     assert [u.flat.numel for u in model.units] == [7 * 5 + 7 + 7 * 2 + 2, 14, 3 * 7 + 3 + 7 * 3 + 7,

@@ -4,10 +4,11 @@ A unit is gathered as one piece, so its size sets the memory of the gathered
 parameters: by default every block of the model is one (each child of an
 ``nn.ModuleList`` or ``nn.Sequential``: a transformer's layers, an MLP's
 layers), and whatever is left (embeddings, final norm, head) belongs to the
-root unit. A policy does not nest units: a chosen module's children are not
-visited. A list may name nested modules (a block and its MLP, as torch's
-``fully_shard(block.mlp); fully_shard(block)``): each parameter then belongs to
-the innermost unit around it.
+root unit. ``"blocks"`` does not nest units (a block's children are not
+visited); a tuple of classes or a callable does, as torch's ModuleWrapPolicy
+and lambda policy do, and a list may name nested modules (a block and its MLP,
+as torch's ``fully_shard(block.mlp); fully_shard(block)``): each parameter then
+belongs to the innermost unit around it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def choose_units(module: nn.Module, auto_wrap: Policy = "blocks") -> list[nn.Mod
                              "model: list the model's own submodules (not the model itself)")
         chosen = {id(m) for m in auto_wrap}
         return [m for m in module.modules() if id(m) in chosen]
+    # torch's policies wrap inside a wrapped module too ((Block, MLP) gives both);
+    # "blocks" stops at a block, whose own lists (a MoE's experts) stay in it.
+    nest = auto_wrap != "blocks"
     if auto_wrap == "blocks":
         def pick(m: nn.Module, parent: nn.Module) -> bool:
             return isinstance(parent, (nn.ModuleList, nn.Sequential)) and _has_params(m)
@@ -74,6 +78,8 @@ def choose_units(module: nn.Module, auto_wrap: Policy = "blocks") -> list[nn.Mod
                 if id(child) not in seen:
                     seen.add(id(child))
                     units.append(child)
+                    if nest:
+                        visit(child)
             else:
                 visit(child)
 
