@@ -165,19 +165,81 @@ def grid_full_state(job) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             if step is not None:
                 entry["step"] = step.clone() if torch.is_tensor(step) else step
             state[n] = entry
-    return model, {"state": state, "param_groups": groups}
+    optim = {"state": state, "param_groups": groups}
+    untied = _untied_head(job, params, ostate, keys, dtype)
+    if untied is not None:
+        # Beside the one-rank state, not in it: the model keeps the first stage's tied
+        # weight (what any other layout, or one rank, loads); a PipeDream resume takes this.
+        optim[UNTIED] = untied
+    return model, optim
+
+
+# PipeDream's last stage trains its own copy of the tied weight (``head.weight``).
+UNTIED = "untied_head"
+_HEAD = "head.weight"
+
+
+def _untied(job) -> bool:
+    return job.cfg.schedule == "pipedream" and job.grid.pp_size > 1
+
+
+def _untied_head(job, params, ostate, keys: list[str], dtype) -> dict[str, torch.Tensor] | None:
+    """PipeDream's last-stage copy of the tied weight and its AdamW moments, full tensors
+    on every rank (collective over the last stage's tp group, then over pp); None when the
+    schedule keeps the two copies equal."""
+    if not _untied(job):
+        return None
+    g = job.grid
+    last = g.pp_size - 1
+    shape = job.full_shapes[_HEAD]
+    out = {}
+    for k in ("weight", *keys):
+        if g.pp_rank == last:
+            v = params[_HEAD] if k == "weight" else ostate[_HEAD][k]
+            buf = _tp_gather(job, [_HEAD], [v]).to(dtype)
+        else:
+            buf = torch.empty(int(torch.Size(shape).numel()), dtype=dtype)
+        g.pp.broadcast(buf, root=last)
+        out[k] = buf.view(shape).clone()
+    return out
 
 
 # --- loading -----------------------------------------------------------------------------
 
+def _check_model(job, model: dict[str, Any], only: list[str] | None = None) -> None:
+    """Refuse a full state of another model before anything is loaded: cutting it would
+    fail deep in a shard, or load only part of it (a checkpoint with more blocks)."""
+    want = {k: job.full_shapes[k] for k in (only or job.full_keys)}
+    missing = [k for k in want if k not in model]
+    extra = [] if only else [k for k in model if k not in want]
+    wrong = [f"{k} {tuple(model[k].shape)} here {want[k]}" for k in want
+             if k in model and tuple(model[k].shape) != tuple(want[k])]
+    if not (missing or extra or wrong):
+        return
+    what = [f"{label} {', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}"
+            for label, ks in (("missing", missing), ("unexpected", extra), ("shapes", wrong))
+            if ks]
+    raise ValueError(f"the checkpoint holds another model than this run's GPT ({'; '.join(what)})"
+                     ": resume with the model flags it was trained with (--preset, --d-model, "
+                     "--layers, --heads, --seq-len)")
+
+
 def load_grid_full_state(job, model: dict[str, torch.Tensor], optim: dict[str, Any] | None) -> None:
     """Keep this rank's part of a full model state and AdamW state (no communication)."""
+    _check_model(job, model)
     cut = job.tp_model.shard
     names = job.stage_names
     mine = {n: cut(_TIED.get(n, n), model[_TIED.get(n, n)]) for n in names}
+    untied = (optim or {}).get(UNTIED)
+    own_head = untied is not None and _untied(job) and _HEAD in names
+    if own_head:  # PipeDream's last stage at PipeDream again: its own copy, not the first's
+        _check_model(job, {_HEAD: untied["weight"]}, only=[_HEAD])
+        mine[_HEAD] = cut(_TIED[_HEAD], untied["weight"])
     local_state = {}
     for n in names:
         saved = (optim or {}).get("state", {}).get(_TIED.get(n, n))
+        if saved and own_head and n == _HEAD:
+            saved = {**saved, **{k: v for k, v in untied.items() if k != "weight"}}
         if saved:
             shape = job.full_shapes[_TIED.get(n, n)]
             local_state[n] = {k: cut(_TIED.get(n, n), v) if _per_element(k, v, shape) else
