@@ -154,7 +154,16 @@ class GridJob(TrainJob):
 
     def _make_groups(self) -> None:
         cfg = self.cfg
-        error = layout_error(cfg, self.comm.size)  # before any split: on every rank alike
+        error = layout_error(cfg, self.comm.size)  # before any split
+        if self.comm.size > 1:
+            # Ranks launched with different flags may judge the layout differently: one
+            # that raised alone would leave the others waiting in ProcessGrid's agreement.
+            # Every rank hears every rank's verdict first, and all raise together.
+            errors = self.comm.control.allgather_json(error)
+            bad = [r for r, e in enumerate(errors) if e is not None]
+            if bad and error is None:
+                error = (f"rank(s) {bad} refused the layout: {errors[bad[0]]} (launch every "
+                         "rank with the same flags)")
         if error is not None:
             raise ValueError(error)
         self.grid = g = make_grid(self.comm, cfg.tp, cfg.pp)
