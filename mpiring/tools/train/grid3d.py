@@ -65,17 +65,14 @@ def make_grid(comm, tp: int, pp: int) -> Grid:
     """The grid of ``comm`` (collective).
 
     ``ProcessGrid`` checks and agrees the layout on every rank and makes the
-    tensor- and pipeline-parallel groups. The data-parallel group is split here
-    by its definition (same tp_rank and pp_rank), because ``ProcessGrid.dp``
-    colours it with dp_rank where pp_rank belongs.
+    three groups (each: the ranks sharing the other two coordinates, ordered by
+    global rank, as torch's ``init_device_mesh(..., (pp, dp, tp))`` makes them).
 
     Raises:
         ValueError: on every rank, when ``tp * pp`` does not divide the world.
     """
     g = ProcessGrid(comm, tp=tp, pp=pp)
-    dp = comm.split(g.tp_rank + tp * g.pp_rank, key=comm.rank)
-    g.dp.free()  # replaced by dp
-    return Grid(g.tp, dp, g.pp, g.tp_rank, g.dp_rank, g.pp_rank, tp, g.dp_size, pp)
+    return Grid(g.tp, g.dp, g.pp, g.tp_rank, g.dp_rank, g.pp_rank, tp, g.dp_size, pp)
 
 
 def stage_bounds(n_layers: int, pp: int, layers=None) -> list[tuple[int, int]]:
