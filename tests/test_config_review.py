@@ -250,6 +250,10 @@ def test_init_twice_with_one_trace_directory_keeps_every_record(world, clean_env
     steps = 2 * (world.size - 1)  # reduce-scatter and all-gather, K-1 steps each
     assert [r["type"] for r in records].count("header") == 1
     assert len([r for r in records if r["type"] == "step"]) == 4 * steps
+    # The header names the run (rank 0's id, on every rank) and its rank count.
+    header = records[0]
+    assert header["version"] == 1 and header["world"] == world.size
+    assert len(set(world.mpi_comm.allgather(header["job"]))) == 1
     a.tracer.close()
     b.tracer.close()
 

@@ -22,14 +22,16 @@ from mpiring.tools import pipeline_trace, timeline
 
 
 def _ring(directory, k: int, *, ranks=None, peers=None, t: float = 0.0, call: int = 1,
-          name=None) -> None:
+          name=None, job=None) -> None:
     """A ring all_reduce of k ranks as the runtime writes it. ``ranks``: the world
     ranks that record it (default 0..k-1); the steps name peers in the ring's own
-    numbering 0..k-1, as a sub-communicator's do. ``t``: its start (wall seconds)."""
+    numbering 0..k-1, as a sub-communicator's do. ``t``: its start (wall seconds).
+    ``job``: the run's id in the headers, as init writes it (with k ranks)."""
     ranks = list(range(k)) if ranks is None else ranks
     bounds = chunk_bounds(4 * k + 1, k)
     for sub, r in enumerate(ranks):
-        tracer = Tracer(r, str(directory), name=name(r) if name else None)
+        tracer = Tracer(r, str(directory), name=name(r) if name else None, job=job,
+                        world=k if job else None)
         c = tracer.call("all_reduce", call, "ring")
         step_t = t - tracer_offset(directory, tracer)
         for phase, idx in (("reduce-scatter", reduce_scatter_indices),
@@ -144,6 +146,21 @@ def test_files_of_two_runs_in_one_directory(tmp_path):
         files = timeline.load(str(tmp_path))
     with pytest.raises(ValueError, match="rings of different sizes.*different runs"):
         timeline.explain(files)
+
+
+def test_files_of_two_runs_are_told_apart_by_their_job_ids(tmp_path):
+    # The same overwrite at the same moment: no gap in time to see, the ids tell.
+    _ring(tmp_path, 4, t=time.time(), job="aaaa")
+    _ring(tmp_path, 2, t=time.time(), job="bbbb")
+    with pytest.raises(ValueError, match=r"files of 2 runs: rank0.jsonl, rank1.jsonl \(run "
+                       r"bbbb, 2 ranks\); rank2.jsonl, rank3.jsonl \(run aaaa, 4 ranks\)"):
+        timeline.load(str(tmp_path))
+
+
+def test_a_rank_s_missing_file_is_named(tmp_path):
+    _ring(tmp_path, 4, t=time.time(), job="aaaa", ranks=[0, 1, 3])
+    with pytest.warns(UserWarning, match=r"rank\(s\) 2 of the run's 4 have no file here"):
+        timeline.load(str(tmp_path))
 
 
 def test_one_run_is_not_taken_for_two(tmp_path):

@@ -103,11 +103,12 @@ def start(backend: str = "mpi", *, trace=None, log=None, check=None, timeout=Non
         problems += launcher_problems()
     # The one exchange before anything: bad values anywhere, and settings the
     # ranks must share, raise the same error on every rank (nothing waits).
-    everyone = lifecycle.exchange({"problems": problems, "agreed": agreed},
+    everyone = lifecycle.exchange({"problems": problems, "agreed": agreed, "job": _job_id()},
                                   settings["timeout"])
     shared = _disagreements([e["agreed"] for e in everyone])  # the same list on every rank
     _refuse([e["problems"] + shared for e in everyone])
-    tracer = _tracer(lifecycle, trace, settings["log_steps"], settings["timeout"])
+    tracer = _tracer(lifecycle, trace, settings["log_steps"], settings["timeout"],
+                     job=everyone[0]["job"], world=len(everyone))
     # A rank that raises or exits while the others wait for it ends the job in
     # seconds instead of at the deadline (collective the first time; then free).
     lifecycle.install()
@@ -298,7 +299,20 @@ def _refuse(per_rank: list[list[str]]) -> None:
     raise ConfigError("mpiring.init: " + ";\n  ".join(lines))
 
 
-def _tracer(lifecycle, trace, log_steps: bool, timeout: float):
+_JOB_ID: list[str] = []
+
+
+def _job_id() -> str:
+    """A random id for this process, made once: rank 0's names the job in every rank's
+    trace header (an init again in the same job, after destroy, names it alike)."""
+    if not _JOB_ID:
+        import uuid
+
+        _JOB_ID.append(uuid.uuid4().hex[:12])
+    return _JOB_ID[0]
+
+
+def _tracer(lifecycle, trace, log_steps: bool, timeout: float, *, job: str, world: int):
     """This rank's Tracer, once every rank could open its trace file (else ConfigError
     on every rank)."""
     from mpiring.backends.mpi import world_rank
@@ -313,7 +327,7 @@ def _tracer(lifecycle, trace, log_steps: bool, timeout: float):
     else:
         try:
             tracer = Tracer(rank, os.fspath(directory) if directory else None,
-                            log_steps=log_steps)
+                            log_steps=log_steps, job=job, world=world)
         except TraceInUse as exc:
             problem = f"{source}={os.fspath(directory)!r}: {exc.strerror}"
         except OSError as exc:

@@ -129,11 +129,21 @@ class _NullCallTrace(CallTrace):
 NULL_CALL = _NullCallTrace()
 
 
+#: The trace format (the header's "version"): a writer that changes the records bumps it,
+#: and the tools refuse a file of another version rather than misread it.
+FORMAT_VERSION = 1
+
+
 class Tracer:
-    """Per-rank trace sink: a JSON-lines file, a step log on stderr, or nothing."""
+    """Per-rank trace sink: a JSON-lines file, a step log on stderr, or nothing.
+
+    ``job`` and ``world`` (``mpiring.init`` gives both: rank 0's id for the job, the
+    number of ranks) go into the file's header, so that the tools tell two runs'
+    files in one directory apart, and a rank's missing file, exactly.
+    """
 
     def __init__(self, rank: int, directory: str | None = None, log_steps: bool = False,
-                 name: str | None = None):
+                 name: str | None = None, *, job: str | None = None, world: int | None = None):
         self.rank = rank
         self.directory = directory
         self.log_steps = log_steps
@@ -145,10 +155,11 @@ class Tracer:
             self._file, fresh = _TraceFile.open(path)
             _OPEN.add(self)  # flushed at exit and before an abort: no lost tail
             if fresh:  # a second tracer of this process on the file adds to it, header once
-                self._file.write(json.dumps({
-                    "type": "header", "rank": rank, "pid": os.getpid(),
-                    "wall_minus_clock": time.time() - clock(),
-                }) + "\n")
+                header = {"type": "header", "version": FORMAT_VERSION, "rank": rank,
+                          "pid": os.getpid(), "wall_minus_clock": time.time() - clock()}
+                if job is not None:
+                    header.update(job=job, world=world)
+                self._file.write(json.dumps(header) + "\n")
         if log_steps:
             _ensure_stderr_handler()
 

@@ -37,6 +37,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpiring.runtime.trace import FORMAT_VERSION
+
 # Phases whose receive reduces into what the rank holds; the others copy.
 REDUCING_PHASES = ("reduce-scatter", "reduce", "push")
 # Recursive doubling's and halving-doubling's phases that reduce what they receive
@@ -60,6 +62,8 @@ class TraceFile:
     rank: int
     offset: float
     records: list[dict[str, Any]]
+    job: str | None = None  # the run's id and rank count (headers written by mpiring.init)
+    world: int | None = None
 
 
 @dataclass
@@ -94,9 +98,8 @@ class Call:
         return self.collective, self.call, self.algo
 
 
-# The trace format this reader understands. A header without "version" is version 1
-# (every file written so far); a newer writer that changes the records must bump it.
-FORMAT_VERSION = 1
+# The trace format this reader understands is the writer's (mpiring.runtime.trace). A
+# header without "version" is version 1 (every file written before it was recorded).
 # The fields each record type must have for the tools to read it: a file of another
 # mpiring version that lacks one is refused naming it, not a KeyError traceback.
 REQUIRED = {
@@ -145,10 +148,13 @@ def load(directory: str) -> list[TraceFile]:
                              "wrote it, or record the run again with this one")
         body = [r for r in recs if r.get("type") != "header"]
         _check_fields(name, body)
-        files.append(TraceFile(name, rank, offset, body))
+        job, world = h.get("job"), h.get("world")
+        files.append(TraceFile(name, rank, offset, body, str(job) if job else None,
+                               world if isinstance(world, int) else None))
     if not files:
         raise ValueError(f"no trace files (*.jsonl) in {directory!r}: record one with "
                          "--trace DIR or MPIRING_TRACE=DIR")
+    _check_runs(files)
     by_rank: dict[int, list[str]] = defaultdict(list)
     for f in files:
         by_rank[f.rank].append(f.name)
@@ -158,8 +164,32 @@ def load(directory: str) -> list[TraceFile]:
         raise ValueError(f"{' and '.join(names)} are both rank {r}'s trace: they come from "
                          "different runs; keep one run's files per directory (trace each run "
                          "into its own --trace DIR)")
-    _warn_separate_runs(files)
+    if not any(f.job for f in files):  # older files: no id to compare, only their times
+        _warn_separate_runs(files)
     return files
+
+
+def _check_runs(files: list[TraceFile]) -> None:
+    """Refuse files of two runs (their headers' job ids differ); warn about ranks of the
+    run that have no file here (a copy that left one out: a pipeline's last stage)."""
+    runs: dict[str | None, list[TraceFile]] = defaultdict(list)
+    for f in files:
+        runs[f.job].append(f)
+    if len(runs) > 1:
+        parts = "; ".join(", ".join(f.name for f in fs) + (
+            f" (run {job}, {fs[0].world} ranks)" if job else " (no run id)")
+            for job, fs in runs.items())
+        raise ValueError(f"the directory holds the files of {len(runs)} runs: {parts}. Keep "
+                         "one run's files per directory (trace each run into its own --trace "
+                         "DIR; a later run with fewer ranks leaves the earlier one's other "
+                         "files)")
+    world = files[0].world
+    if world:
+        absent = sorted(set(range(world)) - {f.rank for f in files})
+        if absent:
+            warnings.warn(f"rank(s) {', '.join(map(str, absent))} of the run's {world} have no "
+                          "file here: what they did is missing from the picture; copy every "
+                          "rank's file of the run into the directory", stacklevel=3)
 
 
 def _check_fields(name: str, recs: list[dict[str, Any]]) -> None:
