@@ -134,14 +134,27 @@ def test_no_communicator_is_a_clear_error(world):
 
 # --- torch's DDP signature ---------------------------------------------------------------
 
+def test_positional_parameters_are_torch_s_in_torch_s_order():
+    # init_sync sat after static_graph (keyword only) where torch 2.x has it sixth: a
+    # torch call with process_group sixth gave mpiring's DDP the group as init_sync.
+    import inspect
+
+    theirs = list(inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters)
+    ours = [n for n, p in inspect.signature(DDP).parameters.items()
+            if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert ours == theirs[:len(ours)] and "static_graph" in ours
+    with pytest.raises(TypeError, match="init_sync=.*pass process_group=... by name"):
+        DDP(mlp(), None, None, 0, True, object())
+
+
 def test_torch_signature_trains_like_the_old_call(comm):
     g = torch.Generator().manual_seed(comm.rank + 11)
     x, y = torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randn(3, 2, generator=g,
                                                                            dtype=torch.float64)
     old = DDP(mlp(), comm, bucket_cap_mb=120 / 2**20)
     # Positional in torch's order: device_ids, output_device, dim, broadcast_buffers,
-    # process_group, bucket_cap_mb, find_unused_parameters, check_reduction, ...
-    new = DDP(mlp(), None, None, 0, True, comm, 120 / 2**20, False, False, True, True)
+    # init_sync, process_group, bucket_cap_mb, find_unused_parameters, check_reduction, ...
+    new = DDP(mlp(), None, None, 0, True, True, comm, 120 / 2**20, False, False, True, True)
     assert new.device_ids is None and new.gradient_as_bucket_view and new.static_graph
     for model in (old, new):
         ((model(x) - y) ** 2).mean().backward()

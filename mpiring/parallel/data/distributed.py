@@ -115,11 +115,11 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
-                 broadcast_buffers: bool | None = True, process_group=None,
-                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, *, comm=None, init_sync: bool = True,
-                 first_bucket_mb: float = 1.0, overlap: bool = True,
+                 broadcast_buffers: bool | None = True, init_sync: bool = True,
+                 process_group=None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
+                 comm=None, first_bucket_mb: float = 1.0, overlap: bool = True,
                  algo: str = DEFAULT_BUCKET_ALGO, quiet_wait: bool | None = None,
                  forward_sync_buffers: bool | None = None):
         super().__init__()
@@ -128,6 +128,12 @@ class DistributedDataParallel(nn.Module):
                             f"{type(module).__name__}")
         if is_comm(device_ids):  # the old call DistributedDataParallel(module, comm)
             device_ids, comm = None, same_comm(comm, device_ids)
+        if not isinstance(init_sync, bool):
+            # torch 2.x put init_sync before process_group: a group passed sixth, in the
+            # older order, would be taken for init_sync and the default group used.
+            raise TypeError(f"init_sync={init_sync!r} is not a bool: torch's order is (module, "
+                            "device_ids, output_device, dim, broadcast_buffers, init_sync, "
+                            "process_group, bucket_cap_mb, ...); pass process_group=... by name")
         comm = resolve_comm(same_comm(comm, process_group))
         if comm.size > 1:
             # Before any control message: a rank that runs a collective instead of
