@@ -27,6 +27,13 @@ hook                   on the wire                 what it costs in accuracy
                        Q (m r) per n x m matrix    matrix; error feedback, warm start
 =====================  ==========================  =====================================
 
+torch's ``fp16_compress_wrapper(hook)`` / ``bf16_compress_wrapper(hook)`` (run
+any hook on the bucket cast to half precision) and ``noop_hook`` (no
+communication, for headroom analysis) have namesakes here.
+``torch.save(state)`` works as with torch's ``PowerSGDState``: the process
+group is left out, and a loaded state resumes bit for bit where the new model
+has the same buckets.
+
 Division happens *before* the reduction wherever precision allows it (fp16,
 bf16, top-k): the sum of K float16 gradients can overflow where the sum of K
 gradients divided by K cannot. PowerSGD follows torch's ``powerSGD_hook``
@@ -41,6 +48,7 @@ every message size here is a function of it.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,11 +65,15 @@ __all__ = [
     "TopKState",
     "allreduce_hook",
     "bf16_compress_hook",
+    "bf16_compress_wrapper",
     "fp16_compress_hook",
+    "fp16_compress_wrapper",
     "make_hook",
+    "noop_hook",
     "powerSGD_hook",
     "ring_bytes_sent",
     "topk_hook",
+    "torch_equivalent",
     "HOOKS",
 ]
 
@@ -209,6 +221,66 @@ def bf16_compress_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
     return _all_reduce_mean_(state, bucket.comm, bucket.buffer(), torch.bfloat16)
 
 
+def noop_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
+    """torch's ``debugging_hooks.noop_hook``: no communication at all, for headroom analysis.
+
+    Each rank keeps its own gradient, undivided, as with torch's: the replicas
+    drift apart, so use it only to time a step without its AllReduce.
+    """
+    return bucket.buffer()
+
+
+def _wrap_in(dtype: torch.dtype, hook: Callable, state: Any, bucket: GradBucket) -> torch.Tensor:
+    buf = bucket.buffer()
+    # A bucket of its own over the cast copy, not buffer().copy_() as set_buffer does:
+    # the inner hook must see (and send) float16/bfloat16, as torch's wrapper's does.
+    inner = GradBucket(bucket.index(), buf.to(dtype), bucket.parameters(), bucket.offsets(),
+                       bucket.is_last(), bucket.comm, bucket.iteration, algo=bucket._algo)
+    calls = state.calls if isinstance(state, HookState) else None
+    result = hook(state, inner)
+    if hasattr(result, "wait"):
+        result = result.wait()
+        if isinstance(result, (list, tuple)):
+            result = result[0]
+    if calls is not None and state.calls > calls:
+        # The inner hook counted the cast bucket as its dense baseline; the model's
+        # dense AllReduce would have sent the bucket in its own dtype.
+        comm = bucket.comm
+        state.dense_bytes += (state.calls - calls) * (
+            ring_bytes_sent(buf.numel(), buf.element_size(), comm.size, comm.rank, ("rs", "ag"))
+            - ring_bytes_sent(buf.numel(), inner.buffer().element_size(), comm.size, comm.rank,
+                              ("rs", "ag")))
+    return buf.copy_(result.reshape(-1))
+
+
+def fp16_compress_wrapper(hook: Callable) -> Callable:
+    """torch's ``fp16_compress_wrapper``: run ``hook`` on the bucket cast to float16.
+
+    ``fp16_compress_wrapper(powerSGD_hook)`` sends PowerSGD's P and Q as float16;
+    the result is cast back to the bucket's dtype.
+    """
+    def fp16_compress_wrapper_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
+        return _wrap_in(torch.float16, hook, state, bucket)
+
+    fp16_compress_wrapper_hook.__qualname__ = f"fp16_compress_wrapper({_name(hook)})"
+    return fp16_compress_wrapper_hook
+
+
+def bf16_compress_wrapper(hook: Callable) -> Callable:
+    """torch's ``bf16_compress_wrapper``: run ``hook`` on the bucket cast to bfloat16."""
+    def bf16_compress_wrapper_hook(state: Any, bucket: GradBucket) -> torch.Tensor:
+        return _wrap_in(torch.bfloat16, hook, state, bucket)
+
+    bf16_compress_wrapper_hook.__qualname__ = f"bf16_compress_wrapper({_name(hook)})"
+    return bf16_compress_wrapper_hook
+
+
+def _name(hook: Callable) -> str:
+    # The wrapped hook's name goes into the wrapper's __qualname__, which DDP compares
+    # across ranks: fp16_compress_wrapper(a) on one rank and (b) on another differ.
+    return getattr(hook, "__qualname__", None) or repr(hook)
+
+
 # --- top-k sparsification ----------------------------------------------------------
 
 class TopKState(HookState):
@@ -243,17 +315,39 @@ class TopKState(HookState):
         self._moved: dict[int, torch.Tensor] = {}   # id(p) -> its error, while remapping
         self.iter = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # id(p) names a parameter only in this process: a saved layout keeps the
+        # positions (offset, numel) and is bound again, by position, to the bucket of
+        # the same index and the same positions in the process that loads it.
+        state = dict(self.__dict__)
+        state["layouts"] = {b: tuple((None, off, numel) for _, off, numel in layout)
+                            for b, layout in self.layouts.items()}
+        state["_fresh"], state["_moved"] = set(), {}
+        return state
+
     def _take_error(self, bucket: GradBucket) -> torch.Tensor | None:
         """This bucket's held-back error, laid out like the bucket is now (or None)."""
         b, layout = bucket.index(), _layout_of(bucket)
-        if self.layouts.get(b) == layout:
+        saved = self.layouts.get(b)
+        if saved == layout:
+            return self.errors[b]
+        if saved is not None and _loaded(saved) and [x[1:] for x in saved] == [
+                x[1:] for x in layout]:
+            self.layouts[b] = layout  # a loaded state meets its bucket again
             return self.errors[b]
         stale = [old for old in self.errors if old not in self._fresh]
         for old in stale:
             # The buckets were rebuilt: split the errors kept under the old layout
             # by parameter, so that each new bucket takes its parameters' errors.
-            err = self.errors.pop(old)
-            for pid, off, numel in self.layouts.pop(old):
+            err, old_layout = self.errors.pop(old), self.layouts.pop(old)
+            if _loaded(old_layout):
+                # Saved under a bucket layout this model does not have (restore the
+                # DDP bucket layout with the state to keep it): nothing says which
+                # parameter each position was.
+                warnings.warn(f"TopKState: bucket {old}'s saved error feedback does not fit "
+                              "this model's buckets; it restarts from zero", stacklevel=2)
+                continue
+            for pid, off, numel in old_layout:
                 self._moved[pid] = err[off:off + numel]
         if not self._moved:
             return None
@@ -280,6 +374,11 @@ class TopKState(HookState):
 
 def _layout_of(bucket: GradBucket) -> tuple[tuple[int, int, int], ...]:
     return tuple((id(p), off, p.numel()) for p, off in zip(bucket.parameters(), bucket.offsets()))
+
+
+def _loaded(layout: tuple) -> bool:
+    """A layout from a pickled TopKState (positions only, not yet bound to parameters)."""
+    return any(pid is None for pid, _, _ in layout)
 
 
 def topk_hook(state: TopKState, bucket: GradBucket) -> torch.Tensor:
@@ -394,6 +493,16 @@ class PowerSGDState(HookState):
         if bucket.is_last():
             self.iter += 1
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's PowerSGDState leaves its process group out of a saved state; a
+        # Communicator cannot be pickled either (MPI handles), and the hook never
+        # uses it (it runs on bucket.comm), so torch.save(state) works with either.
+        return {k: v for k, v in self.__dict__.items() if k != "process_group"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.process_group = None  # torch sets its default group; the hook uses bucket.comm
+
 
 def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
     """Orthonormalise the columns of each (n, r) matrix in a (b, n, r) batch, in place.
@@ -447,7 +556,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.Tensor:  # 
         before = buf.clone()
     compress, plain = [], []
     for g in bucket.gradients():
-        matrix = g.view(g.shape[0], -1) if g.dim() > 0 else g.view(1, 1)
+        # Columns named, not -1: a parameter of zero elements has no inferable -1
+        # (torch's hook fails there); it becomes an empty matrix and goes plain.
+        matrix = g.view(g.shape[0], math.prod(g.shape[1:])) if g.dim() > 0 else g.view(1, 1)
         n, m = matrix.shape
         r = min(n, m, state.matrix_approximation_rank)
         (compress if (n + m) * r * state.min_compression_rate < n * m else plain).append(
@@ -567,6 +678,76 @@ def make_hook(name: str, **options: Any) -> tuple[HookState | None, Callable | N
     return HookState(), hook
 
 
+def torch_equivalent(state: Any, hook: Callable) -> tuple[Any, Callable] | None:
+    """mpiring's ``(state, hook)`` for a hook of torch's ``ddp_comm_hooks``, or None.
+
+    torch's hooks call torch.distributed on its default process group, which
+    mpiring's DDP does not use; their namesakes here give the same numbers on
+    ``bucket.comm``: the default hooks (the state, a process group, becomes
+    None), ``noop_hook``, ``powerSGD_hook`` (torch's ``PowerSGDState`` becomes
+    this module's, with its settings, counters, memories and random stream),
+    and ``fp16/bf16_compress_wrapper`` around any of these or around a hook of
+    the user's own. Others (``batched_powerSGD_hook``, post-localSGD) have none.
+    """
+    module = getattr(hook, "__module__", None) or ""
+    name = getattr(hook, "__name__", "")
+    if not module.startswith("torch.distributed.algorithms.ddp_comm_hooks"):
+        return None
+    if name in ("fp16_compress_wrapper_hook", "bf16_compress_wrapper_hook"):
+        # torch's wrapper is a closure over the hook it wraps: map that one.
+        cells = dict(zip(hook.__code__.co_freevars,
+                         (c.cell_contents for c in hook.__closure__ or ())))
+        inner = cells.get("hook")
+        if inner is None:
+            return None
+        mapped = torch_equivalent(state, inner)
+        if mapped is None:
+            if (getattr(inner, "__module__", None) or "").startswith("torch.distributed"):
+                return None
+            mapped = (state, inner)  # the user's own hook, written for bucket.comm
+        wrap = fp16_compress_wrapper if name.startswith("fp16") else bf16_compress_wrapper
+        return mapped[0], wrap(mapped[1])
+    if module.endswith(".default_hooks") and name in (
+            "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+        return None, globals()[name]
+    if module.endswith(".debugging_hooks") and name == "noop_hook":
+        return None, noop_hook
+    if module.endswith(".powerSGD_hook") and name == "powerSGD_hook":
+        return _TorchPowerSGDState(state), powerSGD_hook
+    return None
+
+
+class _TorchPowerSGDState(PowerSGDState):
+    """torch's PowerSGDState as powerSGD_hook here reads it: its settings, and its own
+    memories and random stream (the same objects), its ``iter`` kept up to date, so that
+    the user's object follows training (``torch.save(state)`` as with torch's DDP)."""
+
+    def __init__(self, theirs: Any):
+        if not all(hasattr(theirs, a) for a in ("matrix_approximation_rank", "rng", "iter",
+                                                 "error_dict")):
+            raise TypeError(f"powerSGD_hook's state is {type(theirs).__name__}: pass torch's "
+                            "PowerSGDState (or mpiring's with mpiring's powerSGD_hook)")
+        super().__init__(
+            matrix_approximation_rank=theirs.matrix_approximation_rank,
+            start_powerSGD_iter=theirs.start_powerSGD_iter,
+            min_compression_rate=theirs.min_compression_rate,
+            use_error_feedback=theirs.use_error_feedback, warm_start=theirs.warm_start,
+            orthogonalization_epsilon=theirs.orthogonalization_epsilon,
+            compression_stats_logging_frequency=theirs.compression_stats_logging_frequency,
+            batch_tensors_with_same_shape=theirs.batch_tensors_with_same_shape)
+        self.theirs = theirs
+        # The stream's position, not only its seed: a state already used (or loaded)
+        # draws its next Qs where torch's would. Memories in torch's layout: one flat
+        # tensor per bucket, the matrices grouped by shape.
+        self.rng, self.iter = theirs.rng, theirs.iter
+        self.errors, self.p_memory = theirs.error_dict, theirs.p_memory_dict
+        self.q_memory = theirs.q_memory_dict
+
+    def _next_iter(self, bucket: GradBucket) -> None:
+        super()._next_iter(bucket)
+        self.theirs.iter = self.iter
+
+
 def run_comm_hook(state: Any, hook: Callable, comm, bucket_index: int, flat: torch.Tensor,
                   numel: int, params: Sequence[torch.Tensor], offsets: Sequence[int],
                   is_last: bool, tail: int | None, iteration: int, *,
@@ -583,11 +764,20 @@ def run_comm_hook(state: Any, hook: Callable, comm, bucket_index: int, flat: tor
     buffer = flat[:numel]
     grad_bucket = GradBucket(bucket_index, buffer, params, offsets, is_last, comm, iteration,
                              whole=flat if tail is not None else None, algo=algo)
-    result = hook(state, grad_bucket)
-    if hasattr(result, "wait"):
-        result = result.wait()
-        if isinstance(result, (list, tuple)):
-            result = result[0]
+    try:
+        result = hook(state, grad_bucket)
+        if hasattr(result, "wait"):
+            result = result.wait()
+            if isinstance(result, (list, tuple)):
+                result = result[0]
+    except Exception as exc:
+        # Raised on the communication thread, it reaches the user at the end of
+        # backward as "communication thread failed: ..."; name the hook and the bucket,
+        # and what the ranks where it did not raise are doing.
+        raise RuntimeError(
+            f"comm hook {_name(hook)!r} raised {type(exc).__name__} on bucket {bucket_index} "
+            f"(rank {comm.rank}): {exc}. A rank where it did not raise waits in the hook's "
+            "collectives: end the job (an uncaught exception aborts every rank)") from exc
     if not isinstance(result, torch.Tensor) or result.numel() != numel:
         raise TypeError(f"comm hook {getattr(hook, '__name__', hook)!r} returned "
                         f"{type(result).__name__} for bucket {bucket_index}: return the reduced "
