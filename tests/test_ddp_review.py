@@ -179,6 +179,20 @@ def test_torchs_default_comm_hooks_run_as_mpirings(comm):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     ddp = DDP(nn.Linear(3, 2), comm)
     state = powerSGD_hook.PowerSGDState(process_group=None)
-    with pytest.raises(TypeError, match="powerSGD_hook runs torch.distributed's.*PowerSGDState"):
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    with pytest.raises(TypeError, match="batched_powerSGD_hook runs torch.distributed's.*"
+                                        "PowerSGDState"):
+        ddp.register_comm_hook(state, powerSGD_hook.batched_powerSGD_hook)
+    ddp.close()
+
+
+def test_a_hook_registered_after_the_first_forward_is_refused(comm):
+    # The ranks compare their hooks at the first forward; one registered later (on some
+    # ranks) met the others' plain AllReduce: "Message truncated", then an abort.
+    from mpiring.parallel.data import comm_hooks
+
+    ddp = DDP(nn.Linear(3, 2).double(), comm)
+    loss = ddp(batch(comm.rank, 0)[:, :3]).sum()  # a forward: the hooks were compared
+    with pytest.raises(RuntimeError, match="register the hook before the first forward"):
+        ddp.register_comm_hook(None, comm_hooks.allreduce_hook)
+    loss.backward()  # and the step goes on as agreed
     ddp.close()

@@ -299,24 +299,33 @@ class DistributedDataParallel(nn.Module):
         gradients and returns the mean; call this once, before the first backward.
         ``state`` may be None or this model's communicator (torch's process-group
         state), or a hook's own state object. torch's own ``default_hooks``
-        (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``) are
-        replaced by mpiring's equivalents; its other hooks are refused.
+        (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``),
+        ``noop_hook``, ``powerSGD_hook`` with its ``PowerSGDState`` and the
+        ``fp16/bf16_compress_wrapper`` around any of them are replaced by
+        mpiring's equivalents (``comm_hooks.torch_equivalent``); its other hooks
+        are refused.
         """
+        if self._hooks_agreed and self.reducer._comm_hook is None:  # else: "already registered"
+            # The ranks compared their hooks at the first forward: one registered now,
+            # perhaps on some ranks only, would meet the others' messages truncated.
+            raise RuntimeError("register_comm_hook: the model already ran a forward with "
+                               "its reduction agreed: register the hook before the first "
+                               "forward, on every rank")
         module = getattr(hook, "__module__", None) or ""
         if module.startswith("torch.distributed"):
             # torch's hooks call torch.distributed on the default process group, which
             # would fail on the comm thread at the first backward, after bytes moved.
             from mpiring.parallel.data import comm_hooks
 
-            name = getattr(hook, "__name__", "")
-            ours = getattr(comm_hooks, name, None) if module.endswith(".default_hooks") else None
-            if ours is None:
+            mapped = comm_hooks.torch_equivalent(state, hook)
+            if mapped is None:
                 raise TypeError(
-                    f"register_comm_hook: {module}.{name} runs torch.distributed's collectives, "
-                    "not mpiring's: use a hook from mpiring.parallel.data.comm_hooks "
+                    f"register_comm_hook: {module}.{getattr(hook, '__name__', hook)} runs "
+                    "torch.distributed's collectives, not mpiring's: use a hook from "
+                    "mpiring.parallel.data.comm_hooks "
                     f"({', '.join(k for k in comm_hooks.__all__ if k.endswith('_hook'))}; "
                     "PowerSGDState takes torch's arguments)")
-            hook, state = ours, None  # torch's state there is a process group (or None)
+            state, hook = mapped
         if is_comm(state) and state is not self.comm:
             raise ValueError("register_comm_hook: the state is a communicator other than this "
                              "model's: pass None (the hooks use the model's own)")
