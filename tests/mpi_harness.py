@@ -132,6 +132,9 @@ def _abort(message: str) -> None:
     sys.stderr.write(message)
     sys.stderr.flush()
     time.sleep(REPORT_GRACE)  # let the launcher forward the report before it kills the job
+    from mpiring.backends.mpi import forget_shared_memory
+
+    forget_shared_memory()  # else each aborted test run leaves MPICH's segment in /dev/shm
     WORLD.Abort(1)
 
 

@@ -8,6 +8,8 @@ by the watchdog (``mpiring.backends.lifecycle``, ``watchdog.watch_exits``).
 
 from __future__ import annotations
 
+import ast
+import os
 import re
 import time
 
@@ -120,3 +122,24 @@ def test_abort_world_gives_the_launcher_time_to_forward_the_last_words(monkeypat
     backend.abort_world(3)
     assert events == [("traces",), ("flush", "stdout"), ("flush", "stderr"),
                       ("sleep", REPORT_GRACE), ("abort", 3)]
+
+
+@pytest.mark.deadline(90)
+def test_an_aborted_job_leaves_no_mpich_segment_in_dev_shm(rank0_subprocess):
+    # MPICH unlinks its /dev/shm segment at MPI_Finalize only: each aborted job (a
+    # stall, an uncaught error, a failed test) left 2-4 MiB of the host's memory there.
+    code = ("from mpi4py import MPI; from mpiring.backends.mpi import abort_world; "
+            "MPI.COMM_WORLD.Barrier(); "
+            "print('SEGMENTS', sorted({l.split()[-1] for l in open('/proc/self/maps') "
+            "if '/dev/shm/mpich_shm_' in l}), flush=True); MPI.COMM_WORLD.Barrier(); "
+            "abort_world(3)")
+    result = rank0_subprocess(2, ["-c", code], timeout=60)
+    if result is None:
+        return
+    rc, out, _ = result
+    assert rc != 0, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("SEGMENTS")]
+    segments = {p for ln in lines for p in ast.literal_eval(ln.split(" ", 1)[1])}
+    if not segments:
+        pytest.skip("this MPI maps no /dev/shm segment")
+    assert not [p for p in segments if os.path.exists(p)], out

@@ -176,6 +176,9 @@ def _abort_for(kind: str, exc_type, exc, tb, where: str = "") -> None:
     os.write(watchdog.REPORT_FD, message.encode(errors="replace"))
     flush_all()
     time.sleep(watchdog.REPORT_GRACE)  # let the launcher forward the report
+    from mpiring.backends.mpi import forget_shared_memory
+
+    forget_shared_memory()
     MPI.COMM_WORLD.Abort(1)
 
 

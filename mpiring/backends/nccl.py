@@ -733,6 +733,9 @@ def _create(mpi: MPIBackend, cupy, nccl, device_id: int, version) -> NCCLBackend
         # end the job rather than leave them waiting.
         sys.stderr.write(message + "; aborting the job so that no rank waits forever\n")
         sys.stderr.flush()
+        from mpiring.backends.mpi import forget_shared_memory
+
+        forget_shared_memory()
         mpi.comm.Abort(1)
         raise BackendUnavailable(message) from None  # pragma: no cover - Abort does not return
 
