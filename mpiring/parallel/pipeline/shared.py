@@ -22,16 +22,18 @@ over MPI, where the next step receives into the same buffer). Waits keep the
 communicator's deadline (its stall report names the slot and the peer) and
 every message is one trace record, as over MPI (``"via": "shared"``).
 
-A new layout reuses the window when it fits, and otherwise takes a new one
-and keeps the old mapped (a tensor the user kept may still point into it)
-until ``close()``. The window needs room in /dev/shm (``comm.shared_window``
-falls back to MPI when there is not). ``MPIRING_PP_SHARED=0`` keeps the MPI
-path.
+A new layout reuses the window when it fits, and otherwise takes a new one;
+the old stays mapped while a tensor the user kept still points into it (freed
+at a later layout once nothing does, ``release``, else at ``close()``). The
+window needs room in /dev/shm (``comm.shared_window`` falls back to MPI when
+there is not). ``MPIRING_PP_SHARED=0`` keeps the MPI path.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import numpy as np
 import torch
@@ -203,3 +205,42 @@ def _flag(segment: np.ndarray, offset: int) -> memoryview:
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def _refs(arrays: list) -> list[int]:
+    """Each array's reference count, every one held the same way (the list, the loop)."""
+    return [sys.getrefcount(a) for a in arrays]
+
+
+def in_use(window) -> bool:
+    """Whether anything but ``window`` itself points into its memory on this rank.
+
+    Every view of the window (a slot's tensor, a view of that tensor, a flag) holds
+    a reference to the NumPy segment it was cut from (``torch.from_numpy`` keeps
+    its array, a slice keeps its base), so a count above what a list alone gives is
+    a tensor or view still alive: unmapping the window under it would turn its next
+    read into a segmentation fault.
+    """
+    alone = _refs([np.empty(0)])[0]  # measured, not assumed: the count varies by Python
+    return any(n > alone for n in _refs(window.segments))
+
+
+def release(comm, windows: list) -> list:
+    """Collective: free the windows that nothing points into on any rank; returns the rest.
+
+    ``windows`` must be the same list on every rank (windows made together, in order).
+    """
+    if not windows:
+        return windows
+    mine = [in_use(w) for w in windows]
+    if any(mine):
+        # A step's autograd graph can leave its tensors in reference cycles, alive until
+        # the cyclic collector runs: collect them once (only here, a new layout's step)
+        # rather than keep a window that nothing reachable points into.
+        gc.collect()
+        mine = [in_use(w) for w in windows]
+    used = comm.control.allgather_array([int(u) for u in mine]).any(axis=0)
+    for window, keep in zip(windows, used):
+        if not keep:
+            window.free()
+    return [w for w, keep in zip(windows, used) if keep]

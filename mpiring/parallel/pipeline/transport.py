@@ -62,6 +62,7 @@ import time
 import numpy as np
 import torch
 
+from mpiring.core.buffers import DTYPES as CARRIED
 from mpiring.parallel.pipeline import packing, shared
 from mpiring.parallel.pipeline.actions import RECV_B, RECV_F, SEND_F, Action
 
@@ -72,6 +73,9 @@ TAGS = 3
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 MAX_DIMS = 8
+#: The dtypes above that the communicator does not carry as numbers (bool, int16): such
+#: an activation travels as its bytes (``_wire``); the header names its dtype.
+AS_BYTES = frozenset(d for d in DTYPES if str(d).removeprefix("torch.") not in CARRIED)
 #: Seconds a wait polls in a tight loop before it sleeps between polls.
 SPIN_S = 1e-3
 #: Seconds every wait polls in a tight loop before its first sleep.
@@ -192,6 +196,28 @@ def key_of(a: Action) -> tuple[str, int, int]:
     return a.channel, a.stage, a.mb
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What goes to the communicator for ``t`` (contiguous): ``t``, or for a dtype it does
+    not carry (``AS_BYTES``: bool, int16, which it refuses) a uint8 view of its memory."""
+    if t.dtype not in AS_BYTES:
+        return t
+    return t.view(torch.uint8) if t.element_size() == 1 else t.reshape(-1).view(torch.uint8)
+
+
+class _BytesSend:
+    """A prepared send of a dtype in ``AS_BYTES``: each tensor posted as its bytes (chosen
+    when the send is prepared, so that other dtypes' posts pay nothing for it; the
+    agreed dtype is checked before the post)."""
+
+    __slots__ = ("_prepared",)
+
+    def __init__(self, prepared):
+        self._prepared = prepared
+
+    def post(self, t: torch.Tensor):
+        return self._prepared.post(_wire(t))
+
+
 def _reused(buf: torch.Tensor) -> torch.Tensor:
     """A kept receive buffer, ready for this step's message: out of last step's graph."""
     if buf.grad is not None:  # last step's input gradient must not accumulate
@@ -300,9 +326,11 @@ class Transport:
             key = key_of(a)
             buf = _reused(self.bufs[key])
             prepared = self.prepared_recvs.get(key)
-            if prepared is None or prepared.buffer is not buf:
+            # A message as bytes is received into a view of ``buf`` (its ``_base``).
+            if prepared is None or (prepared.buffer is not buf and
+                                    prepared.buffer._base is not buf):
                 prepared = self.prepared_recvs[key] = self.fast.prepare_recv(
-                    buf, self.rank_of(a.peer), tag_of(a))
+                    _wire(buf), self.rank_of(a.peer), tag_of(a))
             self.posted[key] = (buf, prepared.post())
 
     def remote(self, a: Action) -> bool:
@@ -318,7 +346,13 @@ class Transport:
             old = self.shared
             self.shared = shared.SharedSlots.create(self.fast, incoming, outgoing, old=old)
             if old is not None and (self.shared is None or self.shared.window is not old.window):
-                self.retired.append(old.window)  # not unmapped: see ``close``
+                self.retired.append(old.window)  # not unmapped yet: see ``close``
+            # Only the old slots' own views point into it now, unless the user kept a
+            # tensor: once they are gone, a window nothing points into is freed here, so
+            # that a shape that keeps growing (a sequence-length warm-up) does not hold
+            # one window per shape in /dev/shm until close().
+            del old
+            self.retired = shared.release(self.fast, self.retired)
             self.shared_on = self.shared is not None
             if self.shared_on:  # the slots are the receive buffers now
                 self.bufs, self.prepared_recvs = {}, {}
@@ -382,7 +416,9 @@ class Transport:
             # wrapping a tensor for MPI runs cold and costs more than the message.
             prepared = self.prepared_sends.get(key)
             if prepared is None:
-                prepared = self.prepared_sends[key] = self.fast.prepare_send(t, peer, tag)
+                prepared = self.prepared_sends[key] = (
+                    self.fast.prepare_send(t, peer, tag) if t.dtype not in AS_BYTES else
+                    _BytesSend(self.fast.prepare_send(_wire(t), peer, tag)))
             try:
                 sends.append(prepared.post(t))
             except ValueError as exc:
@@ -393,7 +429,7 @@ class Transport:
             h = header(packing.Packed(t, layout) if layout is not None else t)
             sends.append(self.checked.isend(h, peer, tag - TAG_ACT + TAG_META))
             self.meta_sent.add((a.stage, a.mb))
-        sends.append(comm.isend(t, peer, tag))
+        sends.append(comm.isend(_wire(t), peer, tag))
 
     @staticmethod
     def _changed(a: Action, exc: Exception) -> ValueError:
@@ -468,11 +504,11 @@ class Transport:
                     recvs.append(req)
                 elif a.kind == RECV_F:
                     buf = incoming[key] = self._buffer(key, *self.meta[(a.stage, a.mb)][:2])
-                    recvs.append(comm.irecv(buf, self.rank_of(a.peer), tag_of(a)))
+                    recvs.append(comm.irecv(_wire(buf), self.rank_of(a.peer), tag_of(a)))
                 elif a.kind == RECV_B:
                     out = grad_like(a.stage, a.mb)
                     buf = incoming[key] = self._buffer(key, out.shape, out.dtype)
-                    recvs.append(comm.irecv(buf, self.rank_of(a.peer), tag_of(a)))
+                    recvs.append(comm.irecv(_wire(buf), self.rank_of(a.peer), tag_of(a)))
                 elif key in outgoing:
                     self.send(a, outgoing.pop(key), sends)
         if self.mpi:
