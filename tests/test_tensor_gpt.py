@@ -229,6 +229,27 @@ def test_pipeline_recomputation_replays_the_tensor_parallel_dropout_masks(tp, sp
     assert all(torch.equal(a, b) for a, b in zip(s0, s1)), "the recompute moved the streams on"
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["plain", "reentrant"])
+def test_torch_checkpoint_without_the_contexts_is_refused_not_wrong(tp, reentrant):  # noqa: F811
+    # Before: the recompute drew the streams' next masks, and the gradients differed
+    # from the uncheckpointed model's, silently. Without dropout nothing is drawn: fine.
+    from torch.utils.checkpoint import checkpoint
+
+    h0 = torch.randn(T, B, CFG.d_model, generator=torch.Generator().manual_seed(tp.rank),
+                     dtype=torch.float64)
+    model = _dropout_model(tp, False)
+    out = h0.clone().requires_grad_()
+    for block in model.blocks:
+        out = checkpoint(block, out, T, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match="context_fn=mpiring.parallel.tensor.checkpoint_"):
+        (out * out).sum().backward()
+    model.eval()  # no dropout drawn: checkpointing needs no replay
+    out = h0.clone().requires_grad_()
+    for block in model.blocks:
+        out = checkpoint(block, out, T, use_reentrant=reentrant)
+    (out * out).sum().backward()
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_torch_checkpoint_replays_the_masks_with_checkpoint_contexts(tp, sp):  # noqa: F811
     from torch.utils.checkpoint import checkpoint

@@ -42,6 +42,9 @@ KINDS = ("cpu", "cuda")
 
 #: Every RNGStreams alive in this process, so that a recompute can replay them all.
 _LIVE: weakref.WeakSet[RNGStreams] = weakref.WeakSet()
+#: How many ``replay_rng_states`` blocks are open: a fork in backward outside them is a
+#: recomputation that nobody replays (``fork`` checks).
+_REPLAYING = [0]
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -123,6 +126,11 @@ class RNGStreams:
             yield
             return
         states = self._kind_states(device)
+        # A forward run again inside backward (torch.utils.checkpoint) would draw from
+        # where the stream got to, not the first forward's masks: silently other
+        # gradients. Checked only there (a graph task runs), where it costs a compare.
+        unreplayed = not _REPLAYING[0] and torch._C._current_graph_task_id() != -1
+        start = states[name]
         outer = self._get(device)
         self._set(states[name], device)
         try:
@@ -130,6 +138,14 @@ class RNGStreams:
         finally:
             states[name] = self._get(device)
             self._set(outer, device)
+        if unreplayed and not torch.equal(start, states[name]):
+            states[name] = start  # the first forward's position, for a corrected retry
+            raise RuntimeError(
+                f"a forward recomputed during backward drew from the {name!r} tensor-parallel "
+                "dropout stream without replaying it, so its masks differ from the first "
+                "forward's and the gradients would be wrong: pass use_reentrant=False, "
+                "context_fn=mpiring.parallel.tensor.checkpoint_contexts to "
+                "torch.utils.checkpoint (or recompute with replay_rng_states)")
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Both streams' states, per kind of generator used so far (``{"cpu": {...}}``)."""
@@ -175,9 +191,11 @@ def replay_rng_states(states: weakref.WeakKeyDictionary) -> Iterator[None]:
     recomputation does not advance them."""
     outer = get_rng_states()
     set_rng_states(states)
+    _REPLAYING[0] += 1
     try:
         yield
     finally:
+        _REPLAYING[0] -= 1
         set_rng_states(outer)
 
 
