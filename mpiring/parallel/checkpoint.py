@@ -59,7 +59,8 @@ import numpy as np
 
 FORMAT = "mpiring-checkpoint-1"
 _NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
-_TEMP = re.compile(r"^\.ckpt-\d+\.pt\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
+# The temporary names ``write_atomic`` gives (a checkpoint's, or a sharded save's files).
+_TEMP = re.compile(r"^\.[^/]+\.pt\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
 
 
 #: The archive member (in torch's top folder) that holds the file's SHA-256 of
@@ -236,7 +237,6 @@ def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None =
     Raises:
         ValueError: ``state`` has no valid step, or ``keep`` < 1.
     """
-    import torch
 
     step = state.get("step") if isinstance(state, dict) else None
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -246,26 +246,7 @@ def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None =
         raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint (or None for all)")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     _remove_stale_temporaries(directory)
-    final = os.path.join(directory, checkpoint_name(step))
-    temp = os.path.join(directory, f".{checkpoint_name(step)}.tmp-{socket.gethostname()}-"
-                                   f"{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-        _add_checksum(temp)
-        _check_loadable(temp, final)
-        with open(temp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(temp, final)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
+    final = write_atomic(os.path.join(directory, checkpoint_name(step)), state)
     if keep is not None:
         # Count only checkpoints up to this step: a newer file belongs to a run that
         # was resumed from an earlier step (after ``latest_checkpoint`` skipped a
@@ -275,6 +256,40 @@ def save_checkpoint(directory: str, state: dict[str, Any], *, keep: int | None =
         for old in older[keep:]:
             os.unlink(os.path.join(directory, old[1]))
     return final
+
+
+def write_atomic(path: str, obj: Any) -> str:
+    """``torch.save(obj)`` to ``path`` so that ``path`` is either the old file or the whole
+    new one: a new temporary file beside it, its checksum, a ``weights_only`` read-back,
+    fsync, rename, fsync of the folder. Returns ``path``.
+
+    Raises:
+        ValueError: ``torch.load(weights_only=True)`` could not read ``obj`` back
+            (nothing is written).
+    """
+    import torch
+
+    directory, name = os.path.split(path)
+    temp = os.path.join(directory, f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+                                   f"{secrets.token_hex(4)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+        _add_checksum(temp)
+        _check_loadable(temp, path)
+        with open(temp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory or ".")
+    return path
 
 
 def _check_loadable(temp: str, final: str) -> None:
