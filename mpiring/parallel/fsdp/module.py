@@ -54,7 +54,8 @@ _WHOLE_STATE = ("FullyShardedDataParallel.{what}: a rank holds only its shards o
                 "parameters. Save with full_state_dict() on every rank (a collective; save "
                 "it from one), load with load_full_state_dict() on every rank, and for the "
                 "optimizer full_optim_state_dict(model, opt) / load_full_optim_state_dict "
-                "(mpiring.parallel.fsdp)")
+                "(mpiring.parallel.fsdp); for a model too big to gather, sharded_state_dict() "
+                "or save_sharded(dir, model, opt) / load_sharded")
 
 #: The collectives' default algorithm: the segmented ring bounds the receive
 #: buffer to a few segments whatever the unit's size.
@@ -452,6 +453,21 @@ class FullyShardedDataParallel(nn.Module):
         from mpiring.parallel.fsdp.state import load_full_state_dict
 
         load_full_state_dict(self, state_dict)
+
+    def sharded_state_dict(self, save_id: str | None = None) -> dict:
+        """This rank's slices of every parameter, keyed by the unwrapped model's names, each
+        with its element range and full shape (no communication, no copy: views of the
+        shards). ``mpiring.parallel.fsdp.sharded.sharded_state_dict`` says what it holds."""
+        from mpiring.parallel.fsdp.sharded import sharded_state_dict
+
+        return sharded_state_dict(self, save_id)
+
+    def load_sharded_state_dict(self, state) -> None:
+        """Load this rank's shard from its own sharded dict (same world size and wrap) or
+        from the list of every saved rank's (any world size and wrap); no communication."""
+        from mpiring.parallel.fsdp.sharded import load_sharded_state_dict
+
+        load_sharded_state_dict(self, state)
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread."""

@@ -9,6 +9,8 @@ loads at any other K (each rank keeps its own chunk), or into the plain model.
   (AdamW's ``exp_avg``, ``exp_avg_sq``), keyed by parameter name, so it is
   independent of the layout too; scalar state (``step``) is the same on
   every rank and travels as it is.
+
+For a model that fits only sharded, ``sharded.py`` saves each rank's own slices.
 """
 
 from __future__ import annotations
