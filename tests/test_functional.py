@@ -179,8 +179,12 @@ def test_point_to_point_names_job_ranks(comm):
     for r in reqs:
         r.wait()
     assert torch.equal(got, _x(left, 3, salt=2))
-    with pytest.raises(ValueError, match="any sender"):
-        dist.recv(got, group=comm)
+    # src=None: a message from any rank of the group; the sender's job rank comes back.
+    if me == 0:
+        assert dist.recv(got, group=comm) == jobs[k - 1]
+        assert torch.equal(got, _x(k - 1, 3, salt=4))
+    elif me == k - 1:
+        dist.send(_x(me, 3, salt=4), dst=jobs[0], group=comm)
 
 
 def test_bad_arguments_raise_on_every_rank_before_anything_moves(comm):

@@ -71,8 +71,8 @@ def _poll(done, idle: str) -> None:
         pause()
 
 
-def _idle_wait(req, idle: str) -> None:
-    _poll(req.Test, idle)
+def _idle_wait(req, idle: str, status=None) -> None:
+    _poll(req.Test if status is None else (lambda: req.Test(status)), idle)
 
 
 def _idle_wait_all(reqs, idle: str) -> None:
@@ -163,10 +163,36 @@ class _Msg:
     """
 
     __slots__ = ("reqs", "check", "peer", "tag", "settled", "error")
+    #: False: every request of the message was posted with it, from a known sender.
+    late = False
 
-    def __init__(self, reqs: list, check, peer: int, tag: int):
+    def __init__(self, reqs: list, check, peer: int | None, tag: int):
         self.reqs, self.check, self.peer, self.tag = reqs, check, peer, tag
         self.settled, self.error = False, None
+
+
+class _LateMsg(_Msg):
+    """A receive settled after its post: one from any source, or (check on) one from a
+    known sender queued behind a receive from any source of the same tag.
+
+    ``peer``: None until the sender is known (its descriptor, or with the check off
+    its data, arrived). ``spec``: the data buffer while its receive is not posted yet
+    (None once it is). ``status``: where MPI writes an any-source message's sender.
+    """
+
+    __slots__ = ("spec", "status", "nbytes")
+    late = True
+
+    def __init__(self, reqs: list, check, peer: int | None, tag: int, spec, status,
+                 nbytes: int = 0):
+        super().__init__(reqs, check, peer, tag)
+        self.spec, self.status, self.nbytes = spec, status, nbytes
+
+    def longer(self) -> bool:
+        """Whether the any-source message that completed (check off) was longer than the
+        buffer: MPICH's MPI_Test with a status can report a truncated receive as a
+        success, its status counting the bytes sent."""
+        return self.status.Get_count(MPI.BYTE) > self.nbytes
 
 
 def _reserve(segment: np.ndarray) -> bool:
@@ -237,6 +263,8 @@ class MPIBackend:
     """
 
     name = "mpi"
+    #: Receives from any source (``post_recv(buf, None, ...)``; NCCL has none).
+    any_source = True
     #: How to wait (see ``IDLE_MODES``): "yield" when this host has more ranks
     #: than cores (set by ``local_rank``), else "spin"; the DDP reducer sets
     #: "sleep" on its communication thread's communicator.
@@ -247,6 +275,10 @@ class MPIBackend:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._scratch: dict = {}
+        #: tag -> receives of that tag (check on) whose data receive is not posted yet,
+        #: in post order: the oldest is from any source and waits for its descriptor to
+        #: name the sender (see ``_post_late``). Empty unless such a receive is pending.
+        self._queues: dict[int, list[_LateMsg]] = {}
         world = comm.Get_group().Translate_ranks(list(range(self.size)),
                                                  MPI.COMM_WORLD.Get_group())
         self.activity = Activity(self.rank, self.size, world_ranks=list(world),
@@ -317,20 +349,94 @@ class MPIBackend:
     # --- the public point-to-point calls (Communicator.send/recv/isend/irecv) --
     def post_send(self, buf, dst: int, tag: int, header: np.ndarray | None) -> _Msg:
         """Start sending ``header`` (if any), then ``buf``, to ``dst``."""
+        if self._queues:  # a receive from any source is pending: see ``_post_late``
+            self._progress()
         reqs = [] if header is None else [self.comm.Isend(header, dest=dst, tag=P2P_TAG0 + 2 * tag)]
         reqs.append(self.comm.Isend(_bytes(buf), dest=dst, tag=P2P_TAG0 + 2 * tag + 1))
         return _Msg(reqs, None, dst, tag)
 
-    def post_recv(self, buf, src: int, tag: int, header: np.ndarray | None, check=None) -> _Msg:
+    def post_recv(self, buf, src: int | None, tag: int, header: np.ndarray | None,
+                  check=None) -> _Msg:
         """Post the receives of ``src``'s descriptor (into ``header``) and data (into ``buf``).
 
-        ``check()`` runs once the descriptor has arrived and raises to refuse the
-        message; the data is then drained, so that the sender is not left waiting.
+        ``src=None``: from any source (the message's ``peer`` names the sender once
+        it is known). ``check()`` runs once the descriptor has arrived and raises to
+        refuse the message; the data is then drained, so that the sender is not left
+        waiting.
         """
+        # One test for the path of a known sender: nothing from any source pending.
+        if src is None or self._queues:
+            self._progress()
+            if src is None or (header is not None and tag in self._queues):
+                return self._post_late(buf, src, tag, header, check)
         reqs = [] if header is None else [self.comm.Irecv(header, source=src,
                                                           tag=P2P_TAG0 + 2 * tag)]
         reqs.append(self.comm.Irecv(_bytes(buf), source=src, tag=P2P_TAG0 + 2 * tag + 1))
         return _Msg(reqs, check, src, tag)
+
+    def _post_late(self, buf, src: int | None, tag: int, header: np.ndarray | None,
+                   check) -> _LateMsg:
+        """A receive from any source, or one from ``src`` queued behind one (check on).
+
+        Check off, a message is one MPI message: one receive from ANY_SOURCE, and
+        MPI keeps each sender's messages in order. Check on, it is two (descriptor,
+        then data), and the data must come from the sender of the descriptor: the
+        descriptor's receive is posted now from ANY_SOURCE, the data's only once
+        that descriptor has named its sender. MPI gives one sender's descriptors to
+        the receives of a tag in the order they were posted, so the data receives
+        must be posted in that same order too: a receive of the tag posted after an
+        any-source one, even from a known sender, queues its data receive behind it
+        (else it would take the data that goes with the any-source descriptor).
+        """
+        status = MPI.Status() if src is None else None
+        source = MPI.ANY_SOURCE if src is None else src
+        if header is None:
+            req = self.comm.Irecv(_bytes(buf), source=source, tag=P2P_TAG0 + 2 * tag + 1)
+            return _LateMsg([req], check, src, tag, None, status, buf.nbytes)
+        req = self.comm.Irecv(header, source=source, tag=P2P_TAG0 + 2 * tag)
+        msg = _LateMsg([req], check, src, tag, _bytes(buf), status)
+        self._queues.setdefault(tag, []).append(msg)
+        return msg
+
+    def _progress(self) -> None:
+        """Post every queued data receive whose turn has come (never blocks): those at
+        the head of a queue, and any-source ones whose descriptor has arrived."""
+        for tag, queue in list(self._queues.items()):
+            while queue:
+                head = queue[0]
+                if head.peer is None:
+                    # Test frees a completed request: read its sender now, once.
+                    if not head.reqs[0].Test(head.status):
+                        break
+                    head.peer = head.status.Get_source()
+                head.reqs.append(self.comm.Irecv(head.spec, source=head.peer,
+                                                 tag=P2P_TAG0 + 2 * tag + 1))
+                head.spec = None
+                queue.pop(0)
+            if not queue:
+                del self._queues[tag]
+
+    def _settle(self, msg: _LateMsg, what: str) -> None:
+        """Wait (under the deadline) until ``msg``'s data receive is posted, or for a
+        receive from any source with the check off, until its message is in."""
+        if msg.spec is None and msg.peer is not None:
+            return
+        if msg.spec is None:  # check off, from any source: one message, its sender in status
+            self._wait_p2p(msg.reqs, what, None, msg.status)
+            msg.peer = msg.status.Get_source()
+            if msg.longer():
+                raise ValueError(f"{what}: the message from r{msg.peer} is longer than the "
+                                 "receive buffer")
+            return
+        act = self.activity
+        # An any-source wait names no rank: every other rank could end it.
+        act.blocked(what, msg.peer)
+        try:
+            # Other queues move on too: a sender of another tag may wait for its
+            # data receive (a large message) before it sends what this one waits for.
+            _poll(lambda: self._progress() or msg.spec is None, self.idle)
+        finally:
+            act.since = 0.0
 
     @staticmethod
     def host_buffer(address: int, nbytes: int):
@@ -353,6 +459,9 @@ class MPIBackend:
         if msg.error is not None:
             raise msg.error
         try:
+            if msg.late:
+                self._settle(msg, what)
+                peer = msg.peer
             if msg.check is not None:
                 self._wait_p2p(msg.reqs[:1], what, peer)
                 check, msg.check = msg.check, None
@@ -369,15 +478,26 @@ class MPIBackend:
             msg.error = exc
             raise
 
-    def _wait_p2p(self, reqs, what: str, peer: int) -> None:
+    def _wait_p2p(self, reqs, what: str, peer: int | None, status=None) -> None:
+        """Wait for ``reqs`` in order; ``peer`` None: from any source (``status`` gets
+        the sender)."""
         act = self.activity
         act.blocked(what, peer)
         try:
             for req in reqs:  # one at a time: Waitall would hide a truncation in a status
-                _idle_wait(req, self.idle) if self.idle != "spin" else req.Wait()
+                if self._queues:
+                    # A receive from any source is pending: its data receive must be
+                    # posted while we wait, or its sender may never get to ours.
+                    _poll(lambda req=req: self._progress() or req.Test(status), self.idle)
+                elif self.idle != "spin":
+                    _idle_wait(req, self.idle, status)
+                else:
+                    req.Wait(status)
         except MPI.Exception as exc:
             if exc.Get_error_class() != MPI.ERR_TRUNCATE:
                 raise
+            if peer is None and status is not None:
+                peer = status.Get_source()
             raise ValueError(f"{what}: the message from r{peer} is longer than the "
                              "receive buffer") from None
         finally:
@@ -393,6 +513,10 @@ class MPIBackend:
             return True
         if msg.error is not None:
             raise msg.error
+        if self._queues:
+            self._progress()
+        if msg.late and not self._done_late(msg):
+            return False
         if msg.check is not None:
             # Descriptor and data both in: ``complete`` compares the descriptor. A
             # longer message fails its data request here; ``complete`` then names the
@@ -414,6 +538,29 @@ class MPIBackend:
                                    f"r{msg.peer} is longer than the receive buffer")
             raise msg.error from None
         return msg.settled
+
+    def _done_late(self, msg: _LateMsg) -> bool:
+        """Whether ``msg`` has got as far as a message of a known sender: its data
+        receive posted, or (check off, from any source) its message in."""
+        if msg.spec is not None:  # queued: ``_progress`` has just posted what it could
+            return False
+        if msg.peer is not None:
+            return True
+        try:
+            if not msg.reqs[0].Test(msg.status):
+                return False
+            longer = msg.longer()
+        except MPI.Exception as exc:
+            if exc.Get_error_class() != MPI.ERR_TRUNCATE:
+                raise
+            longer = True
+        msg.peer = msg.status.Get_source()
+        if longer:
+            msg.error = ValueError(f"recv from any source tag {msg.tag}: the message from "
+                                   f"r{msg.peer} is longer than the receive buffer")
+            raise msg.error from None
+        msg.settled = True  # the only request, and it completed
+        return True
 
     def flush(self) -> None:
         """Issue what is posted but not yet issued: nothing, MPI issues at once."""

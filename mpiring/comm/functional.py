@@ -15,8 +15,11 @@ an output and an input of ``group.size`` equal parts.
 The collectives finish before they return: ``async_op=True`` gives a handle whose
 ``wait()`` returns at once and whose ``get_future()`` holds the outputs, as torch's
 over gloo. ``isend``/``irecv`` return a handle on the Communicator's request, which
-does overlap. A receive names its source: MPI's any-source receive is not offered,
-so ``recv(src=None)`` is an error that says so.
+does overlap. ``recv``/``irecv`` with ``src=None`` (and no ``group_src``) take a
+message from any rank of the group (MPI's ANY_SOURCE; the NCCL backend refuses
+it): ``recv`` returns the sender's job rank and an ``irecv`` handle's
+``source_rank()`` its rank in the group, as torch's do. A ``P2POp`` names its
+peer, as torch's does.
 
 Tensors of every dtype gloo takes are taken: bool travels as its bytes (so SUM and
 MAX are a logical or, PRODUCT and MIN an and, as gloo's), complex as its pairs of
@@ -184,11 +187,11 @@ class _P2PWork(Work):
     """What the drop-in's ``isend``/``irecv`` return: torch's Work over mpiring's Request
     (``wait()`` completes the message and returns True, as torch's)."""
 
-    __slots__ = ("_req", "_source")
+    __slots__ = ("_req",)
 
-    def __init__(self, req, tensor, source: int = -1):
+    def __init__(self, req, tensor):
         super().__init__([tensor])
-        self._req, self._source = req, source
+        self._req = req
 
     def wait(self, timeout: Any = None) -> bool:
         self._req.wait()  # under the Communicator's deadline
@@ -198,11 +201,14 @@ class _P2PWork(Work):
         return self._req.test()
 
     def source_rank(self) -> int:
-        """The sender's job rank (a receive's; torch's ``Work.source_rank``)."""
-        if self._source < 0:
+        """The sender's rank in the handle's group (a receive's), as torch's
+        ``Work.source_rank`` gives it; from any source, once ``wait()`` has returned."""
+        if self._req._op != "recv":
             raise ValueError("source_rank: this handle is a send's; only a receive has a "
                              "source")
-        return self._source
+        return self._req.source
+
+    _source_rank = source_rank  # the name torch's own recv calls
 
     def get_future(self):
         self.wait()
@@ -844,11 +850,14 @@ def send(tensor, dst: int | None = None, group: Communicator | None = None, tag:
 @_members_only
 def recv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
-    """Receive into ``tensor`` from ``src``; returns ``src`` (torch returns the sender)."""
+    """Receive into ``tensor`` from ``src`` (None: any rank of the group); returns the
+    sender's job rank, as torch's."""
     comm = resolve(group, "recv")
-    peer = _peer(comm, _named_source(src, group_src, "recv"), group_src, "recv", "src")
-    comm.recv(_data(tensor), peer, tag)
-    return comm.world_ranks[peer]
+    peer = _source(comm, src, group_src, "recv")
+    req = comm.irecv(_data(tensor), peer, tag)
+    req.wait()
+    # torch returns a job rank, whatever group it was given.
+    return comm.world_ranks[req.source]
 
 
 @_members_only
@@ -863,10 +872,20 @@ def isend(tensor, dst: int | None = None, group: Communicator | None = None, tag
 @_members_only
 def irecv(tensor, src: int | None = None, group: Communicator | None = None, tag: int = 0,
           group_src: int | None = None):
-    """Start receiving into ``tensor`` from ``src``; the handle's ``wait()`` completes it."""
+    """Start receiving into ``tensor`` from ``src`` (None: any rank of the group); the
+    handle's ``wait()`` completes it, then its ``source_rank()`` is the sender's group rank."""
     comm = resolve(group, "irecv")
-    peer = _peer(comm, _named_source(src, group_src, "irecv"), group_src, "irecv", "src")
-    return _P2PWork(comm.irecv(_data(tensor), peer, tag), tensor, comm.world_ranks[peer])
+    return _P2PWork(comm.irecv(_data(tensor), _source(comm, src, group_src, "irecv"), tag),
+                    tensor)
+
+
+def _source(comm: Communicator, src: int | None, group_src: int | None,
+            what: str) -> int | None:
+    """The group rank of a receive's source; None for torch's ``src=None`` with no
+    ``group_src``: any rank (as torch's ``recv_anysource``)."""
+    if src is None and group_src is None:
+        return None
+    return _peer(comm, src, group_src, what, "src")
 
 
 def _peer(comm: Communicator, rank: int | None, group_rank: int | None, what: str,
@@ -898,7 +917,12 @@ class P2POp:
         comm = resolve(group, "P2POp")
         name = "dst" if kind == "isend" else "src"
         if kind == "irecv" and peer is None and group_peer is None:
-            _named_source(None, None, "P2POp(irecv)")
+            # torch's P2POp refuses it too ("Must specify global_rank or group_rank"): a
+            # batch is issued together, and on NCCL each receive names its peer.
+            raise ValueError("P2POp(irecv): peer=None (any sender) is not offered in a "
+                             "batch, as in torch: name the sender with peer= (or "
+                             "group_peer=), or receive from any rank with irecv(tensor) "
+                             "(src=None) outside the batch")
         buf = as_buffer(_data(tensor))  # a tensor no post could take: TypeError/ValueError now
         be = comm._be
         if getattr(be, "accepts_cuda", False):  # NCCL: GPU memory of this rank's device
@@ -954,15 +978,14 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
                              "per group")
     return [_P2PWork(comm.isend(_data(op.tensor), op.group_peer, op.tag), op.tensor)
             if op._kind == "isend" else
-            _P2PWork(comm.irecv(_data(op.tensor), op.group_peer, op.tag), op.tensor, op.peer)
+            _P2PWork(comm.irecv(_data(op.tensor), op.group_peer, op.tag), op.tensor)
             for op in ops]
 
 
 def _named_source(src, group_src, what: str):
     if src is None and group_src is None:
-        raise ValueError(f"{what}: src=None (any sender) is not offered: name the sender "
-                         "with src= (or group_src=); each message's source is part of its "
-                         "deadline and trace")
+        raise ValueError(f"{what}: src=None (any sender) is not offered here: name the "
+                         "sender with src= (or group_src=); recv/irecv take src=None")
     return src
 
 

@@ -16,9 +16,21 @@ size or dtype that differs is a ``MismatchError`` naming both sides, not
 garbage in the buffer. Both ends must agree on the setting (``MPIRING_CHECK``
 is the same on every rank unless you make it differ).
 
+A receive may take its message from any source (``comm.recv(x, None)``, MPI's
+ANY_SOURCE; the MPI backend only: NCCL has no such receive, so it is refused
+before anything is posted). ``req.source`` names the sender once the request is
+complete. Each sender's messages still arrive in the order it sent them, and
+only messages with the receive's tag match. With the check on, the data is
+received from the sender whose descriptor arrived, never another's; it is
+posted once that descriptor is in, so a large message's sender may wait in
+``send`` until the receiver waits for, tests or posts a point-to-point message
+of this communicator.
+
 Every wait has the communicator's deadline; a receive that nothing matches ends
-in a stall report naming the peer and the tag. Every completed message is one
-trace record (``type: "p2p"``) and, with ``--log steps``, one log line.
+in a stall report naming the peer (or "any source") and the tag. Every
+completed message is one trace record (``type: "p2p"``; from any source: the
+sender as ``peer`` and ``"any_source": true``) and, with ``--log steps``, one
+log line.
 """
 
 from __future__ import annotations
@@ -50,7 +62,26 @@ class Request:
     @property
     def what(self) -> str:
         arrow = "to" if self._op == "send" else "from"
-        return f"{self._op}#{self._call} {arrow} r{self._peer} tag {self._tag}"
+        peer = "any source" if self._peer is None else f"r{self._peer}"
+        return f"{self._op}#{self._call} {arrow} {peer} tag {self._tag}"
+
+    @property
+    def source(self) -> int:
+        """The sender's rank (in this communicator) of a receive; from any source,
+        known once the request is complete (``wait()``, or ``test()`` True).
+
+        Raises:
+            ValueError: a send's request, or a receive from any source not complete yet.
+        """
+        if self._op != "recv":
+            raise ValueError(f"{self.what}: a send has no source; only a receive's "
+                             "request names one")
+        if self._peer is not None:
+            return self._peer
+        if not self._done:
+            raise ValueError(f"{self.what}: the sender is known once the message is in: "
+                             "call wait() first (or test() until it is True)")
+        return self._handle.peer
 
     def wait(self):
         """Block until the message has left (send) or arrived (recv); returns the buffer."""
@@ -176,6 +207,9 @@ class PreparedRecv:
     __slots__ = ("_comm", "_peer", "_tag", "_buf", "_fast")
 
     def __init__(self, comm, buf, src: int, tag: int):
+        if src is None:
+            raise ValueError("prepare_recv: src=None: a prepared receive names its sender; "
+                             "for a message from any source use comm.irecv(x, None, tag)")
         self._comm, self._peer, self._tag = comm, check_peer(comm, src, "src"), check_tag(tag)
         self._buf = as_buffer(buf)
         if getattr(comm._be, "accepts_cuda", False):  # NCCL: device memory only, said now
@@ -258,6 +292,17 @@ def _overlap(a, b) -> bool:
     return host_a == host_b and lo_a < hi_b and lo_b < hi_a and lo_a < hi_a and lo_b < hi_b
 
 
+def _check_any_source(comm, tag) -> None:
+    """Refuse a receive from any source where the backend has none (NCCL), before
+    anything is posted; the MPI backend takes it."""
+    if not getattr(comm._be, "any_source", False):
+        raise ValueError(
+            f"[r{comm.rank}] recv from any source tag {tag!r}: the {comm.backend} backend has "
+            "no receive from any source (NCCL matches every receive to one peer); post "
+            "a receive per possible sender instead (comm.irecv(buf_r, r, tag) for each "
+            "rank r that may send, then wait for them), or use the MPI backend")
+
+
 def check_peer(comm, peer, name: str) -> int:
     if not _is_int(peer) or not 0 <= peer < comm.size:
         raise ValueError(f"{name}={peer!r} out of range: use a rank in 0..{comm.size - 1} "
@@ -292,7 +337,10 @@ class PointToPoint:
     def _post(self, op: str, x, peer: int, tag: int, buf: Buffer | None = None) -> Request:
         if buf is None:
             buf = send_buffer(x) if op == "send" else as_buffer(x)
-        peer = check_peer(self, peer, "dst" if op == "send" else "src")
+        if peer is None and op == "recv":  # from any source (None: MPI_ANY_SOURCE)
+            _check_any_source(self, tag)
+        else:
+            peer = check_peer(self, peer, "dst" if op == "send" else "src")
         tag = check_tag(tag)
         self._p2p_calls += 1
         req = Request(self, op, buf, peer, tag, self._p2p_calls)
@@ -335,12 +383,18 @@ class PointToPoint:
 
     def _compare(self, req: Request, mine: np.ndarray, got: np.ndarray) -> None:
         if not np.array_equal(mine, got):
+            # From any source, the backend's message has learnt the sender by now.
+            sender = req._peer if req._peer is not None else req._handle.peer
             raise MismatchError(
-                f"[r{self.rank}] {req.what}: r{req._peer} sent {describe(got)}, this rank "
+                f"[r{self.rank}] {req.what}: r{sender} sent {describe(got)}, this rank "
                 f"receives into {describe(mine)}; give both ends the same size and dtype")
 
     def _record(self, req: Request) -> None:
         if self.tracer.enabled:
+            if req._peer is None:  # from any source: the sender, and how it was received
+                self._trace_p2p(req._op, req._call, req._handle.peer, req._tag,
+                                req._buf.nbytes, req._buf.dtype, req._t0, any_source=True)
+                return
             self._trace_p2p(req._op, req._call, req._peer, req._tag, req._buf.nbytes,
                             req._buf.dtype, req._t0)
 
@@ -367,11 +421,16 @@ class PointToPoint:
         """
         return self._post("send", x, dst, tag)
 
-    def irecv(self, x, src: int, tag: int = 0) -> Request:
+    def irecv(self, x, src: int | None, tag: int = 0) -> Request:
         """Start receiving into ``x`` from rank ``src``; ``wait()`` returns ``x`` filled.
 
-        The sender's message must have ``x``'s size and dtype (with the check on, a
-        difference raises ``MismatchError`` at ``wait()``).
+        ``src=None``: from any rank (MPI backend only); the request's ``source``
+        then names the sender once it is complete. The sender's message must have
+        ``x``'s size and dtype (with the check on, a difference raises
+        ``MismatchError`` at ``wait()``, naming the sender).
+
+        Raises:
+            ValueError: ``src=None`` on the NCCL backend (before anything is posted).
         """
         return self._post("recv", x, src, tag)
 
@@ -393,8 +452,12 @@ class PointToPoint:
         """Send ``x`` to rank ``dst`` and return once it has left ``x``."""
         self.isend(x, dst, tag).wait()
 
-    def recv(self, x, src: int, tag: int = 0):
-        """Receive into ``x`` from rank ``src``, in place; returns ``x``."""
+    def recv(self, x, src: int | None, tag: int = 0):
+        """Receive into ``x`` from rank ``src`` (None: any rank), in place; returns ``x``.
+
+        For the sender of a message from any rank, use ``irecv``: ``req.wait()``,
+        then ``req.source``.
+        """
         return self.irecv(x, src, tag).wait()
 
     def sendrecv(self, send_x, dst: int, recv_x, src: int, tag: int = 0):

@@ -275,7 +275,11 @@ class Activity:
             stage = ""
         if stage:
             where += f" {stage}"
-        if self.peer is None:
+        if self.peer is None and self.collective in P2P:  # a receive from any source
+            whom = "waiting for a matching send from any rank"
+            hint = ("no rank has sent this rank a message with this tag: they are slow, "
+                    "stuck, dead, or using another tag or communicator")
+        elif self.peer is None:
             whom = f"waiting for every rank of the {self.size}-rank communicator"
             hint = ("some rank has not reached this call: it is slow, stuck, dead, or "
                     "calling a different collective")
