@@ -319,6 +319,9 @@ def test_complex_parameters_are_averaged_like_real_pairs(comm, view):
     # Tiny buckets: the complex weight gets a bucket of its own, the status tail another.
     ddp = DDP(model, comm, bucket_cap_mb=TINY / 8, first_bucket_mb=TINY / 8,
               gradient_as_bucket_view=view)
+    # Before the first forward (a hook may be registered only then).
+    with pytest.raises(TypeError, match="w is complex, and comm hooks reduce real"):
+        ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
     for it in range(2):
         X, Y = global_batch(comm.size, 40 + it)
         for m in (model, ref):
@@ -328,8 +331,6 @@ def test_complex_parameters_are_averaged_like_real_pairs(comm, view):
         assert_grads(model, ref, f"iteration {it}")
         sgd(model)
         sgd(ref)
-    with pytest.raises(TypeError, match="w is complex, and comm hooks reduce real"):
-        ddp.register_comm_hook(None, lambda state, bucket: bucket.buffer())
     ddp.close()
 
 
