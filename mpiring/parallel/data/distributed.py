@@ -296,7 +296,7 @@ class DistributedDataParallel(nn.Module):
         """Reduce each bucket with ``hook(state, bucket)`` (torch DDP's API; see ``comm_hooks``).
 
         The hook receives a ``comm_hooks.GradBucket`` with this rank's undivided
-        gradients and returns the mean; call this once, before the first backward.
+        gradients and returns the mean; call this once, before the first forward.
         ``state`` may be None or this model's communicator (torch's process-group
         state), or a hook's own state object. torch's own ``default_hooks``
         (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``),
