@@ -31,6 +31,7 @@ from mpiring.tools.train.checkpointing import Checkpointer
 from mpiring.tools.train.data import Windows
 from mpiring.tools.train.grid3d import make_grid
 from mpiring.tools.train.loop import TrainConfig, train
+from mpiring.tools.train.torch_pg import destroy_torch_process_group
 
 
 def grid_layouts(world: int) -> list[tuple[int, int]]:
@@ -65,6 +66,9 @@ def test_groups_are_torch_device_mesh_s(world):
                 sub.all_reduce(got, op="sum")
                 assert got.tolist() == want.tolist(), (axis, tp, pp)
             grid.free()
+    # The meshes' gloo groups (a dozen, with their threads and sockets) slowed the
+    # tests after this one to a crawl on two cores: torch's process groups go here.
+    destroy_torch_process_group(world)
 
 
 @pytest.mark.deadline(60)
