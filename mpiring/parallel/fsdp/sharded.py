@@ -346,7 +346,7 @@ def load_sharded_state_dict(fsdp, state: Any) -> None:
     Args:
         state: this rank's own ``sharded_state_dict()`` (same world size and wrap: its
             slices are this rank's shard), or the list of every saved rank's dicts, of
-            any world size and wrap (files loaded with ``torch.load(..., mmap=True)``
+            any world size and wrap (files opened with ``mmap=True`` and ``weights_only=True``
             read only the pages this rank copies). Each rank copies the overlap of each
             saved slice with its own slices straight into its shard.
 
