@@ -32,6 +32,7 @@ from mpiring.parallel.tensor.operators import (
 )
 from mpiring.parallel.tensor.random import (
     RNGStreams,
+    check_recompute,
     checkpoint_contexts,
     get_rng_states,
     named_rng_streams,
@@ -45,7 +46,7 @@ __all__ = [
     "ReduceScatterForwardAllGatherBackward", "RowParallelLinear",
     "SplitForwardAllGatherBackward", "VocabParallelEmbedding",
     "all_gather_forward_reduce_scatter_backward", "all_gather_forward_split_backward",
-    "all_reduce_in_backward", "all_reduce_in_forward", "checkpoint_contexts",
+    "all_reduce_in_backward", "all_reduce_in_forward", "check_recompute", "checkpoint_contexts",
     "get_rng_states", "named_rng_streams", "reduce_scatter_forward_all_gather_backward",
     "replay_rng_states", "set_rng_states", "shard_ranges", "split_forward_all_gather_backward",
     "split_sizes", "vocab_parallel_cross_entropy", "vocab_range",

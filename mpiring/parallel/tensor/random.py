@@ -126,11 +126,6 @@ class RNGStreams:
             yield
             return
         states = self._kind_states(device)
-        # A forward run again inside backward (torch.utils.checkpoint) would draw from
-        # where the stream got to, not the first forward's masks: silently other
-        # gradients. Checked only there (a graph task runs), where it costs a compare.
-        unreplayed = not _REPLAYING[0] and torch._C._current_graph_task_id() != -1
-        start = states[name]
         outer = self._get(device)
         self._set(states[name], device)
         try:
@@ -138,14 +133,6 @@ class RNGStreams:
         finally:
             states[name] = self._get(device)
             self._set(outer, device)
-        if unreplayed and not torch.equal(start, states[name]):
-            states[name] = start  # the first forward's position, for a corrected retry
-            raise RuntimeError(
-                f"a forward recomputed during backward drew from the {name!r} tensor-parallel "
-                "dropout stream without replaying it, so its masks differ from the first "
-                "forward's and the gradients would be wrong: pass use_reentrant=False, "
-                "context_fn=mpiring.parallel.tensor.checkpoint_contexts to "
-                "torch.utils.checkpoint (or recompute with replay_rng_states)")
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Both streams' states, per kind of generator used so far (``{"cpu": {...}}``)."""
@@ -197,6 +184,27 @@ def replay_rng_states(states: weakref.WeakKeyDictionary) -> Iterator[None]:
     finally:
         _REPLAYING[0] -= 1
         set_rng_states(outer)
+
+
+def check_recompute(draws: bool) -> None:
+    """Refuse a forward that draws dropout masks from the streams and runs again during
+    backward outside ``replay_rng_states`` (``torch.utils.checkpoint`` without
+    ``context_fn=checkpoint_contexts``): it would draw where the streams got to, not
+    the first forward's masks, and the gradients would silently be other masks'.
+
+    Call it where every rank of the group decides alike (a block's entry, with its
+    training flag and dropout rates), before any collective: whether a rank's own
+    fork draws can differ (a rank with no heads, or no tokens of a sequence shard,
+    draws nothing), and an error on some ranks only would leave the others in the
+    block's next collective.
+    """
+    if draws and not _REPLAYING[0] and torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            "a forward that draws tensor-parallel dropout masks is being recomputed during "
+            "backward without replaying the streams, so its masks would differ from the "
+            "first forward's and the gradients would be wrong: pass use_reentrant=False, "
+            "context_fn=mpiring.parallel.tensor.checkpoint_contexts to "
+            "torch.utils.checkpoint (or recompute inside replay_rng_states)")
 
 
 def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager,

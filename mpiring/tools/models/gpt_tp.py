@@ -34,6 +34,7 @@ from mpiring.parallel.tensor import (
     VocabParallelEmbedding,
     all_gather_forward_reduce_scatter_backward,
     all_reduce_in_backward,
+    check_recompute,
     split_sizes,
     vocab_parallel_cross_entropy,
 )
@@ -94,6 +95,8 @@ class TensorParallelBlock(nn.Module):
             return F.dropout(x, self.hidden_dropout)
 
     def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        # Alike on every rank, before the block's first collective (see check_recompute).
+        check_recompute(self.training and bool(self.attn_dropout or self.hidden_dropout))
         h = self.qkv(self.ln1(x), seq_len=seq_len)                 # [t, b, 3 * heads_r * hd]
         t, b = h.shape[:2]
         q, k, v = h.view(t, b, 3, self.n_local, self.head_dim).permute(2, 1, 3, 0, 4)
