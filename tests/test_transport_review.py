@@ -84,7 +84,8 @@ def test_a_bool_or_int16_boundary_matches_the_unsplit_model(comm, monkeypatch, v
     sched.close()
 
 
-def test_a_growing_shape_holds_no_window_past_its_use(comm, monkeypatch):
+def test_a_growing_shape_holds_no_window_past_its_use(world, monkeypatch):
+    comm = world  # the whole job only: at each smaller group it took 5 s more of the suite
     # A sequence-length warm-up: each step's shape larger than the last takes a new
     # window, and the old one was kept mapped until close() in case a tensor still
     # pointed into it. 400 such steps held 164 MB of /dev/shm per rank (one window
