@@ -18,19 +18,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_train_3d import COMMON, DATA, global_batch, job
+from test_train_3d import global_batch, job, twin_run
 from torch_gloo import gloo_world
 
 from mpiring.backends import control as wire
 from mpiring.parallel import checkpoint as ck
-from mpiring.parallel.data.sampler import DistributedSampler
 from mpiring.parallel.grid import ProcessGrid
-from mpiring.tools.models.gpt import GPT, lm_loss
+from mpiring.tools.models.gpt import GPT
 from mpiring.tools.train import reshard
 from mpiring.tools.train.checkpointing import Checkpointer
-from mpiring.tools.train.data import Windows
 from mpiring.tools.train.grid3d import make_grid
-from mpiring.tools.train.loop import TrainConfig, train
+from mpiring.tools.train.loop import train
 from mpiring.tools.train.torch_pg import destroy_torch_process_group
 
 
@@ -102,20 +100,7 @@ def layouts(world: int) -> list[dict]:
 
 def twin(steps: int, G: int):  # noqa: N803
     """The unsplit GPT in float64 with torch's AdamW: losses, parameters and AdamW state."""
-    cfg = TrainConfig(steps=steps, global_batch=G, **COMMON)
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config()).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    windows = Windows(DATA, cfg.model_config().seq_len)
-    order = DistributedSampler(len(windows), 1, 0, seed=cfg.seed, drop_last=True).shard()
-    losses = []
-    for s in range(steps):
-        x, y = windows.batch(order[s * G:(s + 1) * G])
-        loss = lm_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses, model, opt = twin_run(steps, G, double=True)
     named = dict(model.named_parameters())
     return losses, {n: p.detach() for n, p in named.items()}, \
         {n: opt.state[p] for n, p in named.items()}

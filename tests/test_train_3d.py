@@ -37,14 +37,17 @@ COMMON = dict(preset="tiny", seq_len=16, log_every=1, val_batches=1, lr=3e-3, se
 RTOL = 1e-5
 
 
-def twin_losses(steps: int, G: int = G, clip: float = 0.0) -> list[float]:  # noqa: N803
+def twin_run(steps: int, G: int = G, clip: float = 0.0, double: bool = False):  # noqa: N803
     """The unsplit GPT with torch's AdamW on the global batches, in one process (each
-    step's gradients clipped to the norm ``clip`` by torch, when it is given)."""
+    step's gradients clipped to the norm ``clip`` by torch, when it is given; in float64
+    with ``double``). Returns the losses, the model and the optimizer."""
     cfg = TrainConfig(steps=steps, global_batch=G, **COMMON)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
+    if double:
+        model = model.double()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=fused_adamw_available("cpu"))
+                            fused=None if double else fused_adamw_available("cpu"))
     windows = Windows(DATA, cfg.model_config().seq_len)
     order = DistributedSampler(len(windows), 1, 0, seed=cfg.seed, drop_last=True).shard()
     out = []
@@ -58,7 +61,12 @@ def twin_losses(steps: int, G: int = G, clip: float = 0.0) -> list[float]:  # no
             assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) > 2 * clip
         opt.step()
         out.append(float(loss.detach()))
-    return out
+    return out, model, opt
+
+
+def twin_losses(steps: int, G: int = G, clip: float = 0.0) -> list[float]:  # noqa: N803
+    """The losses of ``twin_run``."""
+    return twin_run(steps, G, clip)[0]
 
 
 def job(comm, tp=1, pp=1, steps=3, **kw):
