@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from mpi_harness import *  # noqa: F401,F403  (registers the harness hooks)
-from mpi_harness import scrubbed_env
+from mpi_harness import run_by_part_of_the_job, scrubbed_env
 
 import mpiring
 
@@ -47,6 +47,8 @@ def comm(request, subcomms, world):
     k = request.param
     if k > world.size:
         pytest.skip(f"needs {k} ranks, the job has {world.size}")
+    if k < world.size:
+        run_by_part_of_the_job(request.node)
     sub = subcomms[k]
     if sub is None:
         pytest.skip(f"rank {world.rank} is not in the {k}-rank sub-communicator")

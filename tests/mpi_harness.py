@@ -194,6 +194,13 @@ def pytest_runtest_setup(item):
         pytest.skip("a pure test: rank 0 runs it")
 
 
+def run_by_part_of_the_job(item) -> None:
+    """Mark ``item`` as a test that only some ranks run (a sub-communicator's): every
+    rank meets the others at its end. Call it on every rank, the members and the
+    ranks that skip, for the same tests."""
+    item._mpi_partial = True
+
+
 def pytest_runtest_teardown(item, nextitem):
     if _pure(item):
         # The others wait for rank 0 here, sleeping between polls: a blocking MPI call
@@ -204,6 +211,15 @@ def pytest_runtest_teardown(item, nextitem):
             req.Wait()
         while not req.Test():
             time.sleep(0.002)
+    elif getattr(item, "_mpi_partial", False):
+        # A rank outside the test's group would run on into the next test and spin in
+        # its first blocking call, on the cores the group computes on (with four ranks
+        # on two cores, a K=1 test then ran at half speed), and its deadline would
+        # count the group's time on every test it skipped. So every rank waits here,
+        # sleeping between polls, until the group is done.
+        req = WORLD.Ibarrier()
+        while not req.Test():
+            time.sleep(0.0005)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mpi_harness import run_by_part_of_the_job
 from torch import nn
 from torch.nn import functional as F
 
@@ -44,6 +45,8 @@ def tp(request, subcomms, world):
             pytest.skip("the whole job is one of K1..K4 (the nested 5-rank job runs this case)")
         return world
     k = int(request.param[1:])
+    if k < world.size:
+        run_by_part_of_the_job(request.node)
     if k > world.size or subcomms[k] is None:
         pytest.skip(f"rank {world.rank} is not in the {k}-rank group")
     return subcomms[k]
