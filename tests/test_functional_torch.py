@@ -207,8 +207,21 @@ def test_object_lists_point_to_point(comm):
         with pytest.raises(ValueError, match="sent 3 objects and object_list has 1 entries"):
             dist.recv_object_list(short, src=jobs[0], group=comm)
         assert short == [None]
-    with pytest.raises(ValueError, match="any sender"):
-        dist.recv_object_list([None], group=comm)
+    # From any sender (src=None, as torch's): rank 0 takes each other rank's list, in
+    # whatever order they come, each whole from its own sender.
+    if me == 0:
+        got = {}
+        for _ in range(k - 1):
+            box = [None] * 2
+            src = dist.recv_object_list(box, group=comm)
+            got[src] = box
+        assert sorted(got) == sorted(jobs[1:])
+        for src, box in got.items():
+            r = jobs.index(src)
+            assert box[0] == ("from", r) and torch.equal(box[1], torch.arange(r * 50 + 7))
+    else:
+        dist.send_object_list([("from", me), torch.arange(me * 50 + 7)], dst=jobs[0],
+                              group=comm)
 
 
 def test_subgroups_are_made_and_destroyed_as_torch_makes_them(world):

@@ -982,13 +982,6 @@ def batch_isend_irecv(p2p_op_list: list) -> list:
             for op in ops]
 
 
-def _named_source(src, group_src, what: str):
-    if src is None and group_src is None:
-        raise ValueError(f"{what}: src=None (any sender) is not offered here: name the "
-                         "sender with src= (or group_src=); recv/irecv take src=None")
-    return src
-
-
 # --- objects: torch pickles them; here they travel as mpiring.core.objects encodes them ---
 # Each call is one allgather of every rank's frame on the control plane: a payload, or
 # the problem this rank found, so that every rank raises together before anything is
@@ -1172,20 +1165,27 @@ def recv_object_list(object_list: list, src: int | None = None,
     ``send_object_list`` sent; tensors in them arrive on ``device`` (None: the CPU).
     Returns the sender's job rank, as torch's.
 
+    ``src=None`` (and no ``group_src``): from any rank of the group, as torch's
+    (the MPI backend only; NCCL refuses it before anything is posted).
+
     Raises:
         ValueError: the list's length is not the sender's (after both messages
-            arrived, so the sender is not left waiting), or ``src`` is not named.
+            arrived, so the sender is not left waiting).
     """
     import numpy as np
 
     what = "recv_object_list"
     comm = resolve(group, what)
-    peer = _peer(comm, _named_source(src, group_src, what), group_src, what, "src")
+    peer = _source(comm, src, group_src, what)
     if not isinstance(object_list, list):
         raise ValueError(f"{what}: object_list is a {type(object_list).__name__}: give a "
                          "list as long as the sender's")
     head = np.zeros(2, np.int64)
-    comm.recv(head, peer)
+    req = comm.irecv(head, peer)
+    req.wait()
+    # From any sender (src=None), the data comes from the head's sender: another
+    # sender's head may be next in line, and a rank's two messages keep their order.
+    peer = req.source
     data = np.empty(int(head[0]), np.uint8)
     comm.recv(data, peer)
     if int(head[1]) != len(object_list):
