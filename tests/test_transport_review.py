@@ -158,3 +158,59 @@ def test_a_killed_job_leaves_no_window_behind(comm, monkeypatch):
     named = [w for w in where if w and not w.endswith("(deleted)")]
     assert not named, f"the window is a named file a killed job would leave behind: {named}"
     sched.close()
+
+
+class Rotate(nn.Module):
+    """A stage whose boundary is complex: each row's four numbers as two complex ones
+    (a rotary or spectral layer's hand-off), alone or in a tuple with a float part;
+    the gradient comes back complex."""
+
+    def __init__(self, first: bool, last: bool, pair: bool):
+        super().__init__()
+        self.first, self.last, self.pair = first, last, pair
+        self.lin = nn.Linear(5 if pair else 4, 4)
+
+    def forward(self, *xs):
+        if len(xs) == 1 and isinstance(xs[0], tuple):  # nn.Sequential hands on the tuple
+            xs = xs[0]
+        z, *rest = xs
+        x = z if self.first else torch.view_as_real(z).reshape(z.shape[0], 4)
+        if self.pair and not self.first:
+            x = torch.cat([x, rest[0]], dim=1)
+        y = torch.tanh(self.lin(x))
+        if self.last:
+            return y
+        out = torch.view_as_complex(y.reshape(y.shape[0], 2, 2).contiguous())
+        return (out, y[:, :1] * 2) if self.pair else out
+
+
+@pytest.mark.parametrize("via", ["mpi", "shared"])
+@pytest.mark.parametrize("pair", [False, True], ids=["alone", "in-a-tuple"])
+def test_a_complex_boundary_matches_the_unsplit_model(comm, monkeypatch, via, pair):
+    # A complex activation was refused at the sender's first step ("a stage may pass
+    # ... of float32, ..."), alone on its rank: the receiver waited for it until the
+    # deadline. It travels as its bytes now, and its gradient (complex) comes back.
+    monkeypatch.setenv("MPIRING_PP_SHARED", "1" if via == "shared" else "0")
+    torch.manual_seed(5)
+    k = comm.size
+    full = nn.Sequential(*[Rotate(s == 0, s == k - 1, pair) for s in range(k)]).double()
+    stage = PipelineStage(copy.deepcopy(full[comm.rank]), comm.rank, k, comm)
+    sched = Schedule1F1B(stage, 2, lambda o, t: ((o - t) ** 2).mean())
+    width = 5 if pair else 4
+    for step, rows in enumerate((6, 6, 8)):
+        g = torch.Generator().manual_seed(10 * step + rows)
+        x = torch.randn(rows, width, generator=g, dtype=torch.float64)
+        y = torch.randn(rows, 4, generator=g, dtype=torch.float64)
+        stage.module.zero_grad(set_to_none=True)
+        losses: list = []
+        last = comm.rank == k - 1
+        out = sched.step(x if comm.rank == 0 else None, target=y if last else None,
+                         losses=losses if last else None)
+        want_loss, want = _unsplit_grads(full, x, y, 2)
+        mine = [p.grad for p in stage.module.parameters()]
+        for a, b in zip(mine, want[2 * comm.rank:2 * comm.rank + 2], strict=True):
+            assert a is not None and torch.allclose(a, b, rtol=0, atol=1e-12), f"step {step}"
+        if last:
+            assert abs(sum(float(v) for v in losses) / 2 - want_loss) < 1e-12
+            torch.testing.assert_close(out, full(x), rtol=0, atol=1e-12)
+    sched.close()

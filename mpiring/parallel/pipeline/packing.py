@@ -11,7 +11,7 @@ and shape) travels in the first step's header (``transport.header``), like a
 single tensor's shape.
 
 The gradients go back the same way: one message holding the gradient of each
-floating-point part, in order (integer and bool parts take none); both ends
+floating-point or complex part, in order (integer and bool parts take none); both ends
 know that layout from the forward's.
 """
 
@@ -50,9 +50,15 @@ def spans(layout: Layout) -> tuple[list[tuple[int, int]], int]:
     return out, offset
 
 
+def differentiable(dtype: torch.dtype) -> bool:
+    """Whether a part of ``dtype`` takes a gradient: floating point and complex, as
+    autograd's rule is; integers and bool do not."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def grad_layout(layout: Layout) -> Layout:
-    """The layout of the gradients sent back: the floating-point parts, in order."""
-    return tuple((d, s) for d, s in layout if d.is_floating_point)
+    """The layout of the gradients sent back: the parts that take one, in order."""
+    return tuple((d, s) for d, s in layout if differentiable(d))
 
 
 def check_parts(parts, dtypes, max_dims: int) -> str:

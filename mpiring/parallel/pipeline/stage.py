@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from mpiring.parallel.pipeline import data_parallel, split_backward
+from mpiring.parallel.pipeline import data_parallel, packing, split_backward
 from mpiring.parallel.pipeline.schedules import as_int
 from mpiring.parallel.tensor.random import get_rng_states, replay_rng_states
 
@@ -310,8 +310,8 @@ class PipelineStage:
             if isinstance(out, torch.Tensor):
                 if out.requires_grad:
                     torch.autograd.backward(out, None if self.is_last else grad)
-            else:  # a tuple: the gradients came for its floating-point parts
-                floats = [o for o in out if o.is_floating_point()]
+            else:  # a tuple: the gradients came for its floating-point and complex parts
+                floats = [o for o in out if packing.differentiable(o.dtype)]
                 pairs = [(o, g) for o, g in zip(floats, grad) if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -329,7 +329,7 @@ class PipelineStage:
         # stage before still waits for a gradient, which is zero.
         if isinstance(inp, tuple):
             return tuple(a.grad if a.grad is not None else torch.zeros_like(a)
-                         for a in inp if a.is_floating_point())
+                         for a in inp if packing.differentiable(a.dtype))
         return inp.grad if inp.grad is not None else torch.zeros_like(inp)
 
     def _hold_at_most(self, limit: int) -> None:
@@ -423,8 +423,9 @@ def tied_layout(params) -> list:
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
-    """A received input, as a leaf whose gradient B leaves in ``.grad`` (floats only)."""
-    return x.requires_grad_(True) if x.is_floating_point() else x
+    """A received input, as a leaf whose gradient B leaves in ``.grad`` (floating point
+    and complex only)."""
+    return x.requires_grad_(True) if packing.differentiable(x.dtype) else x
 
 
 def _check_layout(table: list[dict], size: int) -> None:

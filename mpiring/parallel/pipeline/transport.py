@@ -71,10 +71,12 @@ TAG_ACT, TAG_GRAD, TAG_META = 1, 2, 3
 #: a rank holding several stages (interleaved) keeps each pair's messages apart.
 TAGS = 3
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+          torch.complex128)
 MAX_DIMS = 8
-#: The dtypes above that the communicator does not carry as numbers (bool, int16): such
-#: an activation travels as its bytes (``_wire``); the header names its dtype.
+#: The dtypes above that the communicator does not carry as numbers (bool, int16,
+#: complex): such an activation travels as its bytes (``_wire``); the header names its
+#: dtype.
 AS_BYTES = frozenset(d for d in DTYPES if str(d).removeprefix("torch.") not in CARRIED)
 #: Seconds a wait polls in a tight loop before it sleeps between polls.
 SPIN_S = 1e-3
@@ -198,7 +200,8 @@ def key_of(a: Action) -> tuple[str, int, int]:
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """What goes to the communicator for ``t`` (contiguous): ``t``, or for a dtype it does
-    not carry (``AS_BYTES``: bool, int16, which it refuses) a uint8 view of its memory."""
+    not carry (``AS_BYTES``: bool, int16, complex, which it refuses) a uint8 view of its
+    memory."""
     if t.dtype not in AS_BYTES:
         return t
     return t.view(torch.uint8) if t.element_size() == 1 else t.reshape(-1).view(torch.uint8)
