@@ -6,6 +6,7 @@
     python -m mpiring trace explain DIR --collective all_reduce --call 2
     python -m mpiring trace explain DIR --collective all_reduce --call 1 --nth 2   # "(2nd)"
     python -m mpiring trace explain DIR --list          # the traced calls
+    python -m mpiring trace explain DIR --call 1 --rank 2   # the group of job rank 2 (TP/DP groups)
 
 No MPI needed: these read the files the ranks wrote.
 """
@@ -36,6 +37,10 @@ def add_arguments(p) -> None:
     e.add_argument("--nth", type=int, default=None, metavar="N",
                    help="the N-th call of that name, as --list shows it (all_reduce#1 (2nd) -> "
                         "--call 1 --nth 2): another communicator's call with the same number")
+    e.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="for a call made by several groups (each tensor- or data-parallel "
+                        "group's all_reduce#1, as --list shows them): the group holding job "
+                        "rank R (default: the group of the lowest rank)")
     e.add_argument("--list", action="store_true", help="list the traced calls and exit")
 
 
@@ -62,15 +67,23 @@ def run(args) -> int:
             timeline.plot(files, args.output, title=args.title, window=window)
             print(f"wrote {args.output}")
         elif args.list:
-            groups = timeline.group_sizes(files)
+            sizes = timeline.group_sizes(files)
+            recorded = timeline.call_groups(files)
+            job = timeline.job_ranks(files)
             for coll, num, algo, nth, nranks in timeline.list_calls(files):
-                k = groups.get((coll, num, algo, nth))
+                ident = (coll, num, algo, nth)
+                k, groups = sizes.get(ident), recorded.get(ident, [])
                 # Several sub-communicators' calls share a name: say so, not "on 4 ranks".
                 where = (f"on {nranks} rank(s)" if k is None else
                          f"on {nranks} rank(s) in groups of {k} (one call per group)")
+                if len(groups) == 1 and sorted(groups[0]) != job:
+                    where = f"on ranks {', '.join(map(str, groups[0]))}"
                 print(f"{timeline.call_name(coll, num, nth)} ({algo}) {where}")
+                if len(groups) > 1:  # each group's, with the option that explains it
+                    for g in groups:
+                        print(f"  ranks {', '.join(map(str, g))}: --rank {min(g)}")
         else:
-            print(timeline.explain(files, args.collective, args.call, args.nth))
+            print(timeline.explain(files, args.collective, args.call, args.nth, args.rank))
     except ValueError as exc:  # bad input: a message, not a traceback
         print(f"mpiring trace {args.action}: {exc}", file=sys.stderr)
         return 2

@@ -55,12 +55,16 @@ def halving_doubling_all_reduce(be, x, op: str, trace):
     now = clock if tracing else _zero
     item = x.itemsize
 
-    def record(phase, i, n, t0, t1, dst=None, src=None, sent=0, got=0):
+    def record(phase, i, n, t0, t1, dst=None, src=None, sent=None, got=None):
+        """``sent``/``got``: the (start, end) elements sent and received; the trace keeps
+        them so that explain can replay which part of the buffer each step moved."""
         if not tracing:  # the watchdog still learns which step finished
             trace.step(phase, i, n)
             return
-        trace.step(phase, i, n, dst=dst, src=src, bytes_sent=sent * item,
-                   bytes_recv=got * item, t_start=t0, t_recv=t1, t_end=clock())
+        trace.step(phase, i, n, dst=dst, src=src,
+                   bytes_sent=(sent[1] - sent[0]) * item if sent else 0,
+                   bytes_recv=(got[1] - got[0]) * item if got else 0,
+                   t_start=t0, t_recv=t1, t_end=clock(), send_range=sent, recv_range=got)
 
     # Fold: even ranks below 2*rem hand their data to the odd rank above them.
     vrank = rank - rem
@@ -68,13 +72,13 @@ def halving_doubling_all_reduce(be, x, op: str, trace):
         t0 = now()
         if rank % 2 == 0:
             be.send(x, rank + 1)
-            record("fold", 0, 1, t0, t0, dst=rank + 1, sent=x.size)
+            record("fold", 0, 1, t0, t0, dst=rank + 1, sent=(0, x.size))
             vrank = -1  # out until the unfold
         else:
             be.wait(be.irecv(buffer, rank - 1))
             t1 = now()
             reduce(x, buffer)
-            record("fold", 0, 1, t0, t1, src=rank - 1, got=x.size)
+            record("fold", 0, 1, t0, t1, src=rank - 1, got=(0, x.size))
             vrank = rank // 2
     if vrank >= 0:
         def real(v: int) -> int:  # virtual rank -> rank
@@ -96,7 +100,7 @@ def halving_doubling_all_reduce(be, x, op: str, trace):
             t1 = now()
             reduce(x[lo:hi], buffer[:hi - lo])
             record("reduce-scatter", i, steps, t0, t1, dst=partner, src=partner,
-                   sent=s1 - s0, got=hi - lo)
+                   sent=(s0, s1), got=(lo, hi))
         finish(op, x[lo:hi], size)  # our block is final: divide once, before it spreads
         for i in range(steps):  # distance 1, 2, ..., p/2: the halvings in reverse
             d = 1 << i
@@ -106,17 +110,17 @@ def halving_doubling_all_reduce(be, x, op: str, trace):
             t0 = now()
             be.sendrecv(x[lo:hi], partner, x[r0:r1], partner)
             record("all-gather", i, steps, t0, now(), dst=partner, src=partner,
-                   sent=hi - lo, got=r1 - r0)
+                   sent=(lo, hi), got=(r0, r1))
             lo, hi = plo, phi
     # Unfold: the odd ranks give the result back to the even ones that folded.
     if rank < 2 * rem:
         t0 = now()
         if rank % 2 == 0:
             be.wait(be.irecv(x, rank + 1))
-            record("unfold", 0, 1, t0, now(), src=rank + 1, got=x.size)
+            record("unfold", 0, 1, t0, now(), src=rank + 1, got=(0, x.size))
         else:
             be.send(x, rank - 1)
-            record("unfold", 0, 1, t0, t0, dst=rank - 1, sent=x.size)
+            record("unfold", 0, 1, t0, t0, dst=rank - 1, sent=(0, x.size))
     return x
 
 

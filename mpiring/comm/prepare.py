@@ -33,7 +33,10 @@ class Preparation:
     def _steps(self, collective: str, call: int, algo: str):
         # The ring code reports each finished step to the watchdog's record,
         # which forwards it to the tracer when tracing is on.
-        return self._act.steps_to(self.tracer.call(collective, call, algo))
+        trace = self.tracer.call(collective, call, algo)
+        if trace.enabled:  # name the group (its job ranks) only when recording
+            trace = trace.on(self)
+        return self._act.steps_to(trace)
 
     def _next_call(self, collective: str) -> int:
         n = self._calls.get(collective, 0) + 1

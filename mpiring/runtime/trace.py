@@ -15,6 +15,16 @@ chunk sent and to whom, chunk received and from whom, bytes sent and received,
 start and end time (``time.perf_counter`` seconds; the file's first line gives
 the offset to wall-clock time so that ranks on one host line up), and the time
 spent waiting for data vs reducing it.
+
+Peers (``dst``, ``src``) are ranks of the call's communicator. So that the tools can
+tell apart the groups of a 3D run (every tensor-parallel group counts its own
+``all_reduce#1``) and name a sub-communicator's peers by their job rank, a step
+of a call made through a Communicator carries ``comm``: a small id, defined once
+per file by a ``comm`` record holding that communicator's job ranks, in rank
+order (``{"type": "comm", "id": 1, "ranks": [2, 3], "name": "world.split1.1"}``).
+Steps that move a slice of the buffer other than a ring chunk (halving-doubling's
+halves) carry ``send_range`` and ``recv_range``: the ``[start, end)`` elements sent
+and received.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import errno
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import IO, Any
@@ -67,7 +78,8 @@ def fmt_p2p(rec: dict[str, Any]) -> str:
 class CallTrace:
     """Records the steps of one collective call. The disabled one does nothing."""
 
-    __slots__ = ("tracer", "collective", "call", "algo", "bounds", "itemsize", "left", "right")
+    __slots__ = ("tracer", "collective", "call", "algo", "bounds", "itemsize", "left", "right",
+                 "group")
     enabled = True
 
     def __init__(self, tracer: Tracer, collective: str, call: int, algo: str):
@@ -75,6 +87,14 @@ class CallTrace:
         self.collective = collective
         self.call = call
         self.algo = algo
+        self.group: int | None = None  # the communicator's id in this file (``on``)
+
+    def on(self, comm) -> CallTrace:
+        """Say which communicator the call runs on (its job ranks, ``world_ranks``): the
+        steps then carry its id. Only called on an enabled recorder, so that the
+        untraced path never builds the rank tuple."""
+        self.group = self.tracer.group_id(comm)
+        return self
 
     def ring(self, bounds, itemsize: int, left: int, right: int) -> CallTrace:
         """Remember the ring's geometry, so that ``chunk_step`` needs only chunk numbers."""
@@ -94,19 +114,29 @@ class CallTrace:
 
     def step(self, phase: str, step: int, steps: int, *, send_chunk=None, dst=None,
              recv_chunk=None, src=None, bytes_sent=0, bytes_recv=0,
-             t_start=0.0, t_recv=0.0, t_end=0.0) -> None:
+             t_start=0.0, t_recv=0.0, t_end=0.0, send_range=None, recv_range=None) -> None:
         """Record one ring step: what went where, and how long waiting and reducing took
-        (``t_recv=None``: a step that only sends, all of it waiting on the send)."""
+        (``t_recv=None``: a step that only sends, all of it waiting on the send).
+        ``send_range``/``recv_range``: the ``(start, end)`` elements moved, for steps
+        whose slices are not ring chunks."""
         if t_recv is None:
             t_recv = t_end
-        self.tracer.write({
+        rec = {
             "type": "step", "rank": self.tracer.rank, "collective": self.collective,
             "call": self.call, "algo": self.algo, "phase": phase, "step": step,
             "steps": steps, "send_chunk": send_chunk, "dst": dst,
             "recv_chunk": recv_chunk, "src": src, "bytes_sent": bytes_sent,
             "bytes_recv": bytes_recv, "t_start": t_start, "t_end": t_end,
             "wait_s": t_recv - t_start, "reduce_s": t_end - t_recv,
-        })
+        }
+        # Only the fields a step has: every record of a long run pays for a key.
+        if self.group is not None:
+            rec["comm"] = self.group
+        if send_range is not None:
+            rec["send_range"] = list(send_range)
+        if recv_range is not None:
+            rec["recv_range"] = list(recv_range)
+        self.tracer.write(rec)
 
 
 class _NullCallTrace(CallTrace):
@@ -122,6 +152,9 @@ class _NullCallTrace(CallTrace):
     def ring(self, *args) -> CallTrace:
         return self
 
+    def on(self, comm) -> CallTrace:
+        return self
+
     def chunk_step(self, *args) -> None:
         return None
 
@@ -131,7 +164,9 @@ NULL_CALL = _NullCallTrace()
 
 #: The trace format (the header's "version"): a writer that changes the records bumps it,
 #: and the tools refuse a file of another version rather than misread it.
-FORMAT_VERSION = 1
+#: Version 2 added the ``comm`` records and the steps' ``comm``, ``send_range`` and
+#: ``recv_range`` (a version-1 file is a version-2 file without them).
+FORMAT_VERSION = 2
 
 
 class Tracer:
@@ -149,6 +184,9 @@ class Tracer:
         self.log_steps = log_steps
         self._file: _TraceFile | None = None
         self._name = name or f"rank{rank}"
+        # Communicators' job ranks -> their id in this file (see ``group_id``).
+        self._groups: dict[tuple[int, ...], int] = {}
+        self._groups_lock = threading.Lock()
         if directory:
             os.makedirs(directory, exist_ok=True)
             path = os.path.join(directory, f"{self._name}.jsonl")
@@ -189,6 +227,23 @@ class Tracer:
         if not self.enabled:
             return NULL_CALL
         return CallTrace(self, collective, call, algo)
+
+    def group_id(self, comm) -> int:
+        """The id of ``comm``'s group of ranks in this file, its ``comm`` record written
+        the first time. Keyed by the job ranks, not the communicator: a ``dup`` is the
+        same group (explain tells its calls apart by their order, as before)."""
+        ranks = tuple(comm.world_ranks)
+        gid = self._groups.get(ranks)
+        if gid is None:
+            # A DDP communication thread shares the tracer: one id per group, once.
+            with self._groups_lock:
+                gid = self._groups.get(ranks)
+                if gid is None:
+                    gid = len(self._groups)
+                    self.write({"type": "comm", "rank": self.rank, "id": gid,
+                                "ranks": list(ranks), "name": getattr(comm, "name", None)})
+                    self._groups[ranks] = gid
+        return gid
 
     def write(self, rec: dict[str, Any]) -> None:
         if self._file is not None:

@@ -192,7 +192,7 @@ class Activity:
 
     def step(self, phase: str, step: int, steps: int, *, send_chunk=None, dst=None,
              recv_chunk=None, src=None, bytes_sent=0, bytes_recv=0,
-             t_start=0.0, t_recv=0.0, t_end=0.0) -> None:
+             t_start=0.0, t_recv=0.0, t_end=0.0, send_range=None, recv_range=None) -> None:
         """CallTrace interface: the ring code finished ``step`` of ``phase``."""
         # Named parameters, not **fields: with tracing off this runs once per ring
         # step, and packing the fields into a dict doubled its cost.
@@ -202,7 +202,8 @@ class Activity:
         if self.enabled:
             self.inner.step(phase, step, steps, send_chunk=send_chunk, dst=dst,
                             recv_chunk=recv_chunk, src=src, bytes_sent=bytes_sent,
-                            bytes_recv=bytes_recv, t_start=t_start, t_recv=t_recv, t_end=t_end)
+                            bytes_recv=bytes_recv, t_start=t_start, t_recv=t_recv, t_end=t_end,
+                            send_range=send_range, recv_range=recv_range)
 
     def ring(self, bounds, itemsize: int, left: int, right: int) -> Activity:
         """CallTrace interface: the ring's geometry (kept by the trace, when it is on)."""

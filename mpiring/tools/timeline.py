@@ -47,6 +47,9 @@ EXCHANGE_REDUCING = ("doubling", "fold")
 # Algorithms whose every message is the whole buffer: their steps carry no chunk
 # numbers, and replaying them as one chunk is exact.
 WHOLE_BUFFER_ALGOS = ("recursive-doubling",)
+# Algorithms whose steps record the elements they moved (``send_range``/``recv_range``):
+# replayed with the distinct ranges as chunks.
+RANGE_ALGOS = ("halving-doubling",)
 MAX_LABELS = 2000  # plot's F1/B1 labels: more are unreadable at the PNG's width
 PHASE_COLORS = {
     "reduce-scatter": "tab:blue", "all-gather": "tab:green", "broadcast": "tab:orange",
@@ -64,6 +67,8 @@ class TraceFile:
     records: list[dict[str, Any]]
     job: str | None = None  # the run's id and rank count (headers written by mpiring.init)
     world: int | None = None
+    # The file's communicators: id -> their job ranks in rank order ("comm" records).
+    groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +82,9 @@ class Call:
     steps: list[dict[str, Any]] = field(default_factory=list)
     offset: float = 0.0
     nth: int = 0  # earlier calls with the same key in this rank's file
+    # The job ranks of the communicator it ran on, in rank order (its steps' dst and
+    # src are already job ranks); None: the steps do not say (a version-1 file).
+    group: tuple[int, ...] | None = None
 
     @property
     def ident(self) -> tuple[str, int, str, int]:
@@ -98,14 +106,18 @@ class Call:
         return self.collective, self.call, self.algo
 
 
-# The trace format this reader understands is the writer's (mpiring.runtime.trace). A
-# header without "version" is version 1 (every file written before it was recorded).
+# The trace formats this reader understands: the writer's (mpiring.runtime.trace), and
+# version 1, which is version 2 without the "comm" records and the steps' ranges (its
+# calls are replayed as before: a call of several groups is refused). A header without
+# "version" is version 1 (every file written before it was recorded).
+READABLE_VERSIONS = (1, FORMAT_VERSION)
 # The fields each record type must have for the tools to read it: a file of another
 # mpiring version that lacks one is refused naming it, not a KeyError traceback.
 REQUIRED = {
     "step": ("collective", "call", "algo", "phase", "step", "steps", "t_start", "t_end"),
     "event": ("t_start", "t_end"),
     "p2p": ("op", "peer", "t_start", "t_end"),
+    "comm": ("id", "ranks"),
 }
 NUMERIC = ("call", "step", "steps", "t_start", "t_end")
 # Two files whose records are this far apart are taken for two runs: a new mpiexec
@@ -142,15 +154,17 @@ def load(directory: str) -> list[TraceFile]:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{name}: its header has no valid rank; is it an mpiring trace "
                              "file?") from None
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(f"{name}: trace format version {version}, but this mpiring reads "
-                             f"version {FORMAT_VERSION}: read it with the mpiring version that "
+                             f"version {' and '.join(map(str, READABLE_VERSIONS))}: read it with "
+                             "the mpiring version that "
                              "wrote it, or record the run again with this one")
         body = [r for r in recs if r.get("type") != "header"]
         _check_fields(name, body)
         job, world = h.get("job"), h.get("world")
         files.append(TraceFile(name, rank, offset, body, str(job) if job else None,
-                               world if isinstance(world, int) else None))
+                               world if isinstance(world, int) else None,
+                               _groups_of(name, body)))
     if not files:
         raise ValueError(f"no trace files (*.jsonl) in {directory!r}: record one with "
                          "--trace DIR or MPIRING_TRACE=DIR")
@@ -208,6 +222,28 @@ def _check_fields(name: str, recs: list[dict[str, Any]]) -> None:
                              "again with this one")
 
 
+def _groups_of(name: str, recs: list[dict[str, Any]]) -> dict[int, tuple[int, ...]]:
+    """The file's communicators (its "comm" records), checked: every step's ``comm``
+    is defined and its peers are ranks of that communicator."""
+    groups: dict[int, tuple[int, ...]] = {}
+    for rec in recs:
+        if rec.get("type") == "comm":
+            ranks = rec["ranks"]
+            if not isinstance(ranks, list) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                raise ValueError(f"{name}: a comm record's ranks are not a list of ranks: the "
+                                 "file was written by another mpiring version (or edited)")
+            groups[rec["id"]] = tuple(ranks)
+        elif rec.get("type") == "step" and "comm" in rec:
+            g = groups.get(rec["comm"])
+            if g is None or any(p is not None and not 0 <= p < len(g)
+                                for p in (rec.get("dst"), rec.get("src"))):
+                raise ValueError(f"{name}: a step names communicator {rec['comm']!r}, which "
+                                 "no comm record before it defines (or a peer outside it): the "
+                                 "file is cut or edited; record the run again")
+    return groups
+
+
 def _warn_separate_runs(files: list[TraceFile]) -> None:
     """Warn when the files form groups whose time spans never overlap: every rank of one
     run takes part in its collectives, so one run's files overlap in time (but for an
@@ -261,23 +297,38 @@ def _read_records(path: str, name: str) -> list[dict[str, Any]]:
 
 
 def calls(files: list[TraceFile]) -> list[Call]:
-    """Group each file's step records into calls (consecutive steps with one key)."""
+    """Group each file's step records into calls (consecutive steps with one key and
+    communicator). A step's peers become job ranks where the file says which group
+    the call ran on."""
     out: list[Call] = []
     for f in files:
         current: Call | None = None
+        current_comm = None
+        remap = False
         seen: dict[tuple[str, int, str], int] = {}
         for rec in f.records:
             if rec.get("type") != "step":
                 continue
             key = (rec["collective"], rec["call"], rec["algo"])
-            # A new call starts when the key changes or its step numbering restarts.
+            comm = rec.get("comm")
+            # A new call starts when the key or communicator changes or its step
+            # numbering restarts.
             restart = (current is not None and current.key == key and rec["step"] == 0
                        and rec["phase"] == current.steps[0]["phase"])
-            if current is None or current.key != key or restart:
+            if current is None or current.key != key or comm != current_comm or restart:
                 nth = seen.get(key, -1) + 1
                 seen[key] = nth
-                current = Call(f.rank, *key, offset=f.offset, nth=nth)
+                g = None if comm is None else f.groups[comm]
+                current = Call(f.rank, *key, offset=f.offset, nth=nth, group=g)
+                current_comm = comm
+                remap = g is not None and g != tuple(range(len(g)))
                 out.append(current)
+            if remap:
+                # Peers are communicator ranks: name them by job rank (a copy: the
+                # file's records keep what was written).
+                g = current.group
+                rec = dict(rec, dst=None if rec.get("dst") is None else g[rec["dst"]],
+                           src=None if rec.get("src") is None else g[rec["src"]])
             current.steps.append(rec)
     return out
 
@@ -556,13 +607,43 @@ def list_calls(files: list[TraceFile]) -> list[tuple[str, int, str, int, int]]:
 
 
 def group_sizes(files: list[TraceFile]) -> dict[tuple[str, int, str, int], int]:
-    """The calls that ran on several smaller communicators (see ``group_size``): ident ->
-    the size of each group."""
+    """The calls that ran on several smaller communicators: ident -> the size of each
+    group (the largest, when they differ). Taken from the recorded groups, or, for a
+    version-1 file, guessed from the peers the steps name (see ``group_size``)."""
     per_call: dict[tuple[str, int, str, int], dict[int, list[dict[str, Any]]]] = defaultdict(dict)
+    recorded: dict[tuple[str, int, str, int], set[tuple[int, ...]]] = defaultdict(set)
     for c in calls(files):
         per_call[c.ident][c.rank] = c.steps
-    sizes = {ident: group_size(per_rank) for ident, per_rank in per_call.items()}
-    return {ident: k for ident, k in sizes.items() if k is not None and k < len(per_call[ident])}
+        if c.group is not None:
+            recorded[c.ident].add(c.group)
+    sizes = {}
+    for ident, per_rank in per_call.items():
+        if ident in recorded:
+            groups = recorded[ident]
+            if len(groups) > 1:
+                sizes[ident] = max(len(g) for g in groups)
+            continue
+        k = group_size(per_rank)
+        if k is not None and k < len(per_rank):
+            sizes[ident] = k
+    return sizes
+
+
+def call_groups(files: list[TraceFile]) -> dict[tuple[str, int, str, int], list[tuple[int, ...]]]:
+    """The groups each call ran on, as the steps record them (job ranks in the
+    communicator's rank order), the group of the lowest rank first. Calls whose steps
+    name no group (a version-1 file) are left out."""
+    found: dict[tuple[str, int, str, int], set[tuple[int, ...]]] = defaultdict(set)
+    for c in calls(files):
+        if c.group is not None:
+            found[c.ident].add(c.group)
+    return {ident: sorted(gs, key=lambda g: (min(g, default=0), g)) for ident, gs in found.items()}
+
+
+def job_ranks(files: list[TraceFile]) -> list[int]:
+    """The ranks of the job: the header's rank count, else the ranks that have a file."""
+    world = files[0].world if files else None
+    return list(range(world)) if world else sorted(f.rank for f in files)
 
 
 def has_pipeline(files: list[TraceFile]) -> bool:
@@ -626,66 +707,138 @@ def _pick(files, collective, call, nth=None):
     return found[0]
 
 
+@dataclass
+class Replay:
+    """One group's call, replayed (see ``replay``)."""
+
+    ident: tuple[str, int, str, int]
+    ranks: list[int]  # the group's job ranks, sorted: the table's rows
+    group: tuple[int, ...]  # the same in the communicator's rank order (rank i = group[i])
+    groups: list[tuple[int, ...]]  # every group that made the call (recorded ones only)
+    snapshots: list
+    chunks: list[tuple[int, int]] | None = None  # the elements of each chunk, when recorded
+    per_rank: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+
 def replay(files: list[TraceFile], collective: str | None = None, call: int | None = None,
-           nth: int | None = None):
+           nth: int | None = None, rank: int | None = None):
     """Replay one call's steps; return (key, ranks, snapshots).
 
     ``snapshots`` is a list of (label, transfers, state): the state after each
     round of steps (round i = every rank's i-th step), where
     ``state[rank][chunk]`` is the set of ranks whose data the chunk holds, or
-    None when the rank does not hold that chunk yet.
+    None when the rank does not hold that chunk yet. Ranks are job ranks.
+
+    A call made by several groups (each tensor-parallel group's ``all_reduce#1``)
+    is replayed for one of them: the group holding job rank ``rank``, by default
+    the group of the lowest rank.
 
     Messages are matched in order per (sender, receiver), as MPI matches them;
     a receive in a reducing phase (reduce-scatter, reduce, push) adds the
     sender's contributions to the receiver's, any other receive replaces them.
 
     Raises:
-        ValueError: no such call, or steps that do not match up (for example a
-            call recorded on a sub-communicator whose ranks are not the trace's).
+        ValueError: no such call, no group holding ``rank``, or steps that do not
+            match up (a rank's file missing, or a version-1 file's call made on a
+            sub-communicator: its steps do not say which ranks it ran on).
     """
+    r = replay_group(files, collective, call, nth, rank)
+    return r.ident, r.ranks, r.snapshots
+
+
+def _select(files: list[TraceFile], ident: tuple[str, int, str, int], rank: int | None):
+    """(group, per_rank, groups) of one group's call. ``group`` is None for steps that
+    name no group (a version-1 file): then ``per_rank`` is every rank that recorded it."""
+    name = call_name(ident[0], ident[1], ident[3])
+    cs = [c for c in calls(files) if c.ident == ident]
+    recorded = [c for c in cs if c.group is not None]
+    if not recorded:
+        return None, {c.rank: c.steps for c in cs}, []
+    groups = sorted({c.group for c in recorded}, key=lambda g: (min(g, default=0), g))
+    if rank is None:
+        group = groups[0]
+    else:
+        holding = [g for g in groups if rank in g]
+        if not holding:
+            raise ValueError(f"{name}: rank {rank} took no part in it; it ran on "
+                             f"{_groups_text(groups)}: pick a rank of one of those")
+        group = holding[0]
+    per_rank = {c.rank: c.steps for c in recorded if c.group == group}
+    missing = sorted(set(group) - set(per_rank))
+    if missing:
+        raise ValueError(f"{name} ran on ranks {_ranges(list(group))}, but rank(s) "
+                         f"{_ranges(missing)} have no records for it: their files are missing "
+                         "or cut short; copy every rank's file of the run into the directory")
+    return group, per_rank, groups
+
+
+def _groups_text(groups: list[tuple[int, ...]], limit: int = 8) -> str:
+    text = " | ".join(", ".join(map(str, g)) for g in groups[:limit])
+    return text + (f" | ... ({len(groups)} groups)" if len(groups) > limit else "")
+
+
+def replay_group(files: list[TraceFile], collective: str | None = None,
+                 call: int | None = None, nth: int | None = None,
+                 rank: int | None = None) -> Replay:
+    """``replay``, with what it found out about the call: its group, every group that
+    made it, and the elements of each chunk where the steps record them."""
     coll, num, algo, nth, _ = _pick(files, collective, call, nth)
-    per_rank = {c.rank: c.steps for c in calls(files) if c.ident == (coll, num, algo, nth)}
+    name = call_name(coll, num, nth)
+    group, per_rank, groups = _select(files, (coll, num, algo, nth), rank)
+    if group is None:
+        _check_one_communicator(name, per_rank)
+        group = tuple(sorted(per_rank))
+    else:
+        _check_step_counts(name, per_rank)
     ranks = sorted(per_rank)
-    _check_one_communicator(call_name(coll, num, nth), per_rank)
-    if algo in WHOLE_BUFFER_ALGOS and not _has_chunks(per_rank):
+    chunks = None
+    if _has_ranges(per_rank):
+        per_rank, chunks = _range_steps(per_rank)
+    elif algo in WHOLE_BUFFER_ALGOS and not _has_chunks(per_rank):
         # Each message is the whole buffer: chunk 0 of 1.
         per_rank = {r: [_whole_buffer(s) for s in st] for r, st in per_rank.items()}
     elif not _has_chunks(per_rank):
-        raise ValueError(f"{call_name(coll, num, nth)} ({algo}): its steps record who exchanged "
-                         "with whom, not which chunks, so there is nothing to replay; see "
-                         "explain's list of exchanges instead")
-    # Ring collectives cut the buffer into K chunks; the pipelined ones into S
-    # segments (one per step); the parameter server moves one whole buffer.
-    nchunks = max([1] + [int(c) + 1 for st in per_rank.values() for s in st
-                         for c in (s.get("send_chunk"), s.get("recv_chunk")) if c is not None])
-    whole = any(s.get("exchange") for st in per_rank.values() for s in st)
-    if coll in ("all_reduce", "reduce_scatter", "all_gather") and not whole:
-        nchunks = max(nchunks, len(ranks))
-    if coll == "all_gather":
-        state = {r: [frozenset([r]) if c == r else None for c in range(nchunks)] for r in ranks}
+        raise ValueError(f"{name} ({algo}): its steps record who exchanged with whom, not "
+                         "which chunks, so there is nothing to replay; see explain's list of "
+                         "exchanges instead")
+    else:
+        per_rank = {r: [_chunk_step(s) for s in st] for r, st in per_rank.items()}
+    if chunks is not None:
+        nchunks = max(1, len(chunks))
+    else:
+        # Ring collectives cut the buffer into K chunks; the pipelined ones into S
+        # segments (one per step); the parameter server moves one whole buffer.
+        nchunks = max([1] + [c + 1 for st in per_rank.values() for s in st
+                             for c in (s["_send"] or []) + (s["_recv"] or [])])
+        whole = any(s.get("exchange") for st in per_rank.values() for s in st)
+        if coll in ("all_reduce", "reduce_scatter", "all_gather") and not whole:
+            nchunks = max(nchunks, len(ranks))
+    if coll == "all_gather":  # chunk i is the communicator's rank i's
+        state = {r: [frozenset([r]) if c < len(group) and group[c] == r else None
+                     for c in range(nchunks)] for r in ranks}
     elif coll == "broadcast":
-        roots = [r for r in ranks if all(s.get("recv_chunk") is None for s in per_rank[r])]
+        roots = [r for r in ranks if all(s["_recv"] is None for s in per_rank[r])]
         state = {r: [frozenset([r]) if r in roots else None for _ in range(nchunks)]
                  for r in ranks}
     else:  # all_reduce, reduce_scatter, reduce, ps: everyone starts with its own data
         state = {r: [frozenset([r]) for _ in range(nchunks)] for r in ranks}
+    reducing = _reducing(algo)
 
     queues: dict[tuple[int, int], deque] = defaultdict(deque)
     pos = dict.fromkeys(ranks, 0)  # next step per rank
     sent = dict.fromkeys(ranks, False)  # whether the current step's send happened
 
     def send(r, s):
-        queues[(r, s["dst"])].append((s["send_chunk"], state[r][s["send_chunk"]]))
+        queues[(r, s["dst"])].append((s["_send"], [state[r][c] for c in s["_send"]]))
 
     def try_step(r) -> bool:
         s = per_rank[r][pos[r]]
-        has_send = s.get("send_chunk") is not None and s.get("dst") is not None
-        has_recv = s.get("recv_chunk") is not None and s.get("src") is not None
+        has_send, has_recv = s["_send"] is not None, s["_recv"] is not None
         # Ring steps send one chunk and receive another (the send reads the
         # state before the receive); pipelined steps forward the chunk just received.
-        # A whole-buffer exchange (recursive doubling's sendrecv) sends what it held before.
-        forward = (has_send and has_recv and s["send_chunk"] == s["recv_chunk"]
-                   and not s.get("exchange"))
+        # An exchange (recursive doubling's or halving-doubling's sendrecv) sends what
+        # it held before.
+        forward = has_send and has_recv and s["_send"] == s["_recv"] and not s.get("exchange")
         if has_send and not forward and not sent[r]:
             send(r, s)
             sent[r] = True
@@ -693,15 +846,16 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
             q = queues[(s["src"], r)]
             if not q:
                 return False
-            chunk, value = q.popleft()
-            if chunk != s["recv_chunk"]:
-                raise ValueError(f"{coll}#{num}: r{r} expected chunk {s['recv_chunk']} from "
-                                 f"r{s['src']} but the next one sent was chunk {chunk}")
-            mine = state[r][chunk]
-            if s["phase"] in _reducing(algo) and mine is not None and value is not None:
-                state[r][chunk] = mine | value
-            else:
-                state[r][chunk] = value
+            chunks, values = q.popleft()
+            if chunks != s["_recv"]:
+                raise ValueError(f"{coll}#{num}: r{r} expected {_chunks_text(s['_recv'])} from "
+                                 f"r{s['src']} but the next one sent was {_chunks_text(chunks)}")
+            for chunk, value in zip(chunks, values):
+                mine = state[r][chunk]
+                if s["phase"] in reducing and mine is not None and value is not None:
+                    state[r][chunk] = mine | value
+                else:
+                    state[r][chunk] = value
         if forward:
             send(r, s)
         pos[r] += 1
@@ -709,41 +863,84 @@ def replay(files: list[TraceFile], collective: str | None = None, call: int | No
         return True
 
     snapshots = [("start", [], {r: list(v) for r, v in state.items()})]
-    rounds = max(len(v) for v in per_rank.values())
-    for i in range(rounds):
+    rounds = _rounds(per_rank)
+    # last[r][i]: rank r's last step in rounds 0..i (-1: none yet).
+    last = {r: [-1] * len(rounds) for r in ranks}
+    for i, members in enumerate(rounds):
+        for r, k in members:
+            last[r][i] = k
+    for r in ranks:
+        for i in range(1, len(rounds)):
+            last[r][i] = max(last[r][i], last[r][i - 1])
+    longest = max(len(v) for v in per_rank.values())
+    for i, members in enumerate(rounds):
         transfers = []
-        # Run every rank up to and including its step i; a rank may have to run
-        # ahead when its step i waits on a later step of another rank.
-        limit = i
-        while any(pos[r] <= min(i, len(per_rank[r]) - 1) for r in ranks):
+        # Run every rank up to and including its steps of round i; a rank may have to
+        # run ahead when such a step waits on a later step of another rank.
+        extra = 0
+        while any(pos[r] <= last[r][i] for r in ranks):
             progressed = False
             for r in ranks:
-                while pos[r] <= limit and pos[r] < len(per_rank[r]):
+                while pos[r] <= last[r][i] + extra and pos[r] < len(per_rank[r]):
                     s = per_rank[r][pos[r]]
                     if not try_step(r):
                         break
                     progressed = True
-                    if s.get("send_chunk") is not None and s.get("dst") is not None:
-                        transfers.append(f"r{r} c{s['send_chunk']}->r{s['dst']}")
+                    if s["_send"] is not None:
+                        transfers.append((r, f"r{r} {_chunks_text(s['_send'])}->r{s['dst']}"))
             if not progressed:
-                if limit >= rounds:
+                if extra >= longest:
                     raise ValueError(f"{coll}#{num}: the steps do not match up (a receive "
                                      "without its send); is a rank's file missing or cut short, "
                                      "or left from another run?")
-                limit += 1
-        phases = sorted({per_rank[r][i]["phase"] for r in ranks if i < len(per_rank[r])})
-        counts = {per_rank[r][i]["steps"] for r in ranks if i < len(per_rank[r])}
+                extra += 1
+        steps = [per_rank[r][k] for r, k in members]
+        phases = sorted({s["phase"] for s in steps})
+        counts = {s["steps"] for s in steps}
         steps_label = "/".join(str(c) for c in sorted(counts))
-        idx = sorted({per_rank[r][i]["step"] + 1 for r in ranks if i < len(per_rank[r])})
+        idx = sorted({s["step"] + 1 for s in steps})
         label = f"{'+'.join(phases)} step {'/'.join(map(str, idx))}/{steps_label}"
-        transfers.sort(key=lambda t: int(t[1:t.index(" ")]))
-        snapshots.append((label, transfers, {r: list(v) for r, v in state.items()}))
-    return (coll, num, algo, nth), ranks, snapshots
+        transfers.sort(key=lambda t: t[0])
+        snapshots.append((label, [t for _, t in transfers],
+                          {r: list(v) for r, v in state.items()}))
+    return Replay((coll, num, algo, nth), ranks, group, groups, snapshots, chunks, per_rank)
+
+
+def _rounds(per_rank: dict[int, list[dict[str, Any]]]) -> list[list[tuple[int, int]]]:
+    """The rounds of the diagram: lists of (rank, step index). Round i is every rank's
+    i-th step, unless the ranks ran different sequences of (phase, step): a rank that
+    folds out of recursive doubling or halving-doubling runs only the fold and the
+    unfold, while the others exchange in between. Then a round is one (phase, step),
+    in the order the ranks ran them, and a rank that has no such step waits."""
+    seqs = {r: [(s["phase"], s["step"]) for s in st] for r, st in per_rank.items()}
+    distinct = {tuple(q) for q in seqs.values()}
+    if len(distinct) == 1 or any(len(set(q)) != len(q) for q in seqs.values()):
+        n = max(len(q) for q in seqs.values())
+        return [[(r, i) for r in sorted(per_rank) if i < len(per_rank[r])] for i in range(n)]
+    order: list[tuple[str, int]] = []
+    for q in sorted(distinct, key=len, reverse=True):  # each rank's keys, after their predecessor
+        for j, key in enumerate(q):
+            if key not in order:
+                order.insert(order.index(q[j - 1]) + 1 if j else 0, key)
+    at = {key: i for i, key in enumerate(order)}
+    rounds: list[list[tuple[int, int]]] = [[] for _ in order]
+    for r in sorted(per_rank):
+        for k, key in enumerate(seqs[r]):
+            rounds[at[key]].append((r, k))
+    return rounds
+
+
+def _chunks_text(chunks: list[int]) -> str:
+    if not chunks:
+        return "nothing"
+    return f"c{chunks[0]}" if len(chunks) == 1 else f"c{chunks[0]}-c{chunks[-1]}"
 
 
 def _reducing(algo: str) -> tuple[str, ...]:
-    # "reduce-scatter" of halving-doubling reduces too, but its steps are not replayed.
-    return REDUCING_PHASES + (EXCHANGE_REDUCING if algo in WHOLE_BUFFER_ALGOS else ())
+    # The fold hands an even rank's data to the odd one above it, which adds it
+    # (recursive doubling and halving-doubling); recursive doubling's exchanges add too.
+    return REDUCING_PHASES + (EXCHANGE_REDUCING if algo in WHOLE_BUFFER_ALGOS + RANGE_ALGOS
+                              else ())
 
 
 def _has_chunks(per_rank: dict[int, list[dict[str, Any]]]) -> bool:
@@ -751,12 +948,61 @@ def _has_chunks(per_rank: dict[int, list[dict[str, Any]]]) -> bool:
                for k in ("send_chunk", "recv_chunk"))
 
 
+def _has_ranges(per_rank: dict[int, list[dict[str, Any]]]) -> bool:
+    return any(s.get(k) is not None for st in per_rank.values() for s in st
+               for k in ("send_range", "recv_range"))
+
+
+def _chunk_step(s: dict[str, Any]) -> dict[str, Any]:
+    out = dict(s)
+    has_send = s.get("send_chunk") is not None and s.get("dst") is not None
+    has_recv = s.get("recv_chunk") is not None and s.get("src") is not None
+    out["_send"] = [int(s["send_chunk"])] if has_send else None
+    out["_recv"] = [int(s["recv_chunk"])] if has_recv else None
+    return out
+
+
 def _whole_buffer(s: dict[str, Any]) -> dict[str, Any]:
     out = dict(s)
-    out["send_chunk"] = 0 if s.get("dst") is not None else None
-    out["recv_chunk"] = 0 if s.get("src") is not None else None
+    out["_send"] = [0] if s.get("dst") is not None else None
+    out["_recv"] = [0] if s.get("src") is not None else None
     out["exchange"] = True
     return out
+
+
+def _range_steps(per_rank: dict[int, list[dict[str, Any]]]):
+    """Steps that record the elements they moved, as chunk lists: the chunks are the
+    stretches between every range's ends, so that each range is a run of whole chunks."""
+    cuts: set[int] = set()
+    for st in per_rank.values():
+        for s in st:
+            for k in ("send_range", "recv_range"):
+                if s.get(k) is not None:
+                    lo, hi = s[k]
+                    if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi):
+                        raise ValueError(f"r{s.get('rank')}: a step's {k} {s[k]!r} is not a "
+                                         "range of elements: the file was edited")
+                    cuts.update((lo, hi))
+    edges = sorted(cuts | {0})
+    chunks = list(zip(edges, edges[1:]))
+
+    def covered(rng) -> list[int]:  # an empty range covers no chunk
+        lo, hi = rng
+        return [i for i, (a, b) in enumerate(chunks) if lo <= a and b <= hi]
+
+    out = {}
+    for r, st in per_rank.items():
+        steps = []
+        for s in st:
+            t = dict(s)
+            has_send = s.get("dst") is not None and s.get("send_range") is not None
+            has_recv = s.get("src") is not None and s.get("recv_range") is not None
+            t["_send"] = covered(s["send_range"]) if has_send else None
+            t["_recv"] = covered(s["recv_range"]) if has_recv else None
+            t["exchange"] = True  # a sendrecv: what is sent is what was held before
+            steps.append(t)
+        out[r] = steps
+    return out, chunks
 
 
 def _peers(per_rank: dict[int, list[dict[str, Any]]]) -> set[int]:
@@ -769,8 +1015,9 @@ def group_size(per_rank: dict[int, list[dict[str, Any]]]) -> int | None:
     of ranks that recorded it (tensor- or data-parallel groups: every group counts its
     own ``all_reduce#1``); None when it ran on one communicator of exactly those ranks.
 
-    The steps name peers by their rank within the call's communicator, so ranks that
-    nobody names (or peers that recorded nothing) give the groups away."""
+    For steps that do not say which group they ran on (a version-1 file): they name
+    peers by their rank within the call's communicator, so ranks that nobody names (or
+    peers that recorded nothing) give the groups away."""
     everyone, named = set(per_rank), _peers(per_rank)
     if not named or named == everyone:
         return None
@@ -778,21 +1025,29 @@ def group_size(per_rank: dict[int, list[dict[str, Any]]]) -> int | None:
 
 
 def _check_one_communicator(name: str, per_rank: dict[int, list[dict[str, Any]]]) -> None:
-    """Refuse, with the reason, a call that cannot be replayed as one communicator's."""
+    """Refuse, with the reason, a call whose steps name no group (a version-1 file) and
+    that cannot be replayed as one communicator's."""
     k = group_size(per_rank)
     if k is not None and k < len(per_rank):
         raise ValueError(
             f"{name} was recorded by ranks {_ranges(sorted(per_rank))}, but its steps name only "
             f"peers {_ranges(sorted(_peers(per_rank)))}: it ran on several communicators of "
             f"{k} rank(s) (tensor-, data- or pipeline-parallel groups), each counting its own "
-            f"{name.split(' ')[0]}, and the trace names peers by their rank in the group, so "
-            "the groups cannot be told apart. Explain a call of the whole job (--list), or "
-            "trace a run without groups")
+            f"{name.split(' ')[0]}, and these steps (a trace of an older mpiring) name peers "
+            "by their rank in the group without saying which group, so the groups cannot be "
+            "told apart. Record the run again with this mpiring (its traces say each call's "
+            "group), or explain a call of the whole job (--list)")
     if k is not None:
         raise ValueError(
             f"{name}: its steps name rank(s) {_ranges(sorted(_peers(per_rank) - set(per_rank)))}"
             f", which have no records for this call: the call ran on a sub-communicator (its "
-            f"ranks differ from the trace's), or some rank files are missing")
+            f"ranks differ from the trace's, and a trace of an older mpiring does not say "
+            f"which), or some rank files are missing")
+    _check_step_counts(name, per_rank)
+
+
+def _check_step_counts(name: str, per_rank: dict[int, list[dict[str, Any]]]) -> None:
+    """Refuse ranks of one call that ran rings of different sizes."""
     counts: dict[tuple[str, int], set[int]] = defaultdict(set)
     for r, st in per_rank.items():
         for s in st:
@@ -815,17 +1070,24 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]}"
 
 
-def check_final(collective: str, ranks: list[int], state) -> list[str]:
-    """What is wrong with the final state for this collective (empty when it is right)."""
+def check_final(collective: str, ranks: list[int], state,
+                group: tuple[int, ...] | None = None) -> list[str]:
+    """What is wrong with the final state for this collective (empty when it is right).
+
+    ``group``: the job ranks in the communicator's rank order (chunk i belongs to its
+    rank i); default ``ranks``."""
     everyone = frozenset(ranks)
+    order = list(group) if group is not None else list(ranks)
     problems = []
     for r in ranks:
         cells = state[r]
+        i = order.index(r)
         if collective == "all_reduce" and any(c != everyone for c in cells):
             problems.append(f"r{r} does not hold the full sum of every chunk")
-        if collective == "reduce_scatter" and r < len(cells) and cells[r] != everyone:
-            problems.append(f"r{r} does not hold chunk {r} fully reduced")
-        if collective == "all_gather" and any(c != frozenset([i]) for i, c in enumerate(cells)):
+        if collective == "reduce_scatter" and i < len(cells) and cells[i] != everyone:
+            problems.append(f"r{r} does not hold chunk {i} fully reduced")
+        if collective == "all_gather" and any(
+                c != frozenset([order[j]] if j < len(order) else []) for j, c in enumerate(cells)):
             problems.append(f"r{r} does not hold every chunk from its owner")
         if collective == "broadcast" and any(c is None or len(c) != 1 for c in cells):
             problems.append(f"r{r} does not hold every segment of the root's data")
@@ -835,12 +1097,27 @@ def check_final(collective: str, ranks: list[int], state) -> list[str]:
     return problems
 
 
-def _exchanges(name: str, algo: str, per_rank: dict[int, list[dict[str, Any]]]) -> str:
-    """Who sent how many bytes to whom, round by round: for algorithms whose steps do not
-    say which part of the buffer moved (halving-doubling's halves), so that a replay of
-    chunk contents would be made up."""
+def _where(ranks: list[int], files: list[TraceFile]) -> str:
+    """``on 4 ranks`` for a call of the whole job, ``on ranks 1, 2, 3`` for a group's."""
+    if ranks == job_ranks(files):
+        return f"on {len(ranks)} ranks"
+    return f"on ranks {_ranges(ranks)}"
+
+
+def _groups_line(group: tuple[int, ...], groups: list[tuple[int, ...]]) -> list[str]:
+    if len(groups) <= 1:
+        return []
+    return [f"group {groups.index(group) + 1} of the {len(groups)} that made this call: "
+            f"{_groups_text(groups)} (--rank R explains the group of job rank R)"]
+
+
+def _exchanges(name: str, algo: str, per_rank: dict[int, list[dict[str, Any]]],
+               where: str) -> str:
+    """Who sent how many bytes to whom, round by round: for steps that do not say which
+    part of the buffer moved (halving-doubling's, in a version-1 file), so that a
+    replay of chunk contents would be made up."""
     ranks = sorted(per_rank)
-    out = [f"{name} ({algo}) on {len(ranks)} ranks: its steps record who exchanged how many "
+    out = [f"{name} ({algo}) {where}: its steps record who exchanged how many "
            "bytes with whom, not which chunks, so the chunk table is not replayed", ""]
     for i in range(max(len(st) for st in per_rank.values())):
         moves = []
@@ -859,7 +1136,7 @@ def _exchanges(name: str, algo: str, per_rank: dict[int, list[dict[str, Any]]]) 
 
 
 def explain(files: list[TraceFile], collective: str | None = None, call: int | None = None,
-            nth: int | None = None) -> str:
+            nth: int | None = None, rank: int | None = None) -> str:
     """The lecture's step diagram for one traced call, as text.
 
     Args:
@@ -869,31 +1146,49 @@ def explain(files: list[TraceFile], collective: str | None = None, call: int | N
             lecture's diagram of one pipeline step.
         call: its call number (``all_reduce#3`` is call 3); the step, for "pipeline"
             (default: the last).
+        nth: the n-th call of that name (another communicator's with the same number).
+        rank: for a call made by several groups (each tensor-parallel group's
+            ``all_reduce#1``), the group holding this job rank (default: the group
+            of the lowest rank). Rows are job ranks.
     """
     if collective == "pipeline" or (collective is None and has_pipeline(files)):
         from mpiring.tools import pipeline_trace
 
         return pipeline_trace.explain(files, call)
     coll, num, algo, nth, _ = _pick(files, collective, call, nth)
-    per_rank = {c.rank: c.steps for c in calls(files) if c.ident == (coll, num, algo, nth)}
-    if algo not in WHOLE_BUFFER_ALGOS and not _has_chunks(per_rank):
-        _check_one_communicator(call_name(coll, num, nth), per_rank)
-        return _exchanges(call_name(coll, num, nth), algo, per_rank)
-    (coll, num, algo, nth), ranks, snaps = replay(files, coll, num, nth + 1)
+    name = call_name(coll, num, nth)
+    group, per_rank, groups = _select(files, (coll, num, algo, nth), rank)
+    if (algo not in WHOLE_BUFFER_ALGOS and not _has_chunks(per_rank)
+            and not _has_ranges(per_rank)):
+        if group is None:
+            _check_one_communicator(name, per_rank)
+        lines = _groups_line(group, groups) if group is not None else []
+        text = _exchanges(name, algo, per_rank, _where(sorted(per_rank), files))
+        return "\n".join(lines + [text]) if lines else text
+    rp = replay_group(files, coll, num, nth + 1, rank)
+    ranks, snaps = rp.ranks, rp.snapshots
     everyone = frozenset(ranks)
     nchunks = len(snaps[0][2][ranks[0]])
     sizes = sorted({max(s.get("bytes_sent", 0), s.get("bytes_recv", 0))
-                    for st in per_rank.values() for s in st})
+                    for st in rp.per_rank.values() for s in st})
     size_text = "/".join(str(b) for b in sizes[:4]) + (" ..." if len(sizes) > 4 else "")
-    out = [f"{call_name(coll, num, nth)} ({algo}) on {len(ranks)} ranks, {nchunks} chunk(s), {size_text} B "
-           "per message",
-           "cell: the ranks whose data that chunk of that rank contains "
-           f"({'ALL' if len(ranks) > 1 else 'its own'} = every rank; . = not held yet)", ""]
+    out = [f"{name} ({algo}) {_where(ranks, files)}, {nchunks} chunk(s), {size_text} B "
+           "per message"]
+    out += _groups_line(rp.group, rp.groups)
+    if rp.chunks is not None:  # the chunks are the stretches the steps moved
+        out.append("chunks (elements): " + "  ".join(f"c{i} [{a}, {b})"
+                                                     for i, (a, b) in enumerate(rp.chunks)))
+    if list(rp.group) != ranks:  # a group whose rank order is not its job ranks' order
+        out.append("communicator ranks 0.." + f"{len(ranks) - 1} are job ranks "
+                   + ", ".join(map(str, rp.group)))
+    out.append("cell: the ranks whose data that chunk of that rank contains "
+               f"({'ALL' if len(ranks) > 1 else 'its own'} = every rank; . = not held yet)")
+    out.append("")
     for label, transfers, state in snaps:
         out.append(label + (": " + "  ".join(transfers) if transfers else ""))
         out += _table(state, everyone)
         out.append("")
-    problems = check_final(coll, ranks, snaps[-1][2])
+    problems = check_final(coll, ranks, snaps[-1][2], rp.group)
     out.append("result: " + ("as the collective promises" if not problems else
                              "; ".join(problems)))
     return "\n".join(out)
