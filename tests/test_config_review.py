@@ -33,6 +33,7 @@ from mpiring.comm import default
 from mpiring.comm.communicator import Communicator
 from mpiring.comm.start import KNOWN, REMOVED, ConfigError
 from mpiring.runtime import pages
+from mpiring.runtime.trace import FORMAT_VERSION
 
 
 @pytest.fixture
@@ -252,7 +253,7 @@ def test_init_twice_with_one_trace_directory_keeps_every_record(world, clean_env
     assert len([r for r in records if r["type"] == "step"]) == 4 * steps
     # The header names the run (rank 0's id, on every rank) and its rank count.
     header = records[0]
-    assert header["version"] == 1 and header["world"] == world.size
+    assert header["version"] == FORMAT_VERSION and header["world"] == world.size
     assert len(set(world.mpi_comm.allgather(header["job"]))) == 1
     a.tracer.close()
     b.tracer.close()
