@@ -291,3 +291,48 @@ def _hd_two_ranks(directory, recv_range_r1=(2, 4)) -> None:
         c.step("all-gather", 0, 1, dst=1 - r, src=1 - r, bytes_sent=8, bytes_recv=8,
                send_range=keep[r], recv_range=other)
         tracer.close()
+
+
+def test_point_to_point_on_a_group_names_job_ranks(world):
+    """A pipeline group's messages (ranks 1..K-1, reversed: its rank 0 is the highest job
+    rank): the records say the sender's job rank and the group, so the timeline and the
+    log line name each peer by its job rank, not by its rank in the group."""
+    from mpiring.runtime.trace import fmt_p2p
+
+    with recorded(world) as (tmp, tracer):
+        inside = world.rank >= 1
+        rev = traced(world.split(color=0 if inside else None, key=-world.rank), tracer)
+        if rev is not None and rev.size > 1:
+            right, left = (rev.rank + 1) % rev.size, (rev.rank - 1) % rev.size
+            got = np.zeros(5, np.float32)
+            rev.sendrecv(np.full(5, world.rank, np.float32), right, got, left, tag=4)
+            assert np.all(got == rev.world_ranks[left])
+        if rev is not None:
+            rev.free()
+
+    def check(files):
+        members = list(range(1, world.size))
+        if len(members) < 2:
+            assert not any(r.get("type") == "p2p" for f in files for r in f.records)
+            return
+        order = list(reversed(members))  # group rank i is job rank order[i]
+        spans = [s for s in timeline.chrome_trace(files)["traceEvents"]
+                 if s.get("cat") == "p2p" and s["ph"] == "X"]
+        seen = set()
+        for f in files:
+            for rec in (r for r in f.records if r.get("type") == "p2p"):
+                assert rec["rank"] == f.rank  # the job rank, as a step record's
+                g = f.groups[rec["comm"]]
+                assert list(g) == order
+                i = order.index(f.rank)
+                peer = order[(i + 1) % len(order)] if rec["op"] == "send" else \
+                    order[(i - 1) % len(order)]
+                arrow = "->" if rec["op"] == "send" else "<-"
+                assert fmt_p2p(rec, g).startswith(f"[r{f.rank}] {rec['op']}#") and \
+                    f" {arrow}r{peer} tag 4 " in fmt_p2p(rec, g)
+                seen.add((f.rank, rec["op"], peer))
+        assert len(seen) == 2 * len(members)
+        assert sorted((s["pid"], s["name"]) for s in spans) == sorted(
+            (r, f"{op} {'->' if op == 'send' else '<-'}r{p} tag 4") for r, op, p in seen)
+
+    finish(world, tmp, check)

@@ -408,8 +408,12 @@ class PointToPoint:
 
     def _trace_p2p(self, op: str, call: int, peer: int, tag: int, nbytes: int, dtype: str,
                    t_start: float, **extra) -> None:
-        self.tracer.write({"type": "p2p", "rank": self.rank, "op": op, "call": call,
-                           "peer": peer, "tag": tag, "bytes": nbytes, "dtype": dtype, **extra,
+        # The job rank, as a step record's, and the communicator (its job ranks, once
+        # per file), so that a pipeline group's peer, a rank of that group, reads as a
+        # job rank in the tools and the log.
+        self.tracer.write({"type": "p2p", "rank": self.tracer.rank, "op": op, "call": call,
+                           "peer": peer, "comm": self.tracer.group_id(self), "tag": tag,
+                           "bytes": nbytes, "dtype": dtype, **extra,
                            "t_start": t_start, "t_end": clock()})
 
     def isend(self, x, dst: int, tag: int = 0) -> Request:

@@ -52,26 +52,35 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError  # unreachable
 
 
-def fmt_step(rec: dict[str, Any]) -> str:
-    """One readable line for a step record (the ``MPIRING_LOG=steps`` format)."""
+def _job(rank, group: tuple[int, ...] | None):
+    """A peer named by its rank in the communicator, as its job rank when ``group``
+    (the communicator's job ranks) is known."""
+    return group[rank] if group is not None and rank is not None else rank
+
+
+def fmt_step(rec: dict[str, Any], group: tuple[int, ...] | None = None) -> str:
+    """One readable line for a step record (the ``MPIRING_LOG=steps`` format); peers are
+    job ranks when ``group``, the job ranks of the call's communicator, is given."""
     # The algorithm is named: with algo="auto" it says which one the call ran.
     algo = f" ({rec['algo']})" if rec.get("algo") else ""
     parts = [f"[r{rec['rank']}] {rec['collective']}#{rec['call']}{algo} {rec['phase']} "
              f"{rec['step'] + 1}/{rec['steps']}"]
     if rec.get("send_chunk") is not None:
-        parts.append(f"send c{rec['send_chunk']}->r{rec['dst']}")
+        parts.append(f"send c{rec['send_chunk']}->r{_job(rec['dst'], group)}")
     if rec.get("recv_chunk") is not None:
-        parts.append(f"recv c{rec['recv_chunk']}<-r{rec['src']}")
+        parts.append(f"recv c{rec['recv_chunk']}<-r{_job(rec['src'], group)}")
     nbytes = max(rec.get("bytes_sent", 0), rec.get("bytes_recv", 0))
     parts.append(fmt_bytes(nbytes))
     parts.append(f"{(rec['t_end'] - rec['t_start']) * 1e3:.1f} ms")
     return " ".join(parts)
 
 
-def fmt_p2p(rec: dict[str, Any]) -> str:
-    """One readable line for a point-to-point record: ``[r0] send#3 ->r1 tag 0 4.0 KiB 0.1 ms``."""
+def fmt_p2p(rec: dict[str, Any], group: tuple[int, ...] | None = None) -> str:
+    """One readable line for a point-to-point record: ``[r0] send#3 ->r1 tag 0 4.0 KiB 0.1 ms``
+    (the peer as a job rank when ``group`` is given, as ``fmt_step``'s)."""
     arrow = "->" if rec["op"] == "send" else "<-"
-    return (f"[r{rec['rank']}] {rec['op']}#{rec['call']} {arrow}r{rec['peer']} tag {rec['tag']} "
+    peer = _job(rec["peer"], group)
+    return (f"[r{rec['rank']}] {rec['op']}#{rec['call']} {arrow}r{peer} tag {rec['tag']} "
             f"{fmt_bytes(rec['bytes'])} {(rec['t_end'] - rec['t_start']) * 1e3:.1f} ms")
 
 
@@ -186,6 +195,7 @@ class Tracer:
         self._name = name or f"rank{rank}"
         # Communicators' job ranks -> their id in this file (see ``group_id``).
         self._groups: dict[tuple[int, ...], int] = {}
+        self._ranks_of: dict[int, tuple[int, ...]] = {}  # the same, id -> job ranks
         self._groups_lock = threading.Lock()
         if directory:
             os.makedirs(directory, exist_ok=True)
@@ -242,6 +252,7 @@ class Tracer:
                     gid = len(self._groups)
                     self.write({"type": "comm", "rank": self.rank, "id": gid,
                                 "ranks": list(ranks), "name": getattr(comm, "name", None)})
+                    self._ranks_of[gid] = ranks
                     self._groups[ranks] = gid
         return gid
 
@@ -250,10 +261,11 @@ class Tracer:
             self._file.write(json.dumps(rec) + "\n")
         if self.log_steps:
             kind = rec.get("type")
+            group = self._ranks_of.get(rec.get("comm"))
             if kind == "step":
-                log.info(fmt_step(rec))
+                log.info(fmt_step(rec, group))
             elif kind == "p2p":
-                log.info(fmt_p2p(rec))
+                log.info(fmt_p2p(rec, group))
 
     def event(self, name: str, cat: str, t_start: float, t_end: float, **fields: Any) -> None:
         """Record a span that is not a ring step (a DDP bucket, a backward pass...)."""

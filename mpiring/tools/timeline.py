@@ -409,13 +409,19 @@ def tracks(files: list[TraceFile]) -> list[dict[str, Any]]:
         lanes = _lanes([(m["t_start"], m["t_end"]) for m in msgs])
         for m, lane in zip(msgs, lanes):
             arrow = "->" if m["op"] == "send" else "<-"
+            # The peer is a rank of the message's communicator (a pipeline group's): named
+            # by its job rank where the file records that communicator.
+            group = f.groups.get(m.get("comm"))
+            peer = group[m["peer"]] if group is not None and 0 <= m["peer"] < len(group) \
+                else m["peer"]
             spans.append({"kind": "event", "rank": f.rank, "group": "p2p",
                           "track": "p2p" if lane == 0 else f"p2p ({lane + 1})",
-                          "name": f"{m['op']} {arrow}r{m['peer']} tag {m.get('tag')}",
+                          "name": f"{m['op']} {arrow}r{peer} tag {m.get('tag')}",
                           "cat": "p2p", "start": m["t_start"] + f.offset - t0,
                           "end": m["t_end"] + f.offset - t0,
-                          "args": {k: m.get(k) for k in ("call", "peer", "tag", "bytes", "dtype",
-                                                         "via") if k in m}})
+                          "args": {"call": m.get("call"), "peer": peer,
+                                   **{k: m.get(k) for k in ("tag", "bytes", "dtype", "via")
+                                      if k in m}}})
     for f in files:
         events = [r for r in f.records if r.get("type") == "event"]
         # A track per event name (ddp.backward, ddp.all_reduce...), unless a
