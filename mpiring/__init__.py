@@ -23,6 +23,8 @@ _LAZY = {
     "ZeroRedundancyOptimizer": "mpiring.parallel.zero",
     "FullyShardedDataParallel": "mpiring.parallel.fsdp",
     "ShardedGradScaler": "mpiring.parallel.fsdp",
+    "fully_shard": "mpiring.parallel.fsdp",
+    "FSDPModule": "mpiring.parallel.fsdp",
     "ProcessGrid": "mpiring.parallel.grid",
     "ColumnParallelLinear": "mpiring.parallel.tensor",
     "RowParallelLinear": "mpiring.parallel.tensor",

@@ -166,6 +166,10 @@ class FullyShardedDataParallel(nn.Module):
         self.peak_unsharded_bytes = 0
         self._keys = list(module.state_dict().keys())
         self.module = module
+        # What forward() runs inside the root's gather: the module, or (fully_shard, whose
+        # module is the model itself and whose forward calls this one) its class's own
+        # forward, so that the module's forward and hooks do not run twice.
+        self.inner_forward = None
         self.closed = False
         # Its own communicator, made on every rank in the same order: the
         # thread's collectives never match a message of the main thread's.
@@ -279,7 +283,7 @@ class FullyShardedDataParallel(nn.Module):
         if mp is not None and mp.cast_forward_inputs:
             args, kwargs = _cast(args, mp.param_dtype), _cast(kwargs, mp.param_dtype)
         try:
-            out = self.module(*args, **kwargs)
+            out = (self.inner_forward or self.module)(*args, **kwargs)
         finally:
             self._recording = False
         for root in roots:

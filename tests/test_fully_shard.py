@@ -1,0 +1,350 @@
+"""``mpiring.fully_shard`` (torch FSDP2's composable API) against torch's own ``fully_shard``
+over gloo in the same processes, and against the unsplit model: float64, sizes no K divides.
+
+Run at 1, 2, 3 and 4 ranks (the torch comparisons span the whole job: ``world``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from test_fsdp_review import Block  # noqa: E402
+from torch import nn  # noqa: E402
+from torch_gloo import gloo_world  # noqa: E402
+
+import mpiring  # noqa: E402
+from mpiring.parallel.fsdp import (  # noqa: E402
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    full_optim_state_dict,
+)
+from mpiring.parallel.fsdp import fully_shard as mp_fully_shard  # noqa: E402
+from mpiring.tools.train.torch_pg import destroy_torch_process_group  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList([Block(7, 3), Block(7, 5), Block(7, 2)])
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def make(dtype=torch.float64):
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def batch(world, step, dtype=torch.float64, same=False):
+    """This rank's rows of a global batch (``same``: the whole batch on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(3 * world.size, 5, generator=g, dtype=dtype)
+    y = torch.randn(3 * world.size, 3, generator=g, dtype=dtype)
+    if same:
+        return x, y
+    rows = slice(3 * world.rank, 3 * world.rank + 3)
+    return x[rows], y[rows]
+
+
+def loss_of(model, x, y):
+    return ((model(x).to(y.dtype) - y) ** 2).mean()
+
+
+def torch_full_state(model):
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in model.state_dict().items()}
+
+
+def shard(fs, model, how, **kw):
+    """Apply ``fs`` (torch's or mpiring's fully_shard) the way a script does."""
+    if how == "bottom_up":
+        for b in model.blocks:
+            assert fs(b, **kw) is b
+    elif how == "nested":
+        for b in model.blocks:
+            fs(b.mlp, **kw)
+            fs(b, **kw)
+    assert fs(model, **kw) is model
+    return model
+
+
+def train(world, model, opt, steps, micro=1, dtype=torch.float64, same=False):
+    """AdamW steps over ``micro`` micro-batches each (synced on the last); the losses."""
+    losses = []
+    for s in range(steps):
+        for m in range(micro):
+            if micro > 1:
+                model.set_requires_gradient_sync(m == micro - 1)  # the same name in both
+            x, y = batch(world, s * micro + m, dtype, same)
+            loss = loss_of(model, x, y)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            if m < micro - 1:  # not reduced: no shard has a gradient yet, in either
+                assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def assert_state_equal(got, want, rtol=1e-12, atol=1e-13):
+    assert list(got) == list(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=k)
+
+
+def check_one_engine(model, blocks):
+    """One engine over ``model``: its units are ``blocks`` and the root, and
+    ``model.parameters()`` is exactly their shards."""
+    engine = model.fsdp_engine
+    assert isinstance(engine, FullyShardedDataParallel)
+    assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPNet"
+    assert [u.module for u in engine.units] == [model, *blocks]
+    assert all(b.fsdp_engine is engine for b in blocks)
+    assert [id(p) for p in model.parameters()] == [id(u.flat.shard) for u in engine.units]
+    assert all(getattr(p, "_mpiring_fsdp_shard", False) for p in model.parameters())
+
+
+@pytest.mark.parametrize("how", ("bottom_up", "root_only"))
+def test_the_script_matches_torch_fully_shard(world, how):
+    # The torchtitan script twice in the same processes: torch's fully_shard over gloo
+    # and mpiring's, three AdamW steps (bottom-up: two micro-batches, the first with
+    # set_requires_gradient_sync(False), accumulating unsharded).
+    from torch.distributed.fsdp import fully_shard
+
+    gloo_world(world)
+    try:
+        ref = shard(fully_shard, make(), how)
+        model = shard(mp_fully_shard, make(), how, mesh=world)
+        check_one_engine(model, list(model.blocks) if how == "bottom_up" else [])
+        if how == "bottom_up":
+            assert type(model.blocks[0]).__name__ == "FSDPBlock"
+            assert isinstance(model.blocks[2], Block) and isinstance(model.blocks[2], FSDPModule)
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (ref, model)]
+        micro = 2 if how == "bottom_up" else 1
+        want = train(world, ref, opts[0], 3, micro)
+        got = train(world, model, opts[1], 3, micro)
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-14)
+        assert_state_equal(model.full_state_dict(), torch_full_state(ref))
+        assert not any(u.flat.allocated for u in model.fsdp_engine.units)  # freed after backward
+        model.close()
+    finally:
+        destroy_torch_process_group(world)
+
+
+@pytest.mark.parametrize("how", ("bottom_up", "nested"))
+def test_the_script_matches_the_unsplit_model(world, how):
+    # The global batch's mean loss on one process; FSDP averages the ranks' gradients
+    # of their rows' mean: the same gradient. Nested: fully_shard(block.mlp) first.
+    plain = make()
+    model = shard(mp_fully_shard, make(), how, mesh=world)
+    engine = model.fsdp_engine
+    units = [m for b in model.blocks for m in ((b, b.mlp) if how == "nested" else (b,))]
+    assert [u.module for u in engine.units] == [model, *units]
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (plain, model)]
+    for s in range(3):
+        x, y = batch(world, s, same=True)
+        want = loss_of(plain, x, y)
+        want.backward()
+        xs, ys = batch(world, s)
+        got = loss_of(model, xs, ys)
+        got.backward()
+        mean = world.mpi_comm.allreduce(float(got.detach())) / world.size
+        assert mean == pytest.approx(float(want.detach()), rel=1e-12)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert_state_equal(model.full_state_dict(), plain.state_dict())
+    model.close()
+
+
+def test_a_block_called_alone_is_its_own_root(world):
+    # No later call on the model: the block is its own engine's root, inside a plain
+    # model whose parameters() now gives the block's shard beside the plain ones.
+    # The same batch on every rank, so that the plain parameters' gradients agree.
+    plain = make()
+    model = make()
+    block = model.blocks[1]
+    assert mp_fully_shard(block, mesh=world) is block
+    assert type(model) is Net and type(block).__name__ == "FSDPBlock"
+    engine = block.fsdp_engine
+    assert [u.module for u in engine.units] == [block]
+    names = [n for n, _ in model.named_parameters()]
+    assert "blocks.1._fsdp_flat" in names and not any(n.startswith("blocks.1.ln") for n in names)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (plain, model)]
+    losses = [train(world, m, o, 3, same=True) for m, o in zip((plain, model), opts)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+    want = plain.state_dict()
+    got = {f"blocks.1.{k}": v for k, v in block.full_state_dict().items()}
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-12, atol=1e-13, msg=k)
+    torch.testing.assert_close(model.out.weight, plain.out.weight, rtol=1e-12, atol=1e-13)
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) on a sharded module is refused"):
+        model.state_dict()  # the plain parent reaches the block's refusal
+    block.close()
+
+
+def test_mixed_precision_matches_torch(world):
+    # bfloat16 parameters, float32 reduction: torch's MixedPrecisionPolicy as it is,
+    # against torch's fully_shard with the same policy (float32 model).
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    gloo_world(world)
+    try:
+        ref = shard(fully_shard, make(torch.float32), "bottom_up", mp_policy=policy)
+        model = shard(mp_fully_shard, make(torch.float32), "bottom_up", mesh=world,
+                      mp_policy=policy)
+        assert model.fsdp_engine.mixed_precision == MixedPrecision(torch.bfloat16, torch.float32)
+        seen = []
+        model.blocks[0].mlp[0].register_forward_hook(
+            lambda m, a, o: seen.append((m.weight.dtype, o.dtype)))
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ref, model)]
+        want = train(world, ref, opts[0], 2, dtype=torch.float32)
+        got = train(world, model, opts[1], 2, dtype=torch.float32)
+        assert seen == [(torch.bfloat16, torch.bfloat16)] * 2
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert got == pytest.approx(want, rel=1e-5)
+        # The same bfloat16 compute; the float32 sums differ in order only.
+        assert_state_equal(model.full_state_dict(), torch_full_state(ref), rtol=1e-5, atol=1e-6)
+        model.close()
+    finally:
+        destroy_torch_process_group(world)
+    # mpiring's own MixedPrecision is taken as well, and the same on every call.
+    other = shard(mp_fully_shard, make(torch.float32), "bottom_up", mesh=world,
+                  mp_policy=MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32))
+    assert other.fsdp_engine.mixed_precision == MixedPrecision(torch.bfloat16, torch.float32)
+    other.close()
+
+
+def test_default_group_and_the_fsdp_module_methods(world):
+    # mesh=None: init_process_group's default group; then what a torch user calls.
+    made = not mpiring.is_initialized()
+    if made:
+        mpiring.init_process_group()
+    try:
+        model = shard(mp_fully_shard, make(), "bottom_up")
+        engine = model.fsdp_engine
+        assert engine.comm is mpiring.comm.default.default_comm()
+        x, y = batch(world, 0)
+        with pytest.raises(RuntimeError, match=r"state_dict\(\).*full_state_dict\(\)"):
+            model.state_dict()
+        with pytest.raises(RuntimeError, match="load_state_dict"):
+            model.load_state_dict({})
+        with pytest.raises(RuntimeError, match="whose root is the Net"):
+            model.blocks[0].set_requires_gradient_sync(False)
+        with pytest.raises(RuntimeError, match="move or cast the model before fully_shard"):
+            model.float()
+        model.set_modules_to_forward_prefetch([model.blocks[1]])  # accepted, not followed
+        model.set_modules_to_backward_prefetch([model.blocks[0]])
+        full = model.full_state_dict()
+        # unshard() makes a unit's values readable, reshard() frees them again.
+        blk = model.blocks[1]
+        blk.unshard()
+        torch.testing.assert_close(blk.mlp[0].weight, full["blocks.1.mlp.0.weight"])
+        blk.reshard()
+        assert not any(u.flat.allocated for u in engine.units if u.module is blk)
+        handle = blk.unshard(async_op=True)
+        handle.wait()
+        torch.testing.assert_close(blk.mlp[2].bias, full["blocks.1.mlp.2.bias"])
+        blk.reshard()
+        # Kept after forward for every block: no gather in the backward.
+        model.set_reshard_after_forward(False)
+        assert not any(u.reshard_after_forward for u in engine.units)
+        loss_of(model, x, y).backward()
+        assert all(p.grad is not None for p in model.parameters() if p.numel())
+        norm = model.clip_grad_norm_(1e-3)
+        assert float(norm) > 1e-3
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt.step()
+        state = full_optim_state_dict(model.fsdp_engine, opt)
+        assert sorted(state["state"]) == sorted(full)  # every parameter, by name
+        model.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        model.load_full_state_dict(full)
+        assert_state_equal(model.full_state_dict(), full, rtol=0, atol=0)
+        model.close()
+    finally:
+        if made:
+            mpiring.destroy_process_group()
+
+
+def _refusals(world):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    net = make()
+    return [
+        (lambda m: mp_fully_shard(m, mesh=world, reshard_after_forward=2), "an int"),
+        (lambda m: mp_fully_shard(m, mesh=world, shard_placement_fn=lambda p: None),
+         "shard_placement_fn is not available"),
+        (lambda m: mp_fully_shard(m, mesh=world, offload_policy=CPUOffloadPolicy()),
+         "offloading is not available"),
+        (lambda m: mp_fully_shard(m, mesh=world, ignored_params={m.inp.weight}),
+         "ignored_params is not available"),
+        (lambda m: mp_fully_shard(m, mesh=world, mp_policy=MixedPrecisionPolicy(
+            output_dtype=torch.float32)), "output_dtype is not available"),
+        (lambda m: mp_fully_shard(m, mesh=object()), "pass None .* or an mpiring Communicator"),
+        (lambda m: mp_fully_shard([m.inp, m.out], mesh=world), "pass one nn.Module"),
+        # One rank alone refuses: every rank raises, none goes on.
+        (lambda m: mp_fully_shard(m, mesh=world, ignored_params={m.inp.weight}
+                                  if world.rank == world.size - 1 else None),
+         "ignored_params is not available" if world.rank == world.size - 1 or world.size == 1
+         else r"rank\(s\) \[\d\] refused the call"),
+    ], net
+
+
+def test_refusals_are_raised_on_every_rank_before_anything_moves(world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cases, net = _refusals(world)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    for call, match in cases:
+        with pytest.raises((TypeError, ValueError), match=match):
+            call(net)
+        assert type(net) is Net and list(net.state_dict()) == list(before)
+    # Blocks sharded with one policy, the model asked for another: the blocks stay sharded.
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for b in net.blocks:
+        mp_fully_shard(b, mesh=world, mp_policy=policy)
+    with pytest.raises(ValueError, match="pass the same mp_policy to every fully_shard call"):
+        mp_fully_shard(net, mesh=world)
+    assert all(type(b).__name__ == "FSDPBlock" and b.fsdp_engine.units[0].module is b
+               for b in net.blocks)
+    model = mp_fully_shard(net, mesh=world, mp_policy=policy)  # then it goes on
+    # Top-down: a block inside the sharded model, or the model again.
+    with pytest.raises(ValueError, match="call fully_shard bottom-up"):
+        mp_fully_shard(model.blocks[0], mesh=world)
+    with pytest.raises(ValueError, match="already sharded by fully_shard"):
+        mp_fully_shard(model, mesh=world, mp_policy=policy)
+    model.close()
+    root_only = mp_fully_shard(make(), mesh=world)
+    with pytest.raises(ValueError, match="call fully_shard bottom-up"):
+        mp_fully_shard(root_only.blocks[1].mlp, mesh=world)
+    root_only.close()
+
+
+def test_a_device_mesh_is_refused_naming_a_communicator(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    gloo_world(world)
+    try:
+        net = make()
+        mesh = init_device_mesh("cpu", (world.size,))
+        with pytest.raises(TypeError, match="torch DeviceMesh .* pass an mpiring Communicator"):
+            mp_fully_shard(net, mesh=mesh)
+        mesh2 = init_device_mesh("cpu", (1, world.size), mesh_dim_names=("rep", "shard"))
+        with pytest.raises(ValueError, match="2-D DeviceMesh .HSDP"):
+            mp_fully_shard(net, mesh=mesh2)
+        assert type(net) is Net
+        del mesh, mesh2
+    finally:
+        destroy_torch_process_group(world)
