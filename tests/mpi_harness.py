@@ -121,10 +121,26 @@ def _peer_stacks() -> None:
                 text = f.read()
         except OSError as exc:
             text = f"(could not read {path}: {exc})\n"
-        text = text or "(nothing written)\n"
+        text = text or f"(nothing written; {_process_state(pid)})\n"
         sys.stderr.write(f"\n[r{RANK}] stacks of r{r} (pid {pid}), asked for when r{RANK} "
                          f"timed out:\n{text}")
     sys.stderr.flush()
+
+
+def _process_state(pid: int) -> str:
+    """What the kernel says of a rank that did not answer: gone, a zombie (it exited), or
+    its scheduler state and where in the kernel it waits (D: uninterruptible, as on I/O)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "the process is gone"
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or "-"
+    except OSError:
+        wchan = "?"
+    return f"process state {state}, waiting in {wchan}"
 
 
 def _abort(message: str) -> None:
