@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+from conftest import wait_quietly  # noqa: E402
 from test_fsdp_review import Block  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_gloo import gloo_world  # noqa: E402
@@ -348,3 +349,41 @@ def test_a_device_mesh_is_refused_naming_a_communicator(world):
         del mesh, mesh2
     finally:
         destroy_torch_process_group(world)
+
+
+def test_save_sharded_and_load_sharded_take_the_root(world, tmp_path_factory):
+    # save_sharded read the model's own state_dict(), which a fully_shard model refuses:
+    # it raised. A save of the root loads into a fresh fully_shard model and into the
+    # wrapper, each of which then takes the same next step as the model that saved.
+    import shutil
+
+    from mpiring.parallel.fsdp import load_sharded, save_sharded
+
+    where = world.control.bcast_json(
+        str(tmp_path_factory.mktemp("fully-shard-save")) if world.rank == 0 else None)
+    model = shard(mp_fully_shard, make(), "bottom_up", mesh=world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    train(world, model, opt, 2)
+    assert save_sharded(where, model, opt, step=2) == where
+    with pytest.raises(RuntimeError, match="full_state_dict"):  # still refused to users
+        model.state_dict()
+    again = shard(mp_fully_shard, make(), "bottom_up", mesh=world)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=0.05, weight_decay=0.1)
+    wrapper = FullyShardedDataParallel(make(), world, auto_wrap=(Block,))
+    opt3 = torch.optim.AdamW(wrapper.parameters(), lr=0.05, weight_decay=0.1)
+    assert load_sharded(where, again, opt2) == 2 and load_sharded(where, wrapper, opt3) == 2
+    want = model.full_state_dict()
+    assert_state_equal(again.full_state_dict(), want, rtol=0, atol=0)
+    assert_state_equal(wrapper.full_state_dict(), want, rtol=0, atol=0)
+    x, y = batch(world, 7)
+    for m, o in ((model, opt), (again, opt2), (wrapper, opt3)):
+        loss_of(m, x, y).backward()
+        o.step()
+    after = model.full_state_dict()
+    assert_state_equal(again.full_state_dict(), after, rtol=0, atol=0)
+    assert_state_equal(wrapper.full_state_dict(), after, rtol=0, atol=0)
+    for m in (model, again, wrapper):
+        m.close()
+    wait_quietly(world)
+    if world.rank == 0:
+        shutil.rmtree(where, ignore_errors=True)

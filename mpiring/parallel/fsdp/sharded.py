@@ -484,6 +484,19 @@ def _agree(comm, error: BaseException | None, what: str) -> None:
     raise cls(f"{what}: r{r}{others}: {msg}") from error
 
 
+@contextlib.contextmanager
+def _engine(model, what: str):
+    """The wrapper behind ``model``: itself, or the engine of a ``fully_shard`` model (its
+    root), which may read its modules' own state dicts meanwhile (refused to users)."""
+    inside = getattr(model, "_fsdp_internal", None)
+    if inside is None:
+        yield model
+        return
+    model._fsdp_root(what)
+    with inside() as engine:
+        yield engine
+
+
 def save_sharded(path_dir: str, model, optimizer: torch.optim.Optimizer | None = None,
                  step: int = 0) -> str:
     """Save the model (and optimizer) as one file per rank plus an index (collective).
@@ -500,9 +513,16 @@ def save_sharded(path_dir: str, model, optimizer: torch.optim.Optimizer | None =
     Only small control values cross ranks (the save's id, each file's metadata, who
     failed), never a tensor. Returns ``path_dir``.
 
+    ``model``: a ``FullyShardedDataParallel``, or the root of a ``fully_shard`` model.
+
     Raises:
         ValueError, OSError: a bad step, or a rank that could not write (on every rank).
     """
+    with _engine(model, "save_sharded") as fsdp:
+        return _save_sharded(path_dir, fsdp, optimizer, step)
+
+
+def _save_sharded(path_dir: str, model, optimizer, step: int) -> str:
     what = "save_sharded"
     comm = model.comm
     error: BaseException | None = None
@@ -575,6 +595,11 @@ def load_sharded(path_dir: str, model, optimizer: torch.optim.Optimizer | None =
             a damaged file; ``FileNotFoundError`` a missing one (no index: the save did
             not finish). On every rank, before anything changed.
     """
+    with _engine(model, "load_sharded") as fsdp:
+        return _load_sharded(path_dir, fsdp, optimizer)
+
+
+def _load_sharded(path_dir: str, model, optimizer) -> int:
     what = "load_sharded"
     comm = model.comm
     error: BaseException | None = None
