@@ -204,6 +204,7 @@ class Unit:
             if self.frozen is not None:
                 self.frozen.unshard()
             self.wait()
+            self._views_for_backward()
             self.owner._prefetch_backward(self)
         elif self.status == SHARDED:
             # Freed earlier in this backward (another forward's graph went first, or a
@@ -212,7 +213,19 @@ class Unit:
             if self.frozen is not None:
                 self.frozen.unshard()
             self.wait()
+            self._views_for_backward()
         return None
+
+    def _views_for_backward(self) -> None:
+        """Give the module its parameters' views again for its backward: activation
+        checkpointing runs the module's forward again there, reading its attributes
+        (after the forward they are the stand-ins). With grad on, as in the forward
+        (autograd runs hooks with it off): a recomputation must save what the forward
+        saved."""
+        with torch.enable_grad():
+            for u in (self, self.frozen):
+                if u is not None:
+                    u.flat.set_views()
 
     def _post_backward(self, full: torch.Tensor) -> None:
         # Autograd has summed every view's gradient into full.grad: the unit's

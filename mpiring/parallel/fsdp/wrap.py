@@ -18,6 +18,9 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+#: torch's checkpoint_wrapper's submodule name (``checkpoint_wrapper._CHECKPOINT_PREFIX``).
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
 Policy = str | Callable[[nn.Module], bool] | Sequence | None
 
 
@@ -131,7 +134,9 @@ def assign_parameters(module: nn.Module, units: list[nn.Module]):
         for attr, p in m._parameters.items():
             if p is None:
                 continue
-            fqn = f"{name}.{attr}" if name else attr
+            # The model's state_dict key: torch's activation-checkpoint wrapper drops its
+            # inner module's name from the keys (a state_dict hook), so drop it here too.
+            fqn = (f"{name}.{attr}" if name else attr).replace(_CHECKPOINT_PREFIX, "")
             first = owner.setdefault(id(p), (u, fqn))
             if first[0] != u:
                 shared.append(f"{first[1]} / {fqn}")
