@@ -50,6 +50,8 @@ from mpiring.parallel.fsdp.module import FullyShardedDataParallel
 from mpiring.parallel.fsdp.precision import MixedPrecision
 
 _INFO = "_mpiring_fsdp"            # a unit module's _Info, in its __dict__
+# On a parameter an engine took over: where (for a tie that reaches outside the call).
+_TAKEN = "_mpiring_fully_shard_taken"
 _FLAT = ("_fsdp_flat", "_fsdp_flat_frozen")  # the shards' names on a unit module
 
 #: Every module under an engine's root -> its group (top-down calls are refused).
@@ -235,6 +237,35 @@ class FSDPModule:
         return self._fsdp_root("clip_grad_norm_").clip_grad_norm_(
             max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
+    def shard_masks(self, predicate) -> dict[nn.Parameter, torch.Tensor]:
+        """Per flat shard of this module (and the units inside it), a bool mask of its
+        elements: True where the element belongs to a parameter for which
+        ``predicate(name, param)`` holds (no communication).
+
+        ``name`` is the parameter's key in ``full_state_dict()``; ``param`` a stand-in
+        with its shape (``dim()``, ``ndim``, ``shape``, ``numel()``), not its values.
+        The shards are 1-D pieces of several parameters, so an optimizer's param groups
+        cannot split them by parameter; this is what to do instead, for weight decay
+        on some parameters only (nanoGPT's ``p.dim() >= 2``)::
+
+            decay = model.shard_masks(lambda name, p: p.dim() >= 2)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+            ...
+            with torch.no_grad():   # AdamW's own decoupled decay, before its update
+                for p, mask in decay.items():
+                    p[mask] *= 1 - opt.param_groups[0]["lr"] * wd
+            opt.step()
+        """
+        masks = {}
+        for u in self._fsdp_units(recurse=True):
+            flat = u.flat
+            mask = torch.zeros(flat.hi - flat.lo, dtype=torch.bool, device=flat.device)
+            for s, start, stop in flat.pieces():
+                if predicate(s.fqn, flat.hidden[s.index]):
+                    mask[s.offset + start - flat.lo:s.offset + stop - flat.lo] = True
+            masks[flat.shard] = mask
+        return masks
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's own ``state_dict`` keys with full tensors, on every rank (collective)."""
         self._fsdp_root("full_state_dict")
@@ -406,6 +437,25 @@ def _check(module, reshard_after_forward, shard_placement_fn, offload_policy,
     if mp is not None and mp.param_dtype is not None and not mp.param_dtype.is_floating_point:
         return TypeError(f"fully_shard: mp_policy param_dtype={mp.param_dtype}: use a "
                          "floating dtype such as torch.bfloat16"), None
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return ValueError(
+            f"fully_shard: {type(module).__name__} has parameters or buffers on the meta "
+            "device: the engine shards real values (every rank starts from rank 0's), so "
+            "torch's flow (fully_shard on the meta model, then to_empty() and init_weights()) "
+            "is not available. Materialize first: model.to_empty(device='cpu'), initialize "
+            "it (the same seed on every rank is not needed), then call fully_shard"), None
+    for name, p in module.named_parameters(remove_duplicate=False):
+        taken = getattr(p, _TAKEN, None)
+        if taken is not None:
+            # A parameter tied across calls (an embedding sharded alone, the output head
+            # left to the model): the earlier engine holds its values, this module a stale
+            # Parameter; going on would untie them silently.
+            return ValueError(
+                f"fully_shard: {type(module).__name__}'s parameter {name!r} is tied to "
+                f"{taken}, which an earlier fully_shard call sharded: a tied parameter must "
+                "be in one unit. Do not call fully_shard on one of the modules that share it "
+                "alone; their common parent's call holds both (torch's answer, "
+                "fully_shard([module_a, module_b]), is not available)"), None
     inside = {id(m) for m in module.modules()}
     for m in module.modules():
         group = _COVERED.get(m)
@@ -523,8 +573,10 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
             ``DeviceMesh`` (2-D: HSDP), an int ``reshard_after_forward``, a
             ``shard_placement_fn``, an offload policy, ``ignored_params``, an
             ``output_dtype``, a policy or mesh that differs from an earlier call's
-            on a submodule, or a call on a module inside one already sharded
-            (top-down order).
+            on a submodule, a call on a module inside one already sharded
+            (top-down order), parameters on the meta device, or a parameter tied
+            to one an earlier call sharded (the embedding sharded alone, the head
+            left to the model).
     """
     comm, error = _comm_of(mesh)
     mp = None
@@ -550,6 +602,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     for group in below:
         infos.extend(_dissolve(group))
     order = [(m, list(m._parameters.keys())) for m in module.modules()]
+    originals = list(module.named_parameters(remove_duplicate=False))
     orig_cls = type(module)
     engine = FullyShardedDataParallel(module, comm, auto_wrap=[m for m, _ in infos] or None,
                                       reshard_after_forward=True, mixed_precision=mp)
@@ -569,4 +622,9 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         u.module.register_parameter(_FLAT[1] if u.paired else _FLAT[0], u.flat.shard)
     for m in module.modules():
         _COVERED[m] = group
+    for name, p in originals:
+        # The engine holds their values now: a module outside this one that still holds
+        # one of these objects (a tie) is refused by a later call (see _check).
+        if not hasattr(p, _TAKEN):
+            setattr(p, _TAKEN, f"{orig_cls.__name__}'s {name!r}")
     return module
