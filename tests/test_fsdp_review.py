@@ -183,6 +183,9 @@ def test_a_parameter_read_outside_its_units_forward_raises_naming_the_fix(world)
         float(w.sum())
     with pytest.raises(RuntimeError, match="is sharded now"):
         torch.nn.functional.linear(x[:, :7], w)
+    ln = model.module.blocks[0].ln.weight  # passed by keyword: still named
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.ln\.weight is sharded now"):
+        torch.nn.functional.layer_norm(x[:, :7], (7,), weight=ln)
     # Inside the forward the module sees the gathered values again.
     with torch.no_grad():
         out = model(x)

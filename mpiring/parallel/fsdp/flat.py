@@ -60,7 +60,9 @@ class ShardedParameter(torch.Tensor):
         if func in cls._ALLOWED:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        fqn = next((a._fqn for a in args if isinstance(a, ShardedParameter)), cls._fqn)
+        # Passed as a keyword too (F.layer_norm(x, shape, weight=w)): name it either way.
+        fqn = next((a._fqn for a in (*args, *(kwargs or {}).values())
+                    if isinstance(a, ShardedParameter)), cls._fqn)
         raise RuntimeError(
             f"FullyShardedDataParallel: {fqn} is sharded now (each rank holds 1/K of it, as "
             "the flat model.parameters()), so its module has its values only inside its "
