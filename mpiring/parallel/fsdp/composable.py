@@ -48,6 +48,7 @@ from torch import nn
 from mpiring.parallel.fsdp.flat import ShardedParameter
 from mpiring.parallel.fsdp.module import FullyShardedDataParallel
 from mpiring.parallel.fsdp.precision import MixedPrecision
+from mpiring.parallel.fsdp.unit import SHARDED
 
 _INFO = "_mpiring_fsdp"            # a unit module's _Info, in its __dict__
 # On a parameter an engine took over: where (for a tie that reaches outside the call).
@@ -135,7 +136,10 @@ class FSDPModule:
         return [u for u in self._fsdp_group().engine.units if id(u.module) in mods]
 
     @contextlib.contextmanager
-    def _fsdp_internal(self):
+    def _fsdp_internal(self, what: str):
+        """The root's engine, ``what`` refused on any other module; meanwhile the engine
+        may read the modules' own state dicts (refused to users)."""
+        self._fsdp_root(what)
         group = self._fsdp_group()
         group.internal += 1
         try:
@@ -198,7 +202,7 @@ class FSDPModule:
         engine = self._fsdp_group().engine
         units = self._fsdp_units(recurse=False)
         for u in units:
-            if (u.status != "sharded" and not engine._in_backward
+            if (u.status != SHARDED and not engine._in_backward
                     and u.flat.shard._version != u._shard_version):
                 u.reshard()  # kept gathered while the shard moved on (an optimizer step)
             u.unshard()
@@ -268,26 +272,22 @@ class FSDPModule:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's own ``state_dict`` keys with full tensors, on every rank (collective)."""
-        self._fsdp_root("full_state_dict")
-        with self._fsdp_internal() as engine:
+        with self._fsdp_internal("full_state_dict") as engine:
             return engine.full_state_dict()
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Keep this rank's shard of a full state dict (no communication)."""
-        self._fsdp_root("load_full_state_dict")
-        with self._fsdp_internal() as engine:
+        with self._fsdp_internal("load_full_state_dict") as engine:
             engine.load_full_state_dict(state_dict)
 
     def sharded_state_dict(self, save_id: str | None = None) -> dict:
         """This rank's slices (``FullyShardedDataParallel.sharded_state_dict``)."""
-        self._fsdp_root("sharded_state_dict")
-        with self._fsdp_internal() as engine:
+        with self._fsdp_internal("sharded_state_dict") as engine:
             return engine.sharded_state_dict(save_id)
 
     def load_sharded_state_dict(self, state) -> None:
         """Load this rank's shard from sharded dicts (``FullyShardedDataParallel``'s)."""
-        self._fsdp_root("load_sharded_state_dict")
-        with self._fsdp_internal() as engine:
+        with self._fsdp_internal("load_sharded_state_dict") as engine:
             engine.load_sharded_state_dict(state)
 
     @property

@@ -492,8 +492,7 @@ def _engine(model, what: str):
     if inside is None:
         yield model
         return
-    model._fsdp_root(what)
-    with inside() as engine:
+    with inside(what) as engine:
         yield engine
 
 
