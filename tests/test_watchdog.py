@@ -54,6 +54,23 @@ def test_report_names_collective_step_and_peer():
     assert "MPIRING_TIMEOUT=SECONDS" in text
 
 
+def test_a_stack_that_changes_while_read_still_gives_the_report(monkeypatch):
+    # The report reads the blocked thread's stack from the monitor thread; if that
+    # thread runs on meanwhile, a frame it left can read as garbage: CPython 3.11 once
+    # gave a dict for f_back, and the AttributeError lost the report and ended the job.
+    act = ring_activity()
+    act.thread = threading.get_ident()
+    act.blocked("Wait", 0)
+
+    def torn(frame):
+        raise AttributeError("'dict' object has no attribute 'f_lineno'")
+
+    monkeypatch.setattr(watchdog.traceback, "format_stack", torn)
+    text = act.report(at=act.since + 6.25)
+    assert "blocked 6.2 s in Wait, waiting for data from r0" in text
+    assert "its stack changed while it was being read" in text
+
+
 def test_step_in_progress_follows_the_ring_phases():
     act = ring_activity()
     act.step("reduce-scatter", 0, 3)

@@ -307,7 +307,13 @@ class Activity:
         ]
         frame = sys._current_frames().get(self.thread)
         if frame is not None:
-            stack = traceback.format_stack(frame)[-8:]
+            try:
+                stack = traceback.format_stack(frame)[-8:]
+            except Exception:  # noqa: BLE001
+                # The walk runs in this thread while the other may run on between its
+                # steps; a frame it returned from can then read as garbage (CPython
+                # 3.11 gave a dict for f_back once), and the report matters more.
+                stack = ["  (its stack changed while it was being read: the thread moved on)\n"]
             lines.append(f"{me} stack of the stalled thread (most recent call last):")
             lines.append("".join(stack).rstrip())
         return "\n".join(lines) + "\n"
