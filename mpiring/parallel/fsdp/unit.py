@@ -200,28 +200,24 @@ class Unit:
                 # One unit's gradient at a time: the ReduceScatters queued by the
                 # units after this one end before its backward makes another.
                 self.owner.runner.wait_all()
-            self.unshard()
-            if self.frozen is not None:
-                self.frozen.unshard()
-            self.wait()
-            self._views_for_backward()
+            self._gather_for_backward()
             self.owner._prefetch_backward(self)
         elif self.status == SHARDED:
             # Freed earlier in this backward (another forward's graph went first, or a
             # frozen unit whose count was done): gather again, never read freed storage.
-            self.unshard()
-            if self.frozen is not None:
-                self.frozen.unshard()
-            self.wait()
-            self._views_for_backward()
+            self._gather_for_backward()
         return None
 
-    def _views_for_backward(self) -> None:
-        """Give the module its parameters' views again for its backward: activation
-        checkpointing runs the module's forward again there, reading its attributes
-        (after the forward they are the stand-ins). With grad on, as in the forward
-        (autograd runs hooks with it off): a recomputation must save what the forward
-        saved."""
+    def _gather_for_backward(self) -> None:
+        """Gather the unit (and its frozen part) and give the module its parameters'
+        views again: activation checkpointing runs the module's forward again in its
+        backward, reading its attributes (after the forward they are the stand-ins).
+        With grad on, as in the forward (autograd runs hooks with it off): a
+        recomputation must save what the forward saved."""
+        self.unshard()
+        if self.frozen is not None:
+            self.frozen.unshard()
+        self.wait()
         with torch.enable_grad():
             for u in (self, self.frozen):
                 if u is not None:
