@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -62,8 +63,22 @@ def wait_quietly(world, poll: float = 0.05) -> None:
         time.sleep(poll)
 
 
-def run_mpiexec(n: int, args: list[str], timeout: float) -> tuple[int, str, float]:
-    """Run ``mpiexec -n n python ARGS`` in a clean environment; return (rc, output, seconds)."""
+class Finished(tuple):
+    """A nested job's ``(rc, output, seconds)``, and ``ended``: the wall-clock time it
+    ended at, for a test that reads it while later jobs still run."""
+
+    ended: float
+
+    def __new__(cls, rc: int, out: str, seconds: float):
+        self = super().__new__(cls, (rc, out, seconds))
+        self.ended = time.time()
+        return self
+
+
+def run_mpiexec(n: int, args: list[str], timeout: float,
+                env: dict[str, str] | None = None) -> Finished:
+    """Run ``mpiexec -n n python ARGS`` in a clean environment (plus ``env``); return
+    (rc, output, seconds)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
         mpiexec = "mpiexec"
@@ -72,15 +87,15 @@ def run_mpiexec(n: int, args: list[str], timeout: float) -> tuple[int, str, floa
     # A nested test job that is aborted on purpose cannot remove its harness
     # files (see mpi_harness._arm_stack_dumps): they go here, removed afterwards.
     stacks = tempfile.TemporaryDirectory(prefix="mpiring-nested-")
-    env = {**scrubbed_env(), "MPIRING_TEST_STACKS_DIR": stacks.name}
+    env = {**scrubbed_env(), **(env or {}), "MPIRING_TEST_STACKS_DIR": stacks.name}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=timeout)
-        return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+        return Finished(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"") + (exc.stderr or b"")
         out = out.decode(errors="replace") if isinstance(out, bytes) else out
-        return -9, out + f"\n<timed out after {timeout} s>", time.monotonic() - t0
+        return Finished(-9, out + f"\n<timed out after {timeout} s>", time.monotonic() - t0)
     finally:
         stacks.cleanup()
 
@@ -98,6 +113,71 @@ def rank0_subprocess(world):
         return result
 
     return run
+
+
+class Job(NamedTuple):
+    """A nested ``mpiexec -n n python ARGS`` (see ``run_mpiexec``)."""
+
+    n: int
+    args: list[str]
+    timeout: float = 60
+    env: dict[str, str] | None = None
+
+
+class SideBySide:
+    """A test file's nested jobs, started together on rank 0; each test reads its own.
+
+    A nested job mostly waits: for its ranks' imports, for a deadline or a probe to
+    pass, for the launcher to forward an abort. One after another, such jobs left the
+    cores idle for most of the minute and a half they took; side by side they fill
+    that time with each other's work. Every timing a test asserts is the job's own
+    (``Finished.ended``, its ``seconds``), so the jobs' order does not matter.
+    """
+
+    #: Jobs at once: more spend the waits on each other's imports and progress.
+    WIDTH = 4
+
+    def __init__(self, world):
+        self.world = world
+        self.futures: dict = {}
+        self.pool = None
+
+    def run(self, request, jobs: dict[str, Job]):
+        """The result of ``jobs[request.node.name]`` on rank 0, None on the others.
+
+        The first call starts every job of ``jobs`` whose test was collected (so
+        ``-k`` runs only the jobs it selects); the other ranks wait without spinning.
+        """
+        name = request.node.name
+        if name not in jobs:
+            raise KeyError(f"no nested job for {name}; jobs: {sorted(jobs)}")
+        result = None
+        if self.world.rank == 0:
+            if self.pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self.pool = ThreadPoolExecutor(self.WIDTH, thread_name_prefix="nested-job")
+            wanted = {item.name for item in request.session.items
+                      if item.module is request.module}
+            for key, job in jobs.items():
+                if key in wanted and key not in self.futures:
+                    self.futures[key] = self.pool.submit(run_mpiexec, job.n, job.args,
+                                                         job.timeout, job.env)
+            result = self.futures[name].result()
+        wait_quietly(self.world)
+        return result
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def side_by_side(world):
+    """This test file's ``SideBySide`` nested jobs."""
+    jobs = SideBySide(world)
+    yield jobs
+    jobs.close()
 
 
 def data(rank: int, n: int, dtype, op: str = "sum", salt: int = 0) -> np.ndarray:

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed")
 
+from conftest import Job  # noqa: E402
 from fake_nccl import fake_backend  # noqa: E402
 from torch_gloo import gloo_world  # noqa: E402
 
@@ -323,10 +324,11 @@ print(f"[r{comm.rank}] the receive returned: the stall was not detected", flush=
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("check", ("1", "0"), ids=("check", "nocheck"))
 def test_a_receive_from_any_source_nothing_matches_ends_at_the_deadline(
-        rank0_subprocess, monkeypatch, check):
-    monkeypatch.setenv("MPIRING_TIMEOUT", "2")
-    monkeypatch.setenv("MPIRING_CHECK", check)
-    result = rank0_subprocess(2, ["-c", NO_SENDER], timeout=60)
+        side_by_side, request, check):
+    result = side_by_side.run(request, {
+        f"test_a_receive_from_any_source_nothing_matches_ends_at_the_deadline[{name}]":
+        Job(2, ["-c", NO_SENDER], env={"MPIRING_TIMEOUT": "2", "MPIRING_CHECK": value})
+        for name, value in (("check", "1"), ("nocheck", "0"))})
     if result is None:
         return
     rc, out, _ = result

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import data
+from conftest import Job, data
 
 import mpiring
 
@@ -93,18 +93,24 @@ def test_two_threads_in_one_communicator_are_refused_naming_both(world):
     np.testing.assert_array_equal(y, sum(data(r, 9, np.float64) for r in range(comm.size)))
 
 
-@pytest.mark.deadline(120)
-@pytest.mark.parametrize("case,expect", [
+#: The nested job's cases, each with what its output must say.
+MISUSE = [
     ("twice", r"\[r1\] twice: RuntimeError: DistributedDataParallel: a second backward"),
     ("threads", r"\[r\d\] threads: RuntimeError: all_reduce: thread '.*' called a collective"),
     ("unwrapped", r"world rank 1 exited \d+\.\d s ago and will never join this call"),
     ("late", r"mpiring stall: all_reduce#\d+ \(algo ring-seg, 2 ranks\).*\(deadline 4 s\)"),
-])
-def test_ddp_misuse_ends_the_job_naming_the_cause(rank0_subprocess, monkeypatch, case, expect):
+]
+
+
+@pytest.mark.deadline(120)
+@pytest.mark.parametrize("case,expect", MISUSE, ids=[case for case, _ in MISUSE])
+def test_ddp_misuse_ends_the_job_naming_the_cause(side_by_side, request, case, expect):
     import re
 
-    monkeypatch.setenv("MPIRING_TIMEOUT", "4")
-    result = rank0_subprocess(2, ["tests/reliability_cases/ddp_misuse.py", case], timeout=60)
+    result = side_by_side.run(request, {
+        f"test_ddp_misuse_ends_the_job_naming_the_cause[{name}]":
+        Job(2, ["tests/reliability_cases/ddp_misuse.py", name], env={"MPIRING_TIMEOUT": "4"})
+        for name, _ in MISUSE})
     if result is None:
         return
     rc, out, seconds = result

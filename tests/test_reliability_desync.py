@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
+from conftest import Job
 
 from mpiring.runtime import desync
 from mpiring.runtime.desync import PROBE, Detector, deadlocked, describe
@@ -167,19 +167,38 @@ def test_the_detector_posts_only_lasting_waits_and_fires_only_on_a_current_cycle
     assert det2.check([act], t + 50, PROBE) is None and wire.sent[-1]["waits"] is None
 
 
-def _run(rank0_subprocess, monkeypatch, n, *cases):
-    monkeypatch.setenv("MPIRING_TIMEOUT", "300")  # the default: the end must not wait for it
-    # A probe time of 2 s, not the default 3: still two of the monitors' wake-ups (1 s
-    # apart at this deadline), and every case waits it out, once a desync has formed or
-    # while a rank is late.
-    monkeypatch.setenv("MPIRING_DESYNC", "2")
-    result = rank0_subprocess(n, ["tests/reliability_cases/desync.py", *cases], timeout=90)
+#: A probe time of 2 s, not the default 3: still two of the monitors' wake-ups (1 s apart
+#: at this deadline), and every case waits it out, once a desync has formed or while a
+#: rank is late. The deadline is the default: the end must not wait for it.
+ENV = {"MPIRING_TIMEOUT": "300", "MPIRING_DESYNC": "2"}
+#: The slow case on 2 ranks of its own, the third-rank one on 3 (see the late-rank test).
+LATE = {"slow": [0, 1], "third": [2, 3, 4]}
+
+
+def _job(n, *cases):
+    return Job(n, ["tests/reliability_cases/desync.py", *cases], timeout=90, env=ENV)
+
+
+JOBS = {
+    "test_a_cross_communicator_deadlock_is_named_on_every_rank[2-ranks]": _job(2, "cross"),
+    "test_a_cross_communicator_deadlock_is_named_on_every_rank[3-ranks]": _job(3, "cross"),
+    **{f"test_a_ddp_desync_names_the_bucket_wait_the_other_call_and_the_cause[{case}]":
+       _job(2, case) for case in ("caught", "caught_user", "no_sync_user")},
+    "test_a_late_rank_is_not_a_desync":
+        _job(5, *(f"{case}:{len(ranks)}" for case, ranks in LATE.items())),
+}
+
+
+def _run(side_by_side, request):
+    """This test's job (started with the file's others): rc, output, and how long after
+    its last rank entered the case it ended."""
+    result = side_by_side.run(request, JOBS)
     if result is None:
         return None
     rc, out, _ = result
     entered = [float(t) for t in re.findall(r"\[r\d\] entering at (\d+\.\d+)", out)]
     assert entered, out
-    return rc, out, time.time() - max(entered)
+    return rc, out, result.ended - max(entered)
 
 
 def _bodies(out: str, n: int) -> str:
@@ -197,9 +216,8 @@ def _bodies(out: str, n: int) -> str:
     (3, r"r0 and r2 wait in all_reduce#1 on comm world\.dup1 \(.*\) for r1, while r1 waits in "
         r"all_reduce#1 on comm world\.dup2 \(.*\) for r0 and r2"),
 ], ids=["2-ranks", "3-ranks"])
-def test_a_cross_communicator_deadlock_is_named_on_every_rank(rank0_subprocess, monkeypatch,
-                                                              n, names):
-    result = _run(rank0_subprocess, monkeypatch, n, "cross")
+def test_a_cross_communicator_deadlock_is_named_on_every_rank(side_by_side, request, n, names):
+    result = _run(side_by_side, request)
     if result is None:
         return
     rc, out, seconds = result
@@ -219,8 +237,8 @@ def test_a_cross_communicator_deadlock_is_named_on_every_rank(rank0_subprocess, 
      r"r1: DDP finished synced backward #2; 1 forward\(s\) under no_sync\(\) since then"),
 ], ids=["caught", "caught_user", "no_sync_user"])
 def test_a_ddp_desync_names_the_bucket_wait_the_other_call_and_the_cause(
-        rank0_subprocess, monkeypatch, case, mine, hint):
-    result = _run(rank0_subprocess, monkeypatch, 2, case)
+        side_by_side, request, case, mine, hint):
+    result = _run(side_by_side, request)
     if result is None:
         return
     rc, out, seconds = result
@@ -236,17 +254,15 @@ def test_a_ddp_desync_names_the_bucket_wait_the_other_call_and_the_cause(
 
 
 @pytest.mark.deadline(120)
-def test_a_late_rank_is_not_a_desync(rank0_subprocess, monkeypatch):
+def test_a_late_rank_is_not_a_desync(side_by_side, request):
     # Both cases in one 5-rank job, at the same time, each on ranks of its own (slow on
     # 2, third on 3): a job's start costs seconds (every rank's imports, on shared
     # cores), and so does each case's late rank, which then sleep together. Every
     # rank's detector sees the waits of both.
-    groups = {"slow": [0, 1], "third": [2, 3, 4]}
-    result = _run(rank0_subprocess, monkeypatch, 5,
-                  *(f"{case}:{len(ranks)}" for case, ranks in groups.items()))
+    result = _run(side_by_side, request)
     if result is None:
         return
     rc, out, _ = result
     assert rc == 0 and "desync" not in out and "stall" not in out, out
-    for case, ranks in groups.items():
+    for case, ranks in LATE.items():
         assert sorted(int(r) for r in re.findall(rf"\[r(\d)\] {case}: ok", out)) == ranks, out

@@ -14,6 +14,7 @@ import re
 import time
 
 import pytest
+from conftest import Job
 
 from mpiring.runtime.watchdog import EXIT_GRACE, STALL_EXIT_CODE, Activity, waiting_on_exited
 
@@ -24,13 +25,36 @@ def _ended_after(out: str, how: str, started: float) -> float:
     return started - float(match.group(1))
 
 
-def _run(rank0_subprocess, monkeypatch, n, how):
-    monkeypatch.setenv("MPIRING_TIMEOUT", "300")  # the default: the end must not wait for it
-    result = rank0_subprocess(n, ["tests/reliability_cases/die.py", how, "1", "5"], timeout=60)
+def _job(n, how):
+    # The default deadline: the end must not wait for it.
+    return Job(n, ["tests/reliability_cases/die.py", how, "1", "5"], env={"MPIRING_TIMEOUT": "300"})
+
+
+JOBS = {
+    "test_an_uncaught_exception_aborts_the_job_naming_rank_and_exception[uncaught-3]":
+        _job(3, "uncaught"),
+    "test_an_uncaught_exception_aborts_the_job_naming_rank_and_exception[thread-2]":
+        _job(2, "thread"),
+    **{f"test_a_rank_that_exits_while_others_wait_is_reported[{how}-{n}]": _job(n, how)
+       for how, n in (("finish", 3), ("sysexit", 4), ("raise", 2))},
+    # Prints the segments it maps, then aborts.
+    "test_an_aborted_job_leaves_no_mpich_segment_in_dev_shm": Job(2, ["-c", (
+        "from mpi4py import MPI; from mpiring.backends.mpi import abort_world; "
+        "MPI.COMM_WORLD.Barrier(); "
+        "print('SEGMENTS', sorted({l.split()[-1] for l in open('/proc/self/maps') "
+        "if '/dev/shm/mpich_shm_' in l}), flush=True); MPI.COMM_WORLD.Barrier(); "
+        "abort_world(3)")]),
+}
+
+
+def _run(side_by_side, request, how):
+    """This test's job (started with the file's others): rc, output, and how long after
+    rank 1 left it ended."""
+    result = side_by_side.run(request, JOBS)
     if result is None:
         return None
     rc, out, _ = result
-    return rc, out, _ended_after(out, how, time.time())
+    return rc, out, _ended_after(out, how, result.ended)
 
 
 @pytest.mark.deadline(90)
@@ -38,10 +62,10 @@ def _run(rank0_subprocess, monkeypatch, n, how):
     ("uncaught", 3, r"\[r1\] uncaught RuntimeError: deliberate failure\n"),
     ("thread", 2, r"\[r1\] uncaught ValueError in thread 'worker': deliberate failure in a "
                   r"thread\n"),
-])
+], ids=["uncaught-3", "thread-2"])
 def test_an_uncaught_exception_aborts_the_job_naming_rank_and_exception(
-        rank0_subprocess, monkeypatch, how, n, names):
-    result = _run(rank0_subprocess, monkeypatch, n, how)
+        side_by_side, request, how, n, names):
+    result = _run(side_by_side, request, how)
     if result is None:
         return
     rc, out, seconds = result
@@ -53,9 +77,8 @@ def test_an_uncaught_exception_aborts_the_job_naming_rank_and_exception(
 
 @pytest.mark.deadline(90)
 @pytest.mark.parametrize("how,n", [("finish", 3), ("sysexit", 4), ("raise", 2)])
-def test_a_rank_that_exits_while_others_wait_is_reported(rank0_subprocess, monkeypatch,
-                                                         how, n):
-    result = _run(rank0_subprocess, monkeypatch, n, how)
+def test_a_rank_that_exits_while_others_wait_is_reported(side_by_side, request, how, n):
+    result = _run(side_by_side, request, how)
     if result is None:
         return
     rc, out, seconds = result
@@ -125,21 +148,17 @@ def test_abort_world_gives_the_launcher_time_to_forward_the_last_words(monkeypat
 
 
 @pytest.mark.deadline(90)
-def test_an_aborted_job_leaves_no_mpich_segment_in_dev_shm(rank0_subprocess):
+def test_an_aborted_job_leaves_no_mpich_segment_in_dev_shm(side_by_side, request):
     # MPICH unlinks its /dev/shm segment at MPI_Finalize only: each aborted job (a
     # stall, an uncaught error, a failed test) left 2-4 MiB of the host's memory there.
-    code = ("from mpi4py import MPI; from mpiring.backends.mpi import abort_world; "
-            "MPI.COMM_WORLD.Barrier(); "
-            "print('SEGMENTS', sorted({l.split()[-1] for l in open('/proc/self/maps') "
-            "if '/dev/shm/mpich_shm_' in l}), flush=True); MPI.COMM_WORLD.Barrier(); "
-            "abort_world(3)")
-    result = rank0_subprocess(2, ["-c", code], timeout=60)
+    result = side_by_side.run(request, JOBS)
     if result is None:
         return
     rc, out, _ = result
     assert rc != 0, out
-    lines = [ln for ln in out.splitlines() if ln.startswith("SEGMENTS")]
-    segments = {p for ln in lines for p in ast.literal_eval(ln.split(" ", 1)[1])}
+    # Found anywhere in a line: the two ranks' prints can reach the launcher's pipe as one.
+    segments = {p for seen in re.findall(r"SEGMENTS (\[[^\]]*\])", out)
+                for p in ast.literal_eval(seen)}
     if not segments:
         pytest.skip("this MPI maps no /dev/shm segment")
     assert not [p for p in segments if os.path.exists(p)], out

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import data
+from conftest import Job, data
 
 import mpiring
 from mpiring.runtime import watchdog
@@ -222,15 +222,26 @@ def _stamp(out: str, pattern: str) -> float:
     return float(match.group(1))
 
 
+#: The nested jobs: a rank that sleeps in a collective, one that is killed, one that raises
+#: (plain ``python``, no abort); a 3 s deadline where the test waits for it.
+JOBS = {
+    "test_a_rank_sleeping_inside_a_collective_is_reported_and_the_job_aborts":
+        Job(4, ["tests/reliability_cases/stall.py", "2"], env={"MPIRING_TIMEOUT": "3"}),
+    "test_a_killed_rank_ends_the_job_non_zero_within_30_s":
+        Job(4, ["tests/reliability_cases/die.py", "kill", "1", "20"]),
+    "test_a_rank_that_leaves_silently_is_caught_by_the_deadline":
+        Job(3, ["tests/reliability_cases/die.py", "raise", "1", "5"], env={"MPIRING_TIMEOUT": "3"}),
+}
+
+
 @pytest.mark.deadline(90)
 def test_a_rank_sleeping_inside_a_collective_is_reported_and_the_job_aborts(
-        rank0_subprocess, monkeypatch):
-    monkeypatch.setenv("MPIRING_TIMEOUT", "3")
-    result = rank0_subprocess(4, ["tests/reliability_cases/stall.py", "2"], timeout=60)
+        side_by_side, request):
+    result = side_by_side.run(request, JOBS)
     if result is None:
         return
     rc, out, _ = result
-    ended = time.time()
+    ended = result.ended
     assert rc == STALL_EXIT_CODE, out
     reports = re.findall(r"\[r(\d)\] mpiring stall: all_reduce#4 \(algo ring, 4 ranks\) "
                          r"(reduce-scatter|all-gather) step (\d)/3: blocked (\d+\.\d) s in "
@@ -248,13 +259,12 @@ def test_a_rank_sleeping_inside_a_collective_is_reported_and_the_job_aborts(
 
 
 @pytest.mark.deadline(90)
-def test_a_killed_rank_ends_the_job_non_zero_within_30_s(rank0_subprocess):
-    result = rank0_subprocess(4, ["tests/reliability_cases/die.py", "kill", "1", "20"],
-                              timeout=60)
+def test_a_killed_rank_ends_the_job_non_zero_within_30_s(side_by_side, request):
+    result = side_by_side.run(request, JOBS)
     if result is None:
         return
     rc, out, _ = result
-    ended = time.time()
+    ended = result.ended
     assert rc != 0, out
     assert "death was not noticed" not in out, out
     seconds = ended - _stamp(out, r"\[r1\] leaving \(kill\) at iteration 20")
@@ -262,16 +272,14 @@ def test_a_killed_rank_ends_the_job_non_zero_within_30_s(rank0_subprocess):
 
 
 @pytest.mark.deadline(90)
-def test_a_rank_that_leaves_silently_is_caught_by_the_deadline(rank0_subprocess, monkeypatch):
+def test_a_rank_that_leaves_silently_is_caught_by_the_deadline(side_by_side, request):
     """An uncaught exception in plain ``python`` ends one rank without MPI_Abort: the
     launcher keeps the others, which wait in the next call's argument check."""
-    monkeypatch.setenv("MPIRING_TIMEOUT", "3")
-    result = rank0_subprocess(3, ["tests/reliability_cases/die.py", "raise", "1", "5"],
-                              timeout=60)
+    result = side_by_side.run(request, JOBS)
     if result is None:
         return
     rc, out, _ = result
-    ended = time.time()
+    ended = result.ended
     assert rc == STALL_EXIT_CODE, out
     assert "RuntimeError: deliberate failure" in out
     assert re.search(r"\[r[02]\] mpiring stall: all_reduce#6 \(algo ring, 3 ranks\) argument "
