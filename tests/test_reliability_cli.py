@@ -82,3 +82,9 @@ def test_under_mpiexec_errors_every_rank_shares_are_printed_once(rank0_subproces
         assert out.strip().splitlines() == [
             "python -m mpiring allreduce: mpiring.init: MPIRING_CHECK='maybe': use 1 or 0 "
             "(true/false, yes/no, on/off)"], out
+    # A setting that a command refuses before MPI starts (each rank finds it alike).
+    result = rank0_subprocess(2, ["-m", "mpiring", "train", "--pp", "2", "--vpp", "2"],
+                              timeout=60)
+    if result is not None:
+        rc, out, _ = result
+        assert rc == 2 and out.count("mpiring train: vpp=2 with --schedule 1f1b") == 1, out

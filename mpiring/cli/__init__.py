@@ -38,6 +38,15 @@ def _launched_rank() -> int:
     return 0
 
 
+def refuse(message: str) -> int:
+    """A command's usage error found before MPI starts: ``message`` on stderr, from the
+    launcher's rank 0 only (every rank finds the same error; under ``mpiexec -n 4`` it
+    was printed four times). Returns argparse's status for a usage error, 2."""
+    if _launched_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    return 2
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, speaking on the launcher's rank 0 only: a usage error or
     ``--help`` under ``mpiexec -n 4`` was printed four times. Every rank still

@@ -20,9 +20,8 @@ cannot be built here (torch's FSDP on the CPU) is reported with its error.
 from __future__ import annotations
 
 import json
-import sys
 
-from mpiring.cli import add_backend_arguments, output_file
+from mpiring.cli import add_backend_arguments, output_file, refuse
 
 MIB = float(1 << 20)
 
@@ -76,18 +75,14 @@ def run(args) -> int:
     from mpiring.tools.models.gpt import PRESETS
 
     if (args.memory is None) == (args.time is None):
-        print("bench-fsdp: give --memory SETUP or --time LIST", file=sys.stderr)
-        return 2
+        return refuse("bench-fsdp: give --memory SETUP or --time LIST")
     names = [n.strip() for n in (args.time or args.memory).split(",") if n.strip()]
     bad = [n for n in names if n not in SETUPS or (args.memory and n.startswith("torch"))]
     if not names or bad:
-        print(f"bench-fsdp: unknown setup in {names}: use {', '.join(SETUPS)} (--memory: "
-              "ddp, fsdp, fsdp-noprefetch)", file=sys.stderr)
-        return 2
+        return refuse(f"bench-fsdp: unknown setup in {names}: use {', '.join(SETUPS)} "
+                      "(--memory: ddp, fsdp, fsdp-noprefetch)")
     if args.preset not in PRESETS:
-        print(f"bench-fsdp: --preset {args.preset!r}: use one of {', '.join(PRESETS)}",
-              file=sys.stderr)
-        return 2
+        return refuse(f"bench-fsdp: --preset {args.preset!r}: use one of {', '.join(PRESETS)}")
     cfg = PRESETS[args.preset]
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if args.memory:

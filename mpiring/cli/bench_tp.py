@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from mpiring.cli import add_backend_arguments, output_file
+from mpiring.cli import add_backend_arguments, output_file, refuse
 
 
 def _ints(text: str) -> list[int]:
@@ -66,17 +66,14 @@ def run(args) -> int:
 
     bad = [b for b in args.blocks if b not in BLOCKS] + [m for m in args.modes if m not in MODES]
     if bad or args.steps < 1 or args.tokens < 64 or min(args.widths, default=0) < 64:
-        print(f"mpiring bench-tp: bad choice {bad or ''}: blocks from {BLOCKS}, modes from "
-              f"{MODES}, steps >= 1, tokens >= 64, widths >= 64", file=sys.stderr)
-        return 2
+        return refuse(f"mpiring bench-tp: bad choice {bad or ''}: blocks from {BLOCKS}, modes "
+                      f"from {MODES}, steps >= 1, tokens >= 64, widths >= 64")
     if args.backend != "mpi":
-        print("mpiring bench-tp: runs on the MPI backend (CUDA-aware or host-staged on a GPU): "
-              "use --backend mpi", file=sys.stderr)
-        return 2
+        return refuse("mpiring bench-tp: runs on the MPI backend (CUDA-aware or host-staged "
+                      "on a GPU): use --backend mpi")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("mpiring bench-tp: --device cuda needs a GPU that torch can see: use --device cpu",
-              file=sys.stderr)
-        return 2
+        return refuse("mpiring bench-tp: --device cuda needs a GPU that torch can see: use "
+                      "--device cpu")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # one thread per rank everywhere, the 1-rank row included
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)

@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 
-from mpiring.cli import add_backend_arguments, output_file
+from mpiring.cli import add_backend_arguments, output_file, refuse
 
 DEFAULT_HOOKS = "none,fp16,bf16,topk,powersgd"
 
@@ -172,9 +172,8 @@ def run(args) -> int:
     hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
     bad = [h for h in hooks if h not in HOOKS]
     if bad or not hooks:
-        print(f"hook-curves: unknown hook(s) {', '.join(bad) or '(none given)'}: use some of "
-              f"{', '.join(HOOKS)}", file=sys.stderr)
-        return 2
+        return refuse(f"hook-curves: unknown hook(s) {', '.join(bad) or '(none given)'}: use "
+                      f"some of {', '.join(HOOKS)}")
     mpiring.runtime.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.runtime.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     data = shared_corpus(comm, int(args.max_data_mb * (1 << 20)))

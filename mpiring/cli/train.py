@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from mpiring.cli import add_backend_arguments, non_negative_int, positive_int
+from mpiring.cli import add_backend_arguments, non_negative_int, positive_int, refuse
 
 
 def add_arguments(p) -> None:
@@ -236,8 +236,7 @@ def run(args) -> int:
             raise ValueError("--check-replicas compares whole replicas; FSDP keeps shards: "
                              "leave it out with --fsdp")
     except ValueError as exc:
-        print(f"mpiring train: {exc}", file=sys.stderr)
-        return 2
+        return refuse(f"mpiring train: {exc}")
     steady_malloc()  # every step reuses the last one's freed memory (see mpiring.runtime.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if comm.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:

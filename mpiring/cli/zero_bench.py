@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mpiring.cli import add_backend_arguments, output_file, positive_int
+from mpiring.cli import add_backend_arguments, output_file, positive_int, refuse
 
 
 def add_arguments(p) -> None:
@@ -50,9 +50,8 @@ def run(args) -> int:
 
     names = [n.strip() for n in args.optimizer.split(",") if n.strip()]
     if not names or any(n not in ("adamw", "zero1", "zero2") for n in names):
-        print(f"zero-bench: --optimizer {args.optimizer!r}: use adamw, zero1, zero2 or a comma "
-              "list of them", file=sys.stderr)
-        return 2
+        return refuse(f"zero-bench: --optimizer {args.optimizer!r}: use adamw, zero1, zero2 or "
+                      "a comma list of them")
     mpiring.runtime.pages.steady_malloc()  # as in train and bench-ddp (see mpiring.runtime.pages)
     comm = mpiring.init(backend=args.backend, trace=args.trace, log=args.log)
     if len(names) > 1:
