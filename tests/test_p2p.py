@@ -348,3 +348,55 @@ def test_a_receive_nothing_matches_ends_at_the_deadline_naming_peer_and_tag(
 def test_init_default_world_has_the_calls():
     assert all(callable(getattr(mpiring.Communicator, name))
                for name in ("send", "recv", "isend", "irecv", "sendrecv", "group"))
+
+
+@pytest.mark.one_rank
+@pytest.mark.parametrize("yield_s, yields, sleeps", [(0.0, 0, 3), (60.0, 3, 0)])
+def test_an_arrival_yields_for_a_moment_then_sleeps(monkeypatch, yield_s, yields, sleeps):
+    from mpiring.backends import control
+
+    seen = {"yield": 0, "sleep": 0}
+    monkeypatch.setattr(control, "YIELD_S", yield_s)
+    monkeypatch.setattr(control.os, "sched_yield", lambda: seen.__setitem__("yield", seen["yield"] + 1))
+    monkeypatch.setattr(control.time, "sleep", lambda s: seen.__setitem__("sleep", seen["sleep"] + 1))
+    left = iter([False, False, False, True])
+    control.arrive(lambda: next(left), "yield")
+    assert seen == {"yield": yields, "sleep": sleeps}
+    left = iter([False, True])
+    control.arrive(lambda: next(left), "sleep")  # a sleeping rank only sleeps
+    assert seen == {"yield": yields, "sleep": sleeps + 1}
+
+
+@pytest.mark.parametrize("idle", ["yield", "spin"])
+def test_control_values_and_new_communicators_wait_by_arrival_unless_spinning(comm, monkeypatch,
+                                                                             idle):
+    from mpiring.backends import control, mpi
+
+    calls = []
+
+    def counted(done, how, real=control.arrive):
+        calls.append(how)
+        real(done, how)
+
+    monkeypatch.setattr(control, "arrive", counted)
+    monkeypatch.setattr(mpi, "arrive", counted)
+    before, comm.idle = comm.idle, idle
+    try:
+        rows = comm.control.allgather_array([comm.rank * 10 + 1, comm.size])
+        assert rows.tolist() == [[r * 10 + 1, comm.size] for r in range(comm.size)]
+        assert comm.control.allreduce_scalar(comm.rank + 1) == comm.size * (comm.size + 1) // 2
+        assert comm.control.bcast_json({"from": comm.rank} if comm.rank == comm.size - 1 else None,
+                                       root=comm.size - 1) == {"from": comm.size - 1}
+        assert comm.control.allgather_json([comm.rank] * comm.rank) == [[r] * r for r in
+                                                                        range(comm.size)]
+        exchanged = len(calls)
+        twin = comm.dup()  # made and freed by every rank: an arrival first, where it waits
+        twin.idle = idle  # (a new communicator picks its own mode)
+        twin.free()
+    finally:
+        comm.idle = before
+    if idle == "spin":
+        assert calls == []
+    else:  # each control exchange (one rank: some are local), then dup and free
+        assert set(calls) == {"yield"} and exchanged >= 6, calls
+        assert len(calls) > exchanged, calls

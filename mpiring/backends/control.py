@@ -21,6 +21,7 @@ the call if a rank never arrives.
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -28,6 +29,49 @@ import numpy as np
 from mpi4py import MPI
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+#: Seconds between the polls of a sleeping wait.
+SLEEP_S = 5e-5
+#: Seconds an arrival (``arrive``) polls, giving the core away after each miss, before
+#: it sleeps between polls.
+YIELD_S = 2e-4
+
+
+def poll(done, idle: str) -> None:
+    """Call ``done()`` until it is true, giving the core away in between.
+
+    ``idle`` (``mpiring.backends.mpi.IDLE_MODES``): "yield" gives the core away
+    after each miss; "sleep" sleeps ``SLEEP_S`` between polls.
+    """
+    # MPICH spins inside MPI_Wait (yielding only every 1000 polls). With more
+    # ranks than cores the spinning rank holds a core that the rank it waits for
+    # needs; polling and giving the core away lets that rank run. Beside busy
+    # compute threads (DDP's communication thread during backward) a yield gave
+    # nothing measurable, since the poller stays runnable; sleeping between polls
+    # gave a few milliseconds per step.
+    pause = (lambda: time.sleep(SLEEP_S)) if idle == "sleep" else os.sched_yield
+    while not done():
+        pause()
+
+
+def arrive(done, idle: str) -> None:
+    """``poll``, for a wait on ranks that may still be computing (the control
+    channel's values, the making of a communicator): "yield" gives the core away
+    after each miss for ``YIELD_S``, then sleeps between polls."""
+    # Yielding alone does not hand the core over: Linux's fair scheduler lets a rank
+    # that yields after every poll run again at once, so a late rank behind three
+    # yielding ones got about half a core (docs/reliability.md), and in the test
+    # suite ranks waited seconds in such calls for one that was runnable and did not
+    # run. The ring's own steps keep ``poll``: their peer is seldom far behind, and
+    # a sleep would add itself to every step.
+    if idle == "sleep":
+        poll(done, idle)
+        return
+    until = time.perf_counter() + YIELD_S
+    while not done():
+        if time.perf_counter() < until:
+            os.sched_yield()
+        else:
+            time.sleep(SLEEP_S)
 
 
 class Control:
@@ -39,11 +83,13 @@ class Control:
             or None for no deadline.
     """
 
-    def __init__(self, mpi: MPI.Comm, activity=None):
+    def __init__(self, mpi: MPI.Comm, activity=None, idle=None):
         self.mpi = mpi
         self.rank = mpi.Get_rank()
         self.size = mpi.Get_size()
         self._act = activity
+        #: () -> the owner's waiting mode (``arrive``); None: wait inside MPI.
+        self._idle = idle
 
     def _run(self, what: str, fn, *args):
         act = self._act
@@ -55,13 +101,21 @@ class Control:
         finally:
             act.since = 0.0
 
+    def _call(self, what: str, blocking, nonblocking, *args):
+        """``blocking(*args)``, or where the owner does not spin, ``nonblocking(*args)``
+        completed by ``arrive`` (the values are small: their latency is the arrival's)."""
+        idle = self._idle() if self._idle is not None else "spin"
+        if idle == "spin":
+            return self._run(what, blocking, *args)
+        return self._run(what, lambda: arrive(nonblocking(*args).Test, idle))
+
     def allgather_array(self, values) -> np.ndarray:
         """Every rank's equal-length vector of numbers, as a (size, n) array (int64 or float64)."""
         values = np.asarray(values)
         dtype = np.float64 if values.dtype.kind == "f" else np.int64
         values = np.ascontiguousarray(values, dtype=dtype).reshape(-1)
         out = np.empty((self.size, values.size), dtype=dtype)
-        self._run("Allgather", self.mpi.Allgather, values, out)
+        self._call("Allgather", self.mpi.Allgather, self.mpi.Iallgather, values, out)
         return out
 
     def allreduce_scalar(self, value: float | int | bool, op: str = "sum") -> Any:
@@ -74,17 +128,18 @@ class Control:
             raise ValueError(f"unknown op {op!r}: use one of {', '.join(_OPS)}")
         is_int = isinstance(value, (bool, int, np.integer))
         buf = np.array([value], dtype=np.int64 if is_int else np.float64)
-        self._run("Allreduce", self.mpi.Allreduce, MPI.IN_PLACE, buf, _OPS[op])
+        self._call("Allreduce", self.mpi.Allreduce, self.mpi.Iallreduce, MPI.IN_PLACE, buf,
+                   _OPS[op])
         return int(buf[0]) if is_int else float(buf[0])
 
     def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """The root's bytes on every rank (``data`` is ignored elsewhere)."""
         is_root = self.rank == root
         n = np.array([len(data) if is_root else 0], dtype=np.int64)
-        self._run("Bcast", self.mpi.Bcast, n, root)
+        self._call("Bcast", self.mpi.Bcast, self.mpi.Ibcast, n, root)
         buf = np.frombuffer(bytearray(data), dtype=np.uint8) if is_root \
             else np.empty(int(n[0]), dtype=np.uint8)
-        self._run("Bcast", self.mpi.Bcast, buf, root)
+        self._call("Bcast", self.mpi.Bcast, self.mpi.Ibcast, buf, root)
         return buf.tobytes()
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
@@ -92,8 +147,9 @@ class Control:
         lengths = self.allgather_array([len(data)])[:, 0]
         displs = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
         out = np.empty(int(lengths.sum()), dtype=np.uint8)
-        self._run("Allgatherv", self.mpi.Allgatherv, np.frombuffer(bytes(data), dtype=np.uint8),
-                  [out, lengths.tolist(), displs.tolist(), MPI.BYTE])
+        self._call("Allgatherv", self.mpi.Allgatherv, self.mpi.Iallgatherv,
+                   np.frombuffer(bytes(data), dtype=np.uint8),
+                   [out, lengths.tolist(), displs.tolist(), MPI.BYTE])
         return [out[d:d + n].tobytes() for d, n in zip(displs, lengths)]
 
     def bcast_json(self, obj: Any = None, root: int = 0) -> Any:
@@ -116,7 +172,7 @@ class Control:
                 that compute (DDP's buckets, a checkpoint being written).
         """
         if poll_s <= 0:
-            self._run("Barrier", self.mpi.Barrier)
+            self._call("Barrier", self.mpi.Barrier, self.mpi.Ibarrier)
             return
         req = self.mpi.Ibarrier()
 

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiring.backends import MAX_TAG, P2P_TAG0, TAG  # noqa: F401 - MAX_TAG: the tags' bound
-from mpiring.backends.control import Control
+from mpiring.backends.control import Control, arrive, poll
 from mpiring.backends.gpu import device_ready, empty_like_device
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.ops import finish
@@ -53,22 +53,11 @@ def _byte_view(a):
 #: How a rank waits for a message (``MPIBackend.idle``):
 #: "spin": inside MPI's blocking calls (MPICH busy-polls: lowest latency);
 #: "yield": poll, and give the core away after each miss (more ranks than cores);
-#: "sleep": poll every ``SLEEP_S`` (a communication thread beside busy compute threads).
+#: "sleep": poll every ``control.SLEEP_S`` (a communication thread beside busy compute
+#: threads). The control channel and the making of communicators wait by
+#: ``control.arrive`` where the mode is not "spin".
 IDLE_MODES = ("spin", "yield", "sleep")
-SLEEP_S = 5e-5
-
-
-def _poll(done, idle: str) -> None:
-    """Call ``done()`` until it is true, giving the core away in between (see ``IDLE_MODES``)."""
-    # MPICH spins inside MPI_Wait (yielding only every 1000 polls). With more
-    # ranks than cores the spinning rank holds a core that the rank it waits for
-    # needs; polling and giving the core away lets that rank run. Beside busy
-    # compute threads (DDP's communication thread during backward) a yield gave
-    # nothing measurable, since the poller stays runnable; sleeping between polls
-    # gave a few milliseconds per step.
-    pause = (lambda: time.sleep(SLEEP_S)) if idle == "sleep" else os.sched_yield
-    while not done():
-        pause()
+_poll = poll
 
 
 def _idle_wait(req, idle: str, status=None) -> None:
@@ -251,7 +240,7 @@ class SharedWindow:
             return
         win, self._win, self.segments = self._win, None, []
         win.Unlock_all()
-        self._be._collective("Win_free", win.Free)
+        self._be._collective("Win_free", win.Free, together=True)
 
 
 class MPIBackend:
@@ -284,7 +273,7 @@ class MPIBackend:
         self.activity = Activity(self.rank, self.size, world_ranks=list(world),
                                  abort=abort_world)
         #: Small values (descriptors, scalars, JSON) without pickle, under the deadline.
-        self.control = Control(comm, self.activity)
+        self.control = Control(comm, self.activity, idle=lambda: self.idle)
 
     # --- point-to-point, as in the lecture's pseudocode ---------------------
     def irecv(self, buf, src: int):
@@ -565,11 +554,20 @@ class MPIBackend:
     def flush(self) -> None:
         """Issue what is posted but not yet issued: nothing, MPI issues at once."""
 
-    def _collective(self, what: str, fn, *args):
-        """Run a blocking MPI collective under the watchdog (waits for every rank)."""
+    def _collective(self, what: str, fn, *args, together: bool = False):
+        """Run a blocking MPI collective under the watchdog (waits for every rank).
+
+        ``together``: a call over every rank of this communicator that MPI has in
+        blocking form only (making or freeing a communicator or a window). Where
+        this rank does not spin, the ranks first meet in an ``Ibarrier`` completed
+        by ``control.arrive``, so that the ones that come early do not spin inside
+        MPI on the cores of the ones still computing.
+        """
         act = self.activity
         act.blocked(what, None)
         try:
+            if together and self.idle != "spin":
+                arrive(self.comm.Ibarrier().Test, self.idle)
             return fn(*args)
         finally:
             act.since = 0.0
@@ -600,7 +598,7 @@ class MPIBackend:
         return self.control.allgather_bytes(data)
 
     def barrier(self) -> None:
-        self._collective("Barrier", self.comm.Barrier)
+        self.control.barrier()
 
     # --- the MPI library's own collectives ----------------------------------
     def check_native(self, collective: str, dtype: str, op: str | None) -> None:
@@ -649,11 +647,12 @@ class MPIBackend:
     # --- communicators --------------------------------------------------------
     def split(self, color: int, key: int):
         sub = self._collective("Comm_split", self.comm.Split,
-                               MPI.UNDEFINED if color is None or color < 0 else color, key)
+                               MPI.UNDEFINED if color is None or color < 0 else color, key,
+                               together=True)
         return None if sub == MPI.COMM_NULL else MPIBackend(sub)
 
     def dup(self):
-        return MPIBackend(self._collective("Comm_dup", self.comm.Dup))
+        return MPIBackend(self._collective("Comm_dup", self.comm.Dup, together=True))
 
     def create_group(self, ranks: list[int], tag: int):
         """A communicator over ``ranks``, made by them alone (MPI_Comm_create_group: the
@@ -667,14 +666,14 @@ class MPIBackend:
 
     def free(self) -> None:
         """Collective: give the communicator (its context id) back to MPI."""
-        self._collective("Comm_free", self.comm.Free)
+        self._collective("Comm_free", self.comm.Free, together=True)
 
     def shared_window(self, nbytes: int):
         """Collective: ``nbytes`` of memory per rank that every rank of this communicator
         can read and write (an MPI-3 shared-memory window), or None on every rank when
         the ranks are not all on one host."""
         node = self._collective("Comm_split_type", self.comm.Split_type,
-                                MPI.COMM_TYPE_SHARED, self.rank)
+                                MPI.COMM_TYPE_SHARED, self.rank, together=True)
         together = node.Get_size() == self.size
         # Room for every rank's part in the host's shared-memory file system: a window
         # larger than /dev/shm is mapped all the same and dies of SIGBUS at its first touch.
@@ -685,7 +684,7 @@ class MPIBackend:
             node.Free()
             return None
         win = self._collective("Win_allocate_shared", MPI.Win.Allocate_shared, max(nbytes, 0),
-                               1, MPI.INFO_NULL, node)
+                               1, MPI.INFO_NULL, node, together=True)
         # The window keeps its own group: the node communicator (and the context id it
         # holds, of which MPI has a few thousand) can go now.
         node.Free()
