@@ -14,7 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiring.backends import MAX_TAG, P2P_TAG0, TAG  # noqa: F401 - MAX_TAG: the tags' bound
-from mpiring.backends.control import Control, arrive, poll
+from mpiring.backends.control import Control, arrive
+from mpiring.backends.control import poll as _poll
 from mpiring.backends.gpu import device_ready, empty_like_device
 from mpiring.core.chunking import chunk_bounds
 from mpiring.core.ops import finish
@@ -57,7 +58,6 @@ def _byte_view(a):
 #: threads). The control channel and the making of communicators wait by
 #: ``control.arrive`` where the mode is not "spin".
 IDLE_MODES = ("spin", "yield", "sleep")
-_poll = poll
 
 
 def _idle_wait(req, idle: str, status=None) -> None:
@@ -240,7 +240,7 @@ class SharedWindow:
             return
         win, self._win, self.segments = self._win, None, []
         win.Unlock_all()
-        self._be._collective("Win_free", win.Free, together=True)
+        self._be._collective("Win_free", win.Free, meet_first=True)
 
 
 class MPIBackend:
@@ -554,10 +554,10 @@ class MPIBackend:
     def flush(self) -> None:
         """Issue what is posted but not yet issued: nothing, MPI issues at once."""
 
-    def _collective(self, what: str, fn, *args, together: bool = False):
+    def _collective(self, what: str, fn, *args, meet_first: bool = False):
         """Run a blocking MPI collective under the watchdog (waits for every rank).
 
-        ``together``: a call over every rank of this communicator that MPI has in
+        ``meet_first``: a call over every rank of this communicator that MPI has in
         blocking form only (making or freeing a communicator or a window). Where
         this rank does not spin, the ranks first meet in an ``Ibarrier`` completed
         by ``control.arrive``, so that the ones that come early do not spin inside
@@ -566,7 +566,7 @@ class MPIBackend:
         act = self.activity
         act.blocked(what, None)
         try:
-            if together and self.idle != "spin":
+            if meet_first and self.idle != "spin":
                 arrive(self.comm.Ibarrier().Test, self.idle)
             return fn(*args)
         finally:
@@ -648,11 +648,11 @@ class MPIBackend:
     def split(self, color: int, key: int):
         sub = self._collective("Comm_split", self.comm.Split,
                                MPI.UNDEFINED if color is None or color < 0 else color, key,
-                               together=True)
+                               meet_first=True)
         return None if sub == MPI.COMM_NULL else MPIBackend(sub)
 
     def dup(self):
-        return MPIBackend(self._collective("Comm_dup", self.comm.Dup, together=True))
+        return MPIBackend(self._collective("Comm_dup", self.comm.Dup, meet_first=True))
 
     def create_group(self, ranks: list[int], tag: int):
         """A communicator over ``ranks``, made by them alone (MPI_Comm_create_group: the
@@ -666,14 +666,14 @@ class MPIBackend:
 
     def free(self) -> None:
         """Collective: give the communicator (its context id) back to MPI."""
-        self._collective("Comm_free", self.comm.Free, together=True)
+        self._collective("Comm_free", self.comm.Free, meet_first=True)
 
     def shared_window(self, nbytes: int):
         """Collective: ``nbytes`` of memory per rank that every rank of this communicator
         can read and write (an MPI-3 shared-memory window), or None on every rank when
         the ranks are not all on one host."""
         node = self._collective("Comm_split_type", self.comm.Split_type,
-                                MPI.COMM_TYPE_SHARED, self.rank, together=True)
+                                MPI.COMM_TYPE_SHARED, self.rank, meet_first=True)
         together = node.Get_size() == self.size
         # Room for every rank's part in the host's shared-memory file system: a window
         # larger than /dev/shm is mapped all the same and dies of SIGBUS at its first touch.
@@ -684,7 +684,7 @@ class MPIBackend:
             node.Free()
             return None
         win = self._collective("Win_allocate_shared", MPI.Win.Allocate_shared, max(nbytes, 0),
-                               1, MPI.INFO_NULL, node, together=True)
+                               1, MPI.INFO_NULL, node, meet_first=True)
         # The window keeps its own group: the node communicator (and the context id it
         # holds, of which MPI has a few thousand) can go now.
         node.Free()
