@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from mpiring.core.chunking import chunk_bounds
 from mpiring.parallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
@@ -28,7 +29,7 @@ from mpiring.parallel.pipeline.runtime import PipelineSchedule, _eager_sends
 from mpiring.parallel.pipeline.schedules import build, compute_only
 from mpiring.parallel.pipeline.transport import TAG_META, TAGS
 from mpiring.tools.models.gpt import GPT, GPTConfig, lm_loss
-from mpiring.tools.train.pipeline import split_gpt
+from mpiring.tools.train.pipeline import split_gpt, units
 
 ROWS = 10  # does not divide by 4 or 8: uneven micro-batches
 SCHEDULES = {
@@ -279,6 +280,48 @@ def test_gpt_with_tied_embedding(comm):
             torch.testing.assert_close(w.grad, full.tok.weight.grad, rtol=1e-10, atol=1e-12,
                                        msg=lambda m, s=step: f"after step {s + 1}: {m}")
     assert all(p.grad is not None for p in module.parameters())
+
+
+@pytest.mark.parametrize("name", ("1f1b", "zb"))
+def test_stages_built_on_the_meta_device_then_materialized(comm, name):
+    # torchtitan's order: build the model on "meta", split it, make the stages, then
+    # to_empty() and initialize. to_empty() puts new Parameter objects in the modules,
+    # so the tied weight given to PipelineStage at build time is stale by the first step.
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=2, n_heads=2)
+    torch.manual_seed(3)
+    full = GPT(cfg).double()
+    twin, _ = split_gpt(full, comm.size, comm.rank)  # the values to initialize with
+    with torch.device("meta"):
+        meta = GPT(cfg).double()
+    module, tied = split_gpt(meta, comm.size, comm.rank)
+    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied)
+    sched = SCHEDULES[name](stage, 3, lm_loss)
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randint(0, 11, (7, 5), generator=g), torch.randint(0, 11, (7, 5), generator=g)
+    if comm.rank != comm.size - 1:
+        module.to_empty(device="cpu")
+    # A step while one stage is still on "meta": refused on every rank before any message
+    # (its forward would have failed on that rank alone, mid-schedule).
+    with pytest.raises(ValueError, match=rf"r{comm.size - 1}: stage {comm.size - 1}: "
+                                         "parameters or buffers on the meta device"):
+        sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    if comm.rank == comm.size - 1:
+        module.to_empty(device="cpu")
+    if comm.size == 1:  # torch's to_empty unties a tie inside one module: tie it again
+        module[-1].head.weight = module[0].tok.weight
+    with torch.no_grad():
+        module.load_state_dict(twin.state_dict())
+    ref_losses, _ = reference(full, x, y, 3, lm_loss)
+    losses: list = []
+    sched.step(x if stage.is_first else None, target=y if stage.is_last else None,
+               losses=losses if stage.is_last else None)
+    if stage.is_last:
+        assert [float(v) for v in losses] == pytest.approx(ref_losses, rel=1e-12)
+    # Every gradient, the tied weight's whole one (input and output use) on both ends
+    # included, against the unsplit model's units that this stage holds copies of.
+    parts = units(full)
+    lo, hi = chunk_bounds(len(parts), comm.size)[comm.rank]
+    same_grads(module, nn.Sequential(*parts[lo:hi]))
 
 
 def test_zero_bubble_defers_the_weight_gradients(comm):

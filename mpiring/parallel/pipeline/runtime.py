@@ -360,6 +360,13 @@ class PipelineSchedule:
             err = (f"{self._where}: step() under torch.no_grad() or torch.inference_mode() "
                    "computes no gradient: call it with autograd on, or call eval() for the "
                    "forwards alone")
+        elif any(t.is_meta for st in self.stages
+                 for t in (*st.module.parameters(), *st.module.buffers())):
+            # A stage built on "meta" (torchtitan's order) before its to_empty(): its
+            # forward would fail on this rank alone, mid-schedule, and leave the others
+            # waiting for it until the deadline.
+            err = (f"{self._where}: parameters or buffers on the meta device: materialize "
+                   "them first (module.to_empty(device=...), then initialize the weights)")
         elif "loss_kwargs" in kwargs:
             err = (f"{self._where}: loss_kwargs={kwargs['loss_kwargs']!r}: bind them into "
                    "loss_fn instead (functools.partial(loss_fn, **loss_kwargs)) when the "

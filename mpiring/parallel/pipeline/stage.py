@@ -95,6 +95,13 @@ class PipelineStage:
         # A communicator of its own: the schedule's tags cannot meet the caller's messages.
         self.comm = comm.dup()
         self.tied_parameters = tied
+        # Each tied parameter's name in the stage's module, to find it again after
+        # to_empty() (a stage built on the meta device, as torchtitan builds its
+        # stages) has put new Parameter objects in the module.
+        names: dict[int, str] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+        self._tied_names = [names.get(id(p)) for p in tied]
         # Known on every rank, middle stages too (of this round, with several per rank).
         self.has_tied = any(bool(row["tied"]) for row in table)
         ends = (0, num_stages - 1)
@@ -126,6 +133,11 @@ class PipelineStage:
         self.peak_activation_bytes = 0
         # Once a step, not once a forward: the optimizer updates the weights in place.
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+        for i, name in enumerate(self._tied_names):
+            # In place: the schedule's tied pair holds this list.
+            p = _parameter(self.module, name)
+            if p is not None:
+                self.tied_parameters[i] = p
 
     def free(self) -> None:
         """Collective: give back the stage's communicators (its own duplicate, and the
@@ -400,6 +412,17 @@ def _put_back(kept: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
                 now.copy_(old)  # in place: whoever holds the buffer sees it
             else:
                 m._buffers[k] = old
+
+
+def _parameter(module: nn.Module, name: str | None) -> nn.Parameter | None:
+    """``module``'s parameter ``name``, or None (no name, or not a parameter there now:
+    a sharded module holds a stand-in in its place)."""
+    if name is None:
+        return None
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _loss_error(loss) -> str:
