@@ -152,6 +152,13 @@ def test_the_script_matches_the_unsplit_model(world, how):
     units = [m for b in model.blocks for m in ((b, b.mlp) if how == "nested" else (b,))]
     assert [u.module for u in engine.units] == [model, *units]
     opts = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in (plain, model)]
+    against_plain(world, model, plain, opts)
+    model.close()
+
+
+def against_plain(world, model, plain, opts, after_first=None):
+    """Three AdamW steps of the sharded model (this rank's rows) against the unsplit one
+    (the global batch): the mean loss each step and the final state."""
     for s in range(3):
         x, y = batch(world, s, same=True)
         want = loss_of(plain, x, y)
@@ -164,8 +171,9 @@ def test_the_script_matches_the_unsplit_model(world, how):
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        if s == 0 and after_first is not None:
+            after_first()
     assert_state_equal(model.full_state_dict(), plain.state_dict())
-    model.close()
 
 
 def test_a_block_called_alone_is_its_own_root(world):
@@ -428,18 +436,108 @@ def fully_shard_blocks(fs, model, **kw):
     return fs(model, **kw)
 
 
-def test_a_meta_device_model_is_refused_naming_what_to_do(world):
-    # torchtitan builds on the meta device and materializes after fully_shard; the engine
-    # needs the values. It failed inside the broadcast with "tensors on device meta are
-    # not supported", naming neither fully_shard nor what to do.
+def init_weights(model, seed):
+    """torchtitan's init_weights: every layer's own init, in place, module by module."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                m.reset_parameters()
+
+
+def on_meta(dtype=torch.float64):
+    with torch.device("meta"):
+        return Net().to(dtype)
+
+
+@pytest.mark.parametrize("how", ("bottom_up", "nested", "root_only"))
+def test_the_meta_device_flow_matches_the_unsplit_model(world, how):
+    # torchtitan's order: build on "meta", fully_shard bottom-up, to_empty(), initialize,
+    # then the optimizer and the steps. Each rank initializes from its own seed: the
+    # first forward shards rank 0's values, as every rank starts from rank 0's.
+    from mpiring.parallel.fsdp.flat import ShardedParameter
+
+    plain = on_meta().to_empty(device="cpu")
+    init_weights(plain, 0)
+    model = shard(mp_fully_shard, on_meta(), how, mesh=world)
+    assert type(model).__name__ == "FSDPNet" and model.blocks[0].mlp[0].weight.is_meta
+    with pytest.raises(RuntimeError, match=r"meta device: call to_empty\(device=...\) on the "
+                                           "Net"):
+        model(batch(world, 0)[0])
+    if how != "root_only":
+        with pytest.raises(RuntimeError, match="call it on the Net fully_shard was called on "
+                                               "last"):
+            model.blocks[0].to_empty(device="cpu")
+    assert model.to_empty(device="cpu") is model
+    init_weights(model, world.rank)
+    # Until the first forward the attributes hold this rank's values, in place.
+    w = model.blocks[1].mlp[2].weight
+    assert not isinstance(w, ShardedParameter) and w.abs().sum() > 0
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    check_one_engine(model, [m for b in model.blocks
+                             for m in ((b, b.mlp) if how == "nested" else
+                                       (b,) if how == "bottom_up" else ())])
+    popt = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.1)
+
+    def sharded_now():  # the first forward ended the initialization
+        assert isinstance(model.blocks[1].mlp[2].weight, ShardedParameter)
+
+    against_plain(world, model, plain, (popt, opt), after_first=sharded_now)
+    model.close()
+
+
+def test_the_meta_device_flow_keeps_a_tie_and_saves_before_a_step(world):
+    # A tied GPT (embedding and head share a weight) built on "meta": torch's to_empty
+    # would untie them; the engine lays the shared weight out once. A full state dict
+    # taken before any forward is rank 0's initialization.
     from mpiring.tools.models.gpt import GPT, GPTConfig
 
+    cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=12, n_layers=2, n_heads=2)
+    torch.manual_seed(0)
+    plain = GPT(cfg).double()
     with torch.device("meta"):
-        net = GPT(GPTConfig(vocab_size=37, seq_len=8, d_model=12, n_layers=2, n_heads=2))
-    with pytest.raises(ValueError, match=r"meta device.*to_empty\(device='cpu'\).*then call "
-                                         "fully_shard"):
-        mp_fully_shard(net.blocks[0], mesh=world)
-    assert type(net.blocks[0]).__name__ == "Block"
+        net = GPT(cfg).double()
+    for b in net.blocks:
+        mp_fully_shard(b, mesh=world)
+    mp_fully_shard(net, mesh=world)
+    net.to_empty(device="cpu")
+    assert net.head.weight is net.tok.weight
+    with torch.no_grad():  # initialize in place: rank 0 with the plain model's values
+        src = plain.state_dict() if world.rank == 0 else {
+            k: torch.full_like(v, float(world.rank)) for k, v in plain.state_dict().items()}
+        for name, v in src.items():
+            mod, _, attr = name.rpartition(".")
+            getattr(net.get_submodule(mod), attr).copy_(v)
+    assert_state_equal(net.full_state_dict(), plain.state_dict(), rtol=0, atol=0)
+    idx = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(net(idx), plain(idx), rtol=1e-12, atol=1e-13)
+    net.close()
+    # A checkpoint loaded right after to_empty() (torchtitan's resume) replaces the
+    # uninitialized values with no exchange of its own.
+    with torch.device("meta"):
+        net = GPT(cfg).double()
+    mp_fully_shard(net, mesh=world).to_empty(device="cpu")
+    net.load_full_state_dict(plain.state_dict())
+    torch.testing.assert_close(net(idx), plain(idx), rtol=1e-12, atol=1e-13)
+    net.close()
+
+
+def test_a_model_partly_on_the_meta_device_is_refused_naming_what_to_do(world):
+    with torch.device("meta"):
+        net = Net().double()
+    net.out = nn.Linear(7, 3).double()  # with values
+    with pytest.raises(ValueError, match=r"some parameters on the meta device and 2 with "
+                                         r"values.*as a whole"):
+        mp_fully_shard(net, mesh=world)
+    assert type(net).__name__ == "Net"
+    # A block sharded with values inside a model on "meta": refused alike.
+    net = Net().double()
+    mp_fully_shard(net.blocks[0], mesh=world)
+    for m in (net.inp, net.out, net.blocks[1], net.blocks[2]):
+        m.to_empty(device="meta")
+    with pytest.raises(ValueError, match="or a block already sharded with values"):
+        mp_fully_shard(net, mesh=world)
+    net.blocks[0].close()
 
 
 def test_weight_decay_by_parameter_through_shard_masks(world):

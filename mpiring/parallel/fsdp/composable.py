@@ -26,6 +26,12 @@ holds one block's full parameters at a time beside its shards; the other way
 round (deferring the sharding to the outermost call) would leave the
 parameters unsharded between the calls, which torch's contract does not allow.
 
+A model on the meta device has no values to shard: its calls only record which
+modules are units (the same order of dissolving, with no communication), and
+the root's ``to_empty()`` builds the engine the last call would have built, with
+each unit's buffer left writable through the modules until the first forward,
+so that torchtitan's ``init_weights()`` runs in place between the two.
+
 Where the shards live. Each unit's flat shard is registered as a parameter of
 its module (``_fsdp_flat``, and ``_fsdp_flat_frozen`` for the flat of its frozen
 parameters), in place of the parameters the engine took over. So
@@ -67,9 +73,13 @@ _STATE = ("fully_shard: {what} on a sharded module is refused, as "
 
 
 class _Group:
-    """One engine and the modules that share it (its root and its units' modules)."""
+    """One engine and the modules that share it (its root and its units' modules).
 
-    def __init__(self, engine: FullyShardedDataParallel, root: nn.Module, order: list):
+    ``engine`` is None while the model is on the meta device: the calls are recorded
+    and the engine is built by the root's ``to_empty()``.
+    """
+
+    def __init__(self, engine: FullyShardedDataParallel | None, root: nn.Module, order: list):
         self.engine = engine
         self.root = root
         self.internal = 0   # >0 while the engine itself reads the modules' state dicts
@@ -122,8 +132,18 @@ class FSDPModule:
     def _fsdp_group(self) -> _Group:
         return self.__dict__[_INFO].group
 
+    def _fsdp_engine(self, what: str) -> FullyShardedDataParallel:
+        engine = self._fsdp_group().engine
+        if engine is None:
+            raise RuntimeError(
+                f"fully_shard: {what} needs the parameters, which are on the meta device: "
+                f"call to_empty(device=...) on the {_info(self._fsdp_group().root).orig_cls.__name__} "
+                "fully_shard was called on last, and initialize the weights, first")
+        return engine
+
     def _fsdp_root(self, what: str) -> FullyShardedDataParallel:
         group = self._fsdp_group()
+        self._fsdp_engine(what)
         if group.root is not self:
             raise RuntimeError(
                 f"fully_shard: {what} acts on the whole engine, whose root is the "
@@ -131,9 +151,9 @@ class FSDPModule:
                 "there (the engine syncs, keeps and saves all its units together)")
         return group.engine
 
-    def _fsdp_units(self, recurse: bool):
+    def _fsdp_units(self, recurse: bool, what: str = "this call"):
         mods = {id(m) for m in (self.modules() if recurse else [self])}
-        return [u for u in self._fsdp_group().engine.units if id(u.module) in mods]
+        return [u for u in self._fsdp_engine(what).units if id(u.module) in mods]
 
     @contextlib.contextmanager
     def _fsdp_internal(self, what: str):
@@ -149,6 +169,7 @@ class FSDPModule:
 
     def forward(self, *args, **kwargs):
         group = self._fsdp_group()
+        self._fsdp_engine("forward")
         if group.root is not self:
             # A unit: the engine's hooks on this module gather and free it.
             return super().forward(*args, **kwargs)
@@ -182,7 +203,7 @@ class FSDPModule:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got "
                              f"{type(reshard_after_forward)}")
-        for u in self._fsdp_units(recurse):
+        for u in self._fsdp_units(recurse, "set_reshard_after_forward"):
             u.reshard_after_forward = reshard_after_forward
             _info(u.module).reshard = reshard_after_forward
 
@@ -199,7 +220,8 @@ class FSDPModule:
     def unshard(self, async_op: bool = False):
         """Gather this module's parameters (not those of units inside it, as torch's);
         with ``async_op=True`` return a handle whose ``wait()`` ends the gather."""
-        engine = self._fsdp_group().engine
+        engine = self._fsdp_engine("unshard")
+        engine.finish_init()  # an initialization in place ends before any gather
         units = self._fsdp_units(recurse=False)
         for u in units:
             if (u.status != SHARDED and not engine._in_backward
@@ -229,6 +251,8 @@ class FSDPModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients and the unsharded ones a no-sync backward kept."""
         super().zero_grad(set_to_none=set_to_none)
+        if self._fsdp_group().engine is None:  # on the meta device: nothing kept yet
+            return
         for u in self._fsdp_units(recurse=True):
             u.keep_acc(None)
 
@@ -261,7 +285,7 @@ class FSDPModule:
             opt.step()
         """
         masks = {}
-        for u in self._fsdp_units(recurse=True):
+        for u in self._fsdp_units(recurse=True, what="shard_masks"):
             flat = u.flat
             mask = torch.zeros(flat.hi - flat.lo, dtype=torch.bool, device=flat.device)
             for s, start, stop in flat.pieces():
@@ -293,7 +317,7 @@ class FSDPModule:
     @property
     def fsdp_engine(self) -> FullyShardedDataParallel:
         """The engine (for ``mpiring.parallel.fsdp``'s functions that take the wrapper)."""
-        return self._fsdp_group().engine
+        return self._fsdp_engine("fsdp_engine")
 
     def close(self) -> None:
         """Stop the engine's thread and remove its hooks (on the root)."""
@@ -325,6 +349,39 @@ class FSDPModule:
                                       missing_keys, unexpected_keys, error_msgs)
         mine = {prefix + name for name in _FLAT}
         missing_keys[:] = [k for k in missing_keys if k not in mine]
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """The meta-device flow's materialization (torchtitan's order: build on "meta",
+        ``fully_shard`` bottom-up, ``to_empty()``, initialize). Collective, on the root.
+
+        Builds the engine with each unit laid out on ``device``, uninitialized, and the
+        modules' attributes pointing into it, so that an initialization in place
+        (``init_weights()``, ``reset_parameters()``, ``nn.init`` under ``no_grad``)
+        writes the values; the first forward or state-dict call shards rank 0's (as
+        every rank starts from rank 0's values) and frees the rest. Until then each
+        rank holds the whole model. Ties are kept (torch's ``to_empty`` unties them).
+        """
+        group = self._fsdp_group()
+        name = _info(group.root).orig_cls.__name__
+        if group.engine is not None:
+            raise RuntimeError("fully_shard: to_empty() on a sharded module whose parameters "
+                               "have values would drop them; it belongs to the meta-device "
+                               "flow (build under torch.device('meta'), fully_shard, "
+                               "to_empty(), initialize)")
+        if group.root is not self or not recurse:
+            raise RuntimeError(f"fully_shard: to_empty() materializes the whole model at once: "
+                               f"call it on the {name} fully_shard was called on last, with "
+                               "recurse=True")
+        made: dict[int, torch.Tensor] = {}
+        for m in self.modules():  # the buffers here; the engine lays out the parameters
+            for key, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    m._buffers[key] = made.setdefault(id(b), torch.empty_like(b, device=device))
+        mods = _dissolve(group)
+        info = next(i for m, i in mods if m is self)
+        _build(self, [(m, i) for m, i in mods if m is not self], info.comm, info.mp,
+               info.reshard, info.orig_cls, init_device=torch.device(device))
+        return self
 
     def _apply(self, fn, recurse=True):
         raise RuntimeError("fully_shard: .to()/.float()/.cuda() on a sharded module would "
@@ -437,13 +494,16 @@ def _check(module, reshard_after_forward, shard_placement_fn, offload_policy,
     if mp is not None and mp.param_dtype is not None and not mp.param_dtype.is_floating_point:
         return TypeError(f"fully_shard: mp_policy param_dtype={mp.param_dtype}: use a "
                          "floating dtype such as torch.bfloat16"), None
-    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+    meta = [t.is_meta for t in module.parameters()]
+    if any(meta) and not all(meta):
+        # The meta-device flow shards a model that is on "meta" as a whole (to_empty()
+        # then builds the engine); a real part would have its values dropped by it.
         return ValueError(
-            f"fully_shard: {type(module).__name__} has parameters or buffers on the meta "
-            "device: the engine shards real values (every rank starts from rank 0's), so "
-            "torch's flow (fully_shard on the meta model, then to_empty() and init_weights()) "
-            "is not available. Materialize first: model.to_empty(device='cpu'), initialize "
-            "it (the same seed on every rank is not needed), then call fully_shard"), None
+            f"fully_shard: {type(module).__name__} has some parameters on the meta device "
+            f"and {meta.count(False)} with values (or a block already sharded with values): "
+            "shard a model built on the meta device as a whole (fully_shard bottom-up, then "
+            "to_empty(device=...) on the model and initialize), or materialize it first "
+            "(to_empty, initialize) and shard it then"), None
     for name, p in module.named_parameters(remove_duplicate=False):
         taken = getattr(p, _TAKEN, None)
         if taken is not None:
@@ -500,8 +560,15 @@ def _agree(comm, error: Exception | None) -> None:
 def _dissolve(group: _Group) -> list[tuple[nn.Module, _Info]]:
     """Give an engine's modules their full parameters and own classes back (collective).
 
-    Returns its units' modules with what fully_shard was asked for each.
+    Returns its units' modules with what fully_shard was asked for each (an engine
+    not built yet, on the meta device: its modules, root included, with no
+    communication: their parameters never left them).
     """
+    if group.engine is None:
+        mods = [(m, _info(m)) for m in group.root.modules()
+                if _info(m) is not None and _info(m).group is group]
+        _release(group, mods)
+        return mods
     engine = group.engine
     group.internal += 1  # the engine reads the modules' buffers through state_dict()
     try:
@@ -531,13 +598,18 @@ def _dissolve(group: _Group) -> list[tuple[nn.Module, _Info]]:
         m._parameters = type(m._parameters)(
             [(n, m._parameters[n]) for n in names if n in m._parameters]
             + [(n, p) for n, p in m._parameters.items() if n not in names])
+    _release(group, mods)
+    return mods
+
+
+def _release(group: _Group, mods) -> None:
+    """The modules' own classes back, and none of them counted as sharded."""
     for m, info in mods:
         m.__class__ = info.orig_cls
         del m.__dict__[_INFO]
     for m in list(_COVERED.keys()):
         if _COVERED.get(m) is group:
             del _COVERED[m]
-    return mods
 
 
 def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None,
@@ -574,9 +646,13 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
             ``shard_placement_fn``, an offload policy, ``ignored_params``, an
             ``output_dtype``, a policy or mesh that differs from an earlier call's
             on a submodule, a call on a module inside one already sharded
-            (top-down order), parameters on the meta device, or a parameter tied
-            to one an earlier call sharded (the embedding sharded alone, the head
-            left to the model).
+            (top-down order), a model partly on the meta device, or a parameter
+            tied to one an earlier call sharded (the embedding sharded alone, the
+            head left to the model).
+
+    A model wholly on the meta device (torchtitan's flow) is sharded when the
+    root's ``to_empty(device=...)`` builds the engine; it is initialized in place
+    after that (``FSDPModule.to_empty``).
     """
     comm, error = _comm_of(mesh)
     mp = None
@@ -601,27 +677,46 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
     # taken back as plain modules.
     for group in below:
         infos.extend(_dissolve(group))
+    orig_cls = type(module)
+    if any(p.is_meta for p in module.parameters()):
+        # No values to shard yet: the calls are recorded, and the root's to_empty()
+        # builds the engine that this call would have built.
+        group = _Group(None, module, [])
+        _mark(module, group, [(module, _Info(orig_cls, reshard_after_forward, mp, comm, group))]
+              + [(m, _Info(i.orig_cls, i.reshard, i.mp, comm, group)) for m, i in infos])
+        return module
+    return _build(module, infos, comm, mp, reshard_after_forward, orig_cls)
+
+
+def _mark(module: nn.Module, group: _Group, infos) -> None:
+    """Give each module its ``_Info`` and ``FSDP<Name>`` class; count all as sharded."""
+    for m, info in infos:
+        m.__dict__[_INFO] = info
+        m.__class__ = _fsdp_class(info.orig_cls)
+    for m in module.modules():
+        _COVERED[m] = group
+
+
+def _build(module: nn.Module, infos, comm, mp, reshard_after_forward, orig_cls,
+           init_device: torch.device | None = None) -> nn.Module:
+    """The engine over ``module`` whose units are ``infos``' modules (collective)."""
     order = [(m, list(m._parameters.keys())) for m in module.modules()]
     originals = list(module.named_parameters(remove_duplicate=False))
-    orig_cls = type(module)
     engine = FullyShardedDataParallel(module, comm, auto_wrap=[m for m, _ in infos] or None,
-                                      reshard_after_forward=True, mixed_precision=mp)
+                                      reshard_after_forward=True, mixed_precision=mp,
+                                      init_device=init_device)
     group = _Group(engine, module, order)
     # The engine's forward runs the original class's forward (see FSDPModule.forward).
     engine.inner_forward = types.MethodType(orig_cls.forward, module)
     infos = [(module, _Info(orig_cls, reshard_after_forward, mp, comm, group))] + [
         (m, _Info(i.orig_cls, i.reshard, i.mp, comm, group)) for m, i in infos]
-    for m, info in infos:
-        m.__dict__[_INFO] = info
-        m.__class__ = _fsdp_class(info.orig_cls)
+    _mark(module, group, infos)
     for u in engine.units:
         requested = _info(u.module).reshard
         u.reshard_after_forward = True if requested is None else requested
         # The shard in place of the parameters it holds: parameters() of the model, of
         # a block, or of a plain parent of a block sharded alone, gives what to step.
         u.module.register_parameter(_FLAT[1] if u.paired else _FLAT[0], u.flat.shard)
-    for m in module.modules():
-        _COVERED[m] = group
     for name, p in originals:
         # The engine holds their values now: a module outside this one that still holds
         # one of these objects (a tie) is refused by a later call (see _check).

@@ -98,10 +98,12 @@ class FlatParam:
         compute_dtype: the dtype of the gathered buffer (the parameters' own,
             or the mixed-precision ``param_dtype``).
         requires_grad: trainable parameters (False: frozen ones, gathered only).
+        device: where parameters on the meta device are laid out (``initial``
+            uninitialized there, as ``to_empty`` leaves them); None: where they are.
     """
 
     def __init__(self, places, rank: int, size: int, compute_dtype: torch.dtype | None = None,
-                 requires_grad: bool = True):
+                 requires_grad: bool = True, device: torch.device | None = None):
         self.requires_grad = requires_grad
         self.slots: list[Slot] = []
         offsets: dict[int, int] = {}
@@ -119,12 +121,17 @@ class FlatParam:
         self.sizes = [t.numel() for t in tensors]   # of the distinct parameters, in order
         self.shapes = [t.shape for t in tensors]
         self.dtype = tensors[0].dtype if tensors else torch.float32
-        self.device = tensors[0].device if tensors else torch.device("cpu")
+        meta = bool(tensors) and tensors[0].is_meta and device is not None
+        self.device = (torch.device(device) if meta else tensors[0].device if tensors
+                       else torch.device(device or "cpu"))
         self.compute_dtype = compute_dtype or self.dtype
         self.bounds = chunk_bounds(numel, size)
         self.lo, self.hi = self.bounds[rank]
         with torch.no_grad():
-            flat = (torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors
+            # Meta parameters have no values to lay out: one buffer for all of them,
+            # never a materialized copy of each beside it.
+            flat = (torch.empty(numel, dtype=self.dtype, device=self.device) if meta else
+                    torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors
                     else torch.zeros(0, dtype=self.dtype, device=self.device))
         self.initial = flat  # dropped by the unit once every rank has its shard
         self.shard = nn.Parameter(flat[self.lo:self.hi].clone(), requires_grad=requires_grad)
@@ -177,6 +184,22 @@ class FlatParam:
             # and parameters() no longer sees it (the shards are the parameters).
             # A shared parameter gets the same view in each place.
             setattr(s.module, s.name, views[s.index])
+
+    def show_initial(self) -> None:
+        """Point every module attribute at its view of ``initial`` and the shard at its
+        chunk: an initialization in place (``init_weights()`` after ``to_empty()``)
+        writes the values that ``keep_initial`` then shards."""
+        pieces = torch.split(self.initial, self.sizes)
+        views = [p.view(shape) for p, shape in zip(pieces, self.shapes)]
+        for s in self.slots:
+            setattr(s.module, s.name, views[s.index])
+        self.shard.data = self.initial[self.lo:self.hi]
+
+    def keep_initial(self) -> None:
+        """End ``show_initial``: the shard keeps a copy of its chunk, ``initial`` goes."""
+        self.shard.data = self.initial[self.lo:self.hi].clone()
+        self.initial = None
+        self.hide_views()
 
     def hide_views(self) -> None:
         """Point every module attribute at its ``ShardedParameter`` (once ``full`` is freed)."""

@@ -120,6 +120,11 @@ class FullyShardedDataParallel(nn.Module):
             gradient are unsharded at a time (beside the root's), the ZeRO-3
             bound, at the price of no overlap (torch's ``limit_all_gathers``
             taken to one unit).
+        init_device: for a model on the meta device (``fully_shard``'s meta-device
+            flow): lay each unit out on this device, uninitialized, and leave its
+            values writable through the module's attributes (plain tensors, one
+            buffer per unit) for an initialization in place, until the first
+            forward or state-dict call (``finish_init``), which shards rank 0's.
 
     Raises:
         TypeError, ValueError: bad arguments, parameters of mixed dtypes in one
@@ -130,7 +135,7 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, comm, *, auto_wrap: Policy = "blocks",
                  reshard_after_forward: bool = True, mixed_precision=None,
                  algo: str = DEFAULT_ALGO, sync_module_states: bool = True,
-                 prefetch: bool = True):
+                 prefetch: bool = True, init_device: torch.device | str | None = None):
         super().__init__()
         error, places, mp, units = None, [], None, []
         try:
@@ -174,7 +179,10 @@ class FullyShardedDataParallel(nn.Module):
         # Its own communicator, made on every rank in the same order: the
         # thread's collectives never match a message of the main thread's.
         self.thread_comm = comm.dup()
-        cpu = all(p.device.type == "cpu" for grp in places for (*_, p) in grp)
+        self._init_later = init_device is not None
+        where = torch.device(init_device) if init_device is not None else None
+        cpu = all((where if p.is_meta and where else p.device).type == "cpu"
+                  for grp in places for (*_, p) in grp)
         if comm.backend == "mpi" and cpu and not os.environ.get("MPIRING_IDLE"):
             # Leave the cores to the unit that computes (as DDP's thread does);
             # an MPIRING_IDLE of the user's choice applies here too.
@@ -191,17 +199,23 @@ class FullyShardedDataParallel(nn.Module):
             for part, grad in ((trainable, True), (frozen, False)):
                 if part or (grad and not frozen):  # an empty unit keeps its place
                     flat = FlatParam(part, comm.rank, comm.size,
-                                     mp.param_dtype if mp else None, requires_grad=grad)
-                    if sync_module_states and comm.size > 1 and flat.numel:
-                        comm.broadcast(flat.initial, root=0)
-                        flat.shard.data.copy_(flat.initial[flat.lo:flat.hi])
-                    flat.initial = None
-                    flat.unregister()
+                                     mp.param_dtype if mp else None, requires_grad=grad,
+                                     device=where)
+                    if self._init_later:
+                        flat.unregister()
+                        flat.show_initial()  # until finish_init
+                    else:
+                        if sync_module_states and comm.size > 1 and flat.numel:
+                            comm.broadcast(flat.initial, root=0)
+                            flat.shard.data.copy_(flat.initial[flat.lo:flat.hi])
+                        flat.initial = None
+                        flat.unregister()
                     made.append(Unit(i, owner_module, flat, self, bool(reshard_after_forward)))
             if len(made) == 2:
                 made[0].frozen, made[1].paired = made[1], True
             self.units.extend(made)
-        if sync_module_states and comm.size > 1:
+        self._sync_states = sync_module_states
+        if sync_module_states and comm.size > 1 and not self._init_later:
             # As raw bytes, as DDP does: a bool mask or an int16 buffer is no reducible dtype.
             sync_from_root(comm, [b.data for b in module.buffers()])
         self.shards = nn.ParameterList([u.flat.shard for u in self.units])
@@ -271,8 +285,25 @@ class FullyShardedDataParallel(nn.Module):
                                  "frozen numel, dtype, layout checksum]): build "
                                  "the same model with the same auto_wrap on every rank")
 
+    def finish_init(self, sync: bool = True) -> None:
+        """End ``init_device``'s initialization: each unit keeps its shard (with ``sync``,
+        of rank 0's values, one Broadcast per unit, and rank 0's buffers: collective)
+        and the modules show stand-ins again. Called by the first forward and the
+        state-dict calls; a no-op after that, or without ``init_device``."""
+        if not self._init_later:
+            return
+        self._init_later = False
+        comm = self.comm
+        for u in self.units:
+            if sync and self._sync_states and comm.size > 1 and u.flat.numel:
+                comm.broadcast(u.flat.initial, root=0)
+            u.flat.keep_initial()
+        if sync and self._sync_states and comm.size > 1:
+            sync_from_root(comm, [b.data for b in self.module.buffers()])
+
     # --- forward and backward ----------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.finish_init()
         roots = [u for u in self.units if u.module is self.module]  # trainable, frozen
         self._recording = not self._order
         if self._skip_versions is not None and not self._in_backward:
@@ -292,6 +323,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _unit_pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
         """A unit's forward pre-hook: cast its inputs (mixed precision), then gather it."""
+        self.finish_init()
         mp = self.mixed_precision
         if mp is not None and mp.cast_forward_inputs:
             # Every unit's inputs, not only the root's (torch FSDP2's per-module cast): a

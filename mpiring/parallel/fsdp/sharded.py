@@ -82,6 +82,7 @@ def sharded_state_dict(fsdp, save_id: str | None = None) -> dict[str, Any]:
         ``nn.Module.state_dict()`` it references the live tensors (the values are views
         of the shards: no copy, no memory): save it, or clone it, before the next step.
     """
+    fsdp.finish_init()  # collective the first time after to_empty (init_device)
     fsdp.runner.wait_all()  # nothing queued may still write a shard
     out = _header(fsdp, "model", save_id)
     params: dict[str, dict[str, Any]] = {}
@@ -362,6 +363,7 @@ def load_sharded_state_dict(fsdp, state: Any) -> None:
     plan = _plan(fsdp, metas, "model", whole, what)
     src = _buffer_source(fsdp, metas)
     _check_buffers(fsdp, metas[src], what)
+    fsdp.finish_init(sync=False)  # every value comes from the dicts: nothing to agree
     fsdp.runner.wait_all()
     _load_model(fsdp, plan, lambda i, n: dicts[i]["params"][n]["values"],
                 dicts[src]["buffers"])

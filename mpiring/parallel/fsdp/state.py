@@ -39,6 +39,7 @@ def _gather_flat(fsdp, unit, shard_values: torch.Tensor) -> torch.Tensor:
 
 def full_state_dict(fsdp) -> dict[str, torch.Tensor]:
     """The unwrapped model's state_dict on every rank: same keys, full tensors."""
+    fsdp.finish_init()  # an initialization in place (init_device) ends here at the latest
     fsdp.runner.wait_all()
     values: dict[str, torch.Tensor] = {}
     for u in fsdp.units:
@@ -67,6 +68,7 @@ def load_full_state_dict(fsdp, state_dict: dict[str, torch.Tensor]) -> None:
                 raise ValueError(f"{s.fqn}: the state dict has shape "
                                  f"{tuple(state_dict[s.fqn].shape)}, the model "
                                  f"{tuple(s.shape)}")
+    fsdp.finish_init(sync=False)  # every value comes from the dict: nothing to agree
     with torch.no_grad():
         for u in fsdp.units:
             f = u.flat
