@@ -206,6 +206,56 @@ def test_dualpipev_head_reduces_in_its_last_whole_backward(world):
         assert all(last["t_start"] <= b["t_start"] <= last["t_end"] for b in mine)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"pp{t[0]}xdp{t[1]}")
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("meta", [False, True], ids=["values", "meta"])
+def test_fully_shard_stages_reduce_once_a_step(world, layout, name, meta):
+    # torchtitan's wiring: fully_shard each stage's layers, then the stage, over grid.dp
+    # (meta: on the meta device, materialized after the schedule is made), then
+    # PipelineStage. Each unit's gradient is reduce-scattered once a step, in the last
+    # micro-batch's backward, as the FullyShardedDataParallel wrapper's is.
+    from mpiring.parallel.fsdp import fully_shard
+
+    pp, dp = layout
+    grid = grid_of(world, pp, dp)
+    full = net()
+    lo, hi = stage_bounds(len(full), pp, grid.pp_rank)
+    part = copy.deepcopy(full[lo:hi])
+    if meta:
+        part = part.to_empty(device="meta")
+    for layer in part:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=grid.dp)
+    fully_shard(part, mesh=grid.dp)
+    stage = mpiring.PipelineStage(part, grid.pp_rank, pp, grid.pp)
+    sched = SCHEDULES[name](stage, 4, mse)
+    if meta:
+        part.to_empty(device="cpu")
+        part.load_full_state_dict(full[lo:hi].state_dict())
+    engine = part.fsdp_engine
+    calls = []
+    scatter = engine.thread_comm.reduce_scatter
+    engine.thread_comm.reduce_scatter = lambda *a, **k: calls.append(1) or scatter(*a, **k)
+    opts = [torch.optim.SGD(part.parameters(), lr=0.5), torch.optim.SGD(full.parameters(), lr=0.5)]
+    try:
+        for salt in (0, 1):
+            data = shards(dp, salt)
+            reference(full, data, 4, mse)
+            x, y = data[grid.dp_rank]
+            sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        got, want = part.full_state_dict(), full[lo:hi].state_dict()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+        if dp > 1:
+            assert len(calls) == 2 * sum(u.flat.requires_grad and u.flat.numel > 0
+                                         for u in engine.units)
+    finally:
+        part.close()
+
+
 def test_gpt_pp_x_dp_with_tied_embedding(world):
     # The trainer's wiring: ProcessGrid, DDP over grid.dp, the tied embedding summed
     # between the first and last stage of each pipeline.
@@ -246,18 +296,21 @@ def test_pipedream_refuses_data_parallel_stages(world):
     ddp.close()
 
 
-def test_zero_bubble_refuses_fsdp_stages_before_a_step(world):
+@pytest.mark.parametrize("how", ["wrapper", "fully_shard"])
+def test_zero_bubble_refuses_fsdp_stages_before_a_step(world, how):
     # W writes the Linears' gradients outside autograd, where FSDP's flat gradient
     # never sees them: refused when the schedule is built, on every rank alike, not
     # at the end of a step whose compute has run.
-    from mpiring.parallel.fsdp import FullyShardedDataParallel
+    from mpiring.parallel.fsdp import FullyShardedDataParallel, fully_shard
 
     grid = grid_of(world, 2, 1)
     full = net()
     lo, hi = stage_bounds(len(full), 2, grid.pp_rank)
     part = copy.deepcopy(full[lo:hi])
     # Only the last stage is sharded: the first must learn of it from the gathered table.
-    wrapped = FullyShardedDataParallel(part, grid.dp) if grid.pp_rank == 1 else part
+    shard = ((lambda m: FullyShardedDataParallel(m, grid.dp)) if how == "wrapper" else
+             (lambda m: fully_shard(m, mesh=grid.dp)))
+    wrapped = shard(part) if grid.pp_rank == 1 else part
     stage = mpiring.PipelineStage(wrapped, grid.pp_rank, 2, grid.pp)
     with pytest.raises(ValueError, match="FullyShardedDataParallel with a split backward"):
         ScheduleZeroBubble(stage, 2, mse)

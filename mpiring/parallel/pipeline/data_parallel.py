@@ -40,7 +40,8 @@ micro-batch's backward gathers each unit, computes and adds its unsharded
 gradient to what the unit keeps; ``arm`` turns it on just before the last
 micro-batch's backward, whose units reduce-scatter the sum once, each as soon
 as its backward is done. The stage runs the FSDP wrapper itself (its hooks
-gather the units). A split backward (W outside autograd) cannot feed FSDP's
+gather the units); a stage module that ``fully_shard`` was called on last
+(torchtitan's order, meta device included) is run and synced the same way. A split backward (W outside autograd) cannot feed FSDP's
 flat gradient: a schedule with W actions refuses FSDP stages when it is built.
 """
 
@@ -84,24 +85,53 @@ def stage_grid(comm, pp: int) -> StageGrid:
     return StageGrid(grid.pp, grid.dp, grid.pp_rank, grid.dp_rank, pp, grid.dp_size)
 
 
+class ShardedRoot:
+    """A stage module that ``fully_shard`` was called on last (torchtitan shards each
+    stage's blocks, then the stage): the data-parallel side of its engine.
+
+    The engine is looked up when used: a stage built on the meta device has none
+    until its ``to_empty()``, which may come after the stage and schedule are made.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    @property
+    def engine(self):
+        return self.module.fsdp_engine
+
+    @property
+    def comm(self):
+        return self.engine.comm
+
+
 def is_fsdp(wrapper) -> bool:
     from mpiring.parallel.fsdp import FullyShardedDataParallel
 
-    return isinstance(wrapper, FullyShardedDataParallel)
+    return isinstance(wrapper, (FullyShardedDataParallel, ShardedRoot))
 
 
-def unwrap(submodule: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+def _engine(wrapper):
+    return wrapper.engine if isinstance(wrapper, ShardedRoot) else wrapper
+
+
+def unwrap(submodule: nn.Module) -> tuple[nn.Module, object | None]:
     """``(layers to run, data-parallel wrapper or None)`` for a stage's submodule.
 
     DDP only reduces, so the stage runs its module; FSDP must run itself (its
-    hooks gather the parameters), so it is both.
+    hooks gather the parameters), so it is both; so is a ``fully_shard`` root.
     """
     from mpiring.parallel.data.distributed import DistributedDataParallel
+    from mpiring.parallel.fsdp import FSDPModule
 
     if isinstance(submodule, DistributedDataParallel):
         return submodule.module, submodule
     if is_fsdp(submodule):
         return submodule, submodule
+    if isinstance(submodule, FSDPModule) and submodule._fsdp_group().root is submodule:
+        # Its blocks' own forwards gather them; the schedule decides which backward
+        # reduce-scatters, as for the wrapper (without this, every micro-batch's would).
+        return submodule, ShardedRoot(submodule)
     return submodule, None
 
 
@@ -109,11 +139,12 @@ def start_step(ddp) -> None:
     """Once a step, before the first forward: DDP's bucket rebuild and buffer broadcast;
     FSDP: accumulate unsharded gradients until ``arm``."""
     if is_fsdp(ddp):
-        ddp.set_requires_gradient_sync(False)
+        fsdp = _engine(ddp)
+        fsdp.set_requires_gradient_sync(False)
         # Units kept gathered from forward to backward stay so for the step's next
         # micro-batches too (torch.distributed.pipelining's choice): once a step, not
         # once a micro-batch. ZeRO-3's own setting frees them as before.
-        ddp.set_reshard_after_backward(ddp.reshard_after_forward)
+        fsdp.set_reshard_after_backward(fsdp.reshard_after_forward)
         return
     ddp.sync_before_backward()
 
@@ -122,8 +153,9 @@ def arm(ddp, outputs) -> None:
     """Let the next backward (of ``outputs``) reduce the accumulated gradients, bucket by
     bucket (DDP) or unit by unit (FSDP)."""
     if is_fsdp(ddp):
-        ddp.set_requires_gradient_sync(True)
-        ddp.set_reshard_after_backward(True)  # the last backward frees every unit
+        fsdp = _engine(ddp)
+        fsdp.set_requires_gradient_sync(True)
+        fsdp.set_reshard_after_backward(True)  # the last backward frees every unit
         return
     ddp.reducer.prepare_for_backward(outputs, True)
 
@@ -142,7 +174,8 @@ def reduce_in_w(ddp, queue: list) -> None:
 
 
 #: Why FSDP and a split backward do not go together (the schedule says it when built).
-FSDP_SPLIT = ("FullyShardedDataParallel with a split backward (zero bubble): W writes weight "
+FSDP_SPLIT = ("FullyShardedDataParallel with a split backward (zero bubble; a fully_shard stage "
+              "too): W writes weight "
               "gradients outside autograd, where FSDP's flat gradient never sees them; use "
               "Schedule1F1B or ScheduleGPipe with FSDP")
 
