@@ -486,10 +486,11 @@ def test_the_meta_device_flow_matches_the_unsplit_model(world, how):
     model.close()
 
 
-def test_the_meta_device_flow_keeps_a_tie_and_saves_before_a_step(world):
+def test_the_meta_device_flow_keeps_a_tie_and_saves_before_a_step(world, tmp_path_factory):
     # A tied GPT (embedding and head share a weight) built on "meta": torch's to_empty
     # would untie them; the engine lays the shared weight out once. A full state dict
     # taken before any forward is rank 0's initialization.
+    from mpiring.parallel.fsdp import load_sharded, save_sharded
     from mpiring.tools.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=37, seq_len=8, d_model=12, n_layers=2, n_heads=2)
@@ -513,13 +514,24 @@ def test_the_meta_device_flow_keeps_a_tie_and_saves_before_a_step(world):
     torch.testing.assert_close(net(idx), plain(idx), rtol=1e-12, atol=1e-13)
     net.close()
     # A checkpoint loaded right after to_empty() (torchtitan's resume) replaces the
-    # uninitialized values with no exchange of its own.
-    with torch.device("meta"):
-        net = GPT(cfg).double()
-    mp_fully_shard(net, mesh=world).to_empty(device="cpu")
-    net.load_full_state_dict(plain.state_dict())
-    torch.testing.assert_close(net(idx), plain(idx), rtol=1e-12, atol=1e-13)
-    net.close()
+    # uninitialized values with no exchange of its own: a full state dict, and a sharded
+    # save (written before any forward, itself the first call after its to_empty()).
+    where = world.control.bcast_json(
+        str(tmp_path_factory.mktemp("meta-save")) if world.rank == 0 else None)
+    for load in ("full", "sharded"):
+        with torch.device("meta"):
+            net = GPT(cfg).double()
+        mp_fully_shard(net, mesh=world).to_empty(device="cpu")
+        with torch.no_grad():  # each rank's own values: none may survive the load
+            for p in net.parameters():
+                p.fill_(float(world.rank + 1))
+        if load == "full":
+            net.load_full_state_dict(plain.state_dict())
+            save_sharded(where, net, step=0)
+        else:
+            assert load_sharded(where, net) == 0
+        torch.testing.assert_close(net(idx), plain(idx), rtol=1e-12, atol=1e-13, msg=load)
+        net.close()
 
 
 def test_a_model_partly_on_the_meta_device_is_refused_naming_what_to_do(world):
@@ -538,6 +550,41 @@ def test_a_model_partly_on_the_meta_device_is_refused_naming_what_to_do(world):
     with pytest.raises(ValueError, match="or a block already sharded with values"):
         mp_fully_shard(net, mesh=world)
     net.blocks[0].close()
+    # Buffers on "meta" beside parameters with values: refused before the engine took any.
+    net = Net().double()
+    net.register_buffer("table", torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="buffers on the meta device and parameters that "
+                                         "are not"):
+        mp_fully_shard(net, mesh=world)
+    assert isinstance(net.inp.weight, nn.Parameter) and not net.inp.weight.is_meta
+
+
+def test_a_tie_across_calls_on_the_meta_device_is_refused_at_the_call(world):
+    from mpiring.tools.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        net = GPT(GPTConfig(vocab_size=37, seq_len=8, d_model=12, n_layers=2, n_heads=2))
+    mp_fully_shard(net.tok, mesh=world)
+    with pytest.raises(ValueError, match=r"GPT's parameter 'head.weight' is tied to one of "
+                                         "Embedding's, which an earlier fully_shard call"):
+        mp_fully_shard(net, mesh=world)
+    with pytest.raises(ValueError, match=r"Linear's parameter 'weight' is tied"):
+        mp_fully_shard(net.head, mesh=world)
+
+
+def test_settings_asked_on_the_meta_device_reach_the_engine(world):
+    model = shard(mp_fully_shard, on_meta(), "bottom_up", mesh=world)
+    model.set_reshard_after_forward(False)
+    model.blocks[1].set_reshard_after_forward(True, recurse=False)
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
+    with pytest.raises(RuntimeError, match="call it there"):
+        model.blocks[0].set_requires_gradient_sync(True)
+    model.to_empty(device="cpu")
+    engine = model.fsdp_engine
+    assert [u.reshard_after_forward for u in engine.units] == [False, False, True, False]
+    assert engine.sync is False and engine.reshard_after_backward is False
+    model.close()
 
 
 def test_weight_decay_by_parameter_through_shard_masks(world):

@@ -256,6 +256,28 @@ def test_fully_shard_stages_reduce_once_a_step(world, layout, name, meta):
         part.close()
 
 
+def test_tied_parameters_a_fully_shard_stage_took_are_refused_at_the_step(world):
+    # On "meta", fully_shard only records; its to_empty() takes the parameters into the
+    # engine, so the tied weight PipelineStage was given is no Parameter of the stage
+    # any more: the tied sum would add zeros, silently. Refused on every rank instead.
+    from mpiring.parallel.fsdp import fully_shard
+    from mpiring.tools.train.pipeline import split_gpt
+
+    grid = grid_of(world, 2, 1)
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=2, n_heads=2)
+    with torch.device("meta"):
+        part, tied = split_gpt(GPT(cfg).double(), 2, grid.pp_rank)
+    fully_shard(part, mesh=grid.dp)
+    stage = mpiring.PipelineStage(part, grid.pp_rank, 2, grid.pp, tied_parameters=tied)
+    sched = Schedule1F1B(stage, 2, lm_loss)
+    part.to_empty(device="cpu")
+    x = y = torch.zeros(4, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"r1: stage 1: tied_parameters \[0\] are no longer "
+                                         "parameters of the stage's module"):
+        sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    part.close()
+
+
 def test_gpt_pp_x_dp_with_tied_embedding(world):
     # The trainer's wiring: ProcessGrid, DDP over grid.dp, the tied embedding summed
     # between the first and last stage of each pipeline.

@@ -83,6 +83,8 @@ class _Group:
         self.engine = engine
         self.root = root
         self.internal = 0   # >0 while the engine itself reads the modules' state dicts
+        # Asked of the root before to_empty() built the engine: applied to it then.
+        self.asked: dict[str, bool] = {}
         # Each module's parameter names in their original order, to give the plain
         # parameters back in that order (the next engine lays them out by it).
         self.order = order
@@ -143,13 +145,12 @@ class FSDPModule:
 
     def _fsdp_root(self, what: str) -> FullyShardedDataParallel:
         group = self._fsdp_group()
-        self._fsdp_engine(what)
         if group.root is not self:
             raise RuntimeError(
                 f"fully_shard: {what} acts on the whole engine, whose root is the "
                 f"{_info(group.root).orig_cls.__name__} fully_shard was called on last: call it "
                 "there (the engine syncs, keeps and saves all its units together)")
-        return group.engine
+        return self._fsdp_engine(what)
 
     def _fsdp_units(self, recurse: bool, what: str = "this call"):
         mods = {id(m) for m in (self.modules() if recurse else [self])}
@@ -192,6 +193,8 @@ class FSDPModule:
             raise ValueError("fully_shard: set_requires_gradient_sync(recurse=False): the "
                              "engine syncs all its units or none; call it on the root with "
                              "recurse=True")
+        if self._fsdp_later("set_requires_gradient_sync", requires_gradient_sync):
+            return
         self._fsdp_root("set_requires_gradient_sync").set_requires_gradient_sync(
             requires_gradient_sync)
 
@@ -203,6 +206,12 @@ class FSDPModule:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got "
                              f"{type(reshard_after_forward)}")
+        group = self._fsdp_group()
+        if group.engine is None:  # on the meta device: what the units are built with
+            for m in (self.modules() if recurse else [self]):
+                if _info(m) is not None and _info(m).group is group:
+                    _info(m).reshard = reshard_after_forward
+            return
         for u in self._fsdp_units(recurse, "set_reshard_after_forward"):
             u.reshard_after_forward = reshard_after_forward
             _info(u.module).reshard = reshard_after_forward
@@ -214,8 +223,21 @@ class FSDPModule:
         if not recurse:
             raise ValueError("fully_shard: set_reshard_after_backward(recurse=False): the "
                              "engine's switch holds for all its units; call it on the root")
+        if self._fsdp_later("set_reshard_after_backward", reshard_after_backward):
+            return
         self._fsdp_root("set_reshard_after_backward").set_reshard_after_backward(
             reshard_after_backward)
+
+    def _fsdp_later(self, what: str, value: bool) -> bool:
+        """On the meta device: keep ``what``'s value for the engine ``to_empty()`` builds
+        (True), refused off the root as the engine's own call is; else False."""
+        group = self._fsdp_group()
+        if group.engine is not None:
+            return False
+        if group.root is not self:
+            self._fsdp_root(what)  # raises, naming what to do
+        group.asked[what] = bool(value)
+        return True
 
     def unshard(self, async_op: bool = False):
         """Gather this module's parameters (not those of units inside it, as torch's);
@@ -381,6 +403,8 @@ class FSDPModule:
         info = next(i for m, i in mods if m is self)
         _build(self, [(m, i) for m, i in mods if m is not self], info.comm, info.mp,
                info.reshard, info.orig_cls, init_device=torch.device(device))
+        for what, value in group.asked.items():
+            getattr(self.fsdp_engine, what)(value)
         return self
 
     def _apply(self, fn, recurse=True):
@@ -495,6 +519,12 @@ def _check(module, reshard_after_forward, shard_placement_fn, offload_policy,
         return TypeError(f"fully_shard: mp_policy param_dtype={mp.param_dtype}: use a "
                          "floating dtype such as torch.bfloat16"), None
     meta = [t.is_meta for t in module.parameters()]
+    if not (meta and all(meta)) and any(b.is_meta for b in module.buffers()):
+        return ValueError(
+            f"fully_shard: {type(module).__name__} has buffers on the meta device and "
+            "parameters that are not: the engine would shard the parameters and fail on the "
+            "buffers. Materialize the buffers first (to_empty, or set their values), or build "
+            "the whole model on the meta device"), None
     if any(meta) and not all(meta):
         # The meta-device flow shards a model that is on "meta" as a whole (to_empty()
         # then builds the engine); a real part would have its values dropped by it.
@@ -516,6 +546,9 @@ def _check(module, reshard_after_forward, shard_placement_fn, offload_policy,
                 "be in one unit. Do not call fully_shard on one of the modules that share it "
                 "alone; their common parent's call holds both (torch's answer, "
                 "fully_shard([module_a, module_b]), is not available)"), None
+    tie = _tie_across_recorded_calls(module)
+    if tie is not None:
+        return tie, None
     inside = {id(m) for m in module.modules()}
     for m in module.modules():
         group = _COVERED.get(m)
@@ -542,6 +575,30 @@ def _check(module, reshard_after_forward, shard_placement_fn, offload_policy,
                                   "policy for all its units; pass the same mp_policy to every "
                                   "fully_shard call of a model"), None
     return None, mp
+
+
+def _tie_across_recorded_calls(module: nn.Module) -> ValueError | None:
+    """A parameter of ``module`` tied to one that a call on the meta device recorded for
+    another module (the embedding sharded alone, the head left to the model): the
+    meta-device twin of the ``_TAKEN`` check, which needs the engine to have taken it."""
+    groups = {id(g): g for g in list(_COVERED.values()) if g.engine is None}
+    for group in groups.values():
+        inside = {id(m) for m in group.root.modules()}
+        theirs = {id(p) for p in group.root.parameters()}
+        for prefix, m in module.named_modules():
+            if id(m) in inside:
+                continue
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in theirs:
+                    where = f"{prefix}.{name}" if prefix else name
+                    return ValueError(
+                        f"fully_shard: {type(module).__name__}'s parameter {where!r} is tied to "
+                        f"one of {_info(group.root).orig_cls.__name__}'s, which an earlier "
+                        "fully_shard call sharded: a tied parameter must be in one unit. Do "
+                        "not call fully_shard on one of the modules that share it alone; their "
+                        "common parent's call holds both (torch's answer, "
+                        "fully_shard([module_a, module_b]), is not available)")
+    return None
 
 
 def _agree(comm, error: Exception | None) -> None:

@@ -292,14 +292,16 @@ class FullyShardedDataParallel(nn.Module):
         state-dict calls; a no-op after that, or without ``init_device``."""
         if not self._init_later:
             return
-        self._init_later = False
         comm = self.comm
         for u in self.units:
+            if u.flat.initial is None:  # kept by a call that failed part way
+                continue
             if sync and self._sync_states and comm.size > 1 and u.flat.numel:
                 comm.broadcast(u.flat.initial, root=0)
             u.flat.keep_initial()
         if sync and self._sync_states and comm.size > 1:
             sync_from_root(comm, [b.data for b in self.module.buffers()])
+        self._init_later = False
 
     # --- forward and backward ----------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -492,8 +494,10 @@ class FullyShardedDataParallel(nn.Module):
 
     def sharded_state_dict(self, save_id: str | None = None) -> dict:
         """This rank's slices of every parameter, keyed by the unwrapped model's names, each
-        with its element range and full shape (no communication, no copy: views of the
-        shards). ``mpiring.parallel.fsdp.sharded.sharded_state_dict`` says what it holds."""
+        with its element range and full shape (no copy: views of the shards; no
+        communication, but the first call after a meta-device ``to_empty()``, which ends
+        its initialization on every rank). ``mpiring.parallel.fsdp.sharded.sharded_state_dict``
+        says what it holds."""
         from mpiring.parallel.fsdp.sharded import sharded_state_dict
 
         return sharded_state_dict(self, save_id)

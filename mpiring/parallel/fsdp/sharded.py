@@ -67,7 +67,9 @@ def _own_slices(f):
 
 
 def sharded_state_dict(fsdp, save_id: str | None = None) -> dict[str, Any]:
-    """This rank's slices of the model, keyed by the unwrapped model's names (no communication).
+    """This rank's slices of the model, keyed by the unwrapped model's names (no communication,
+    except that the first call after a meta-device ``to_empty()`` ends its initialization
+    on every rank: ``finish_init``).
 
     Args:
         save_id: a string, the same on every rank of one save (``save_sharded`` makes
@@ -82,7 +84,7 @@ def sharded_state_dict(fsdp, save_id: str | None = None) -> dict[str, Any]:
         ``nn.Module.state_dict()`` it references the live tensors (the values are views
         of the shards: no copy, no memory): save it, or clone it, before the next step.
     """
-    fsdp.finish_init()  # collective the first time after to_empty (init_device)
+    fsdp.finish_init()
     fsdp.runner.wait_all()  # nothing queued may still write a shard
     out = _header(fsdp, "model", save_id)
     params: dict[str, dict[str, Any]] = {}
@@ -309,6 +311,7 @@ def _copy_into(dest: torch.Tensor, name: str, a: int, b: int, plan: dict, get) -
 
 
 def _load_model(fsdp, plan: dict, get, buffers: dict[str, torch.Tensor]) -> None:
+    fsdp.finish_init(sync=False)  # every value comes from the save: nothing to agree
     with torch.no_grad():
         for u in fsdp.units:
             shard = u.flat.shard.detach()
@@ -363,7 +366,6 @@ def load_sharded_state_dict(fsdp, state: Any) -> None:
     plan = _plan(fsdp, metas, "model", whole, what)
     src = _buffer_source(fsdp, metas)
     _check_buffers(fsdp, metas[src], what)
-    fsdp.finish_init(sync=False)  # every value comes from the dicts: nothing to agree
     fsdp.runner.wait_all()
     _load_model(fsdp, plan, lambda i, n: dicts[i]["params"][n]["values"],
                 dicts[src]["buffers"])
@@ -542,6 +544,9 @@ def _save_sharded(path_dir: str, model, optimizer, step: int) -> str:
     except (TypeError, ValueError, OSError) as exc:
         error = exc
     _agree(comm, error, what)
+    # Here, where every rank is: in sharded_state_dict below, one rank's failed folder
+    # check would leave the others alone in its Broadcast.
+    model.finish_init()
     save_id = comm.control.bcast_json(secrets.token_hex(8)) if comm.size > 1 else \
         secrets.token_hex(8)
     metas = None

@@ -354,6 +354,8 @@ class PipelineSchedule:
         m = self.n_microbatches
         has_first, has_last = self._first is not None, self._last is not None
         what = "step()" if plan.train else "eval()"
+        for st in self.stages:  # before the checks: a to_empty() since the last step
+            st.find_tied()
         if plan.train and not torch.is_grad_enabled():
             # Every backward would find nothing to differentiate and the step would
             # train nothing, silently: refused, as loss.backward() would be.
@@ -367,6 +369,15 @@ class PipelineSchedule:
             # waiting for it until the deadline.
             err = (f"{self._where}: parameters or buffers on the meta device: materialize "
                    "them first (module.to_empty(device=...), then initialize the weights)")
+        elif stale := [i for st in self.stages if st.tied_parameters
+                       for i, p in enumerate(st.tied_parameters)
+                       if not any(p is q for q in st.module.parameters())]:
+            # The tied sum would add gradients that no backward writes (to_empty or
+            # fully_shard took the Parameter out of the module), silently.
+            err = (f"{self._where}: tied_parameters {stale} are no longer parameters of the "
+                   "stage's module (to_empty() or fully_shard replaced them, and no parameter "
+                   "of the module has their name now): give PipelineStage the parameters "
+                   "the module holds when it steps")
         elif "loss_kwargs" in kwargs:
             err = (f"{self._where}: loss_kwargs={kwargs['loss_kwargs']!r}: bind them into "
                    "loss_fn instead (functools.partial(loss_fn, **loss_kwargs)) when the "

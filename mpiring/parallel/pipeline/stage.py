@@ -133,6 +133,11 @@ class PipelineStage:
         self.peak_activation_bytes = 0
         # Once a step, not once a forward: the optimizer updates the weights in place.
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+
+    def find_tied(self) -> None:
+        """Each tied parameter, found again by its name (a ``to_empty()`` since the stage
+        was made puts new Parameter objects in the module); the schedule's every step and
+        eval start with it."""
         for i, name in enumerate(self._tied_names):
             # In place: the schedule's tied pair holds this list.
             p = _parameter(self.module, name)
