@@ -167,6 +167,9 @@ class PipelineSchedule:
         self._where = ("stage" if len(stages) == 1 else "stages") + " " + ", ".join(
             str(st.stage_index) for st in stages)
         self._tied = _TiedPair(stages, multi)
+        # The stages' parameters were checked (none on "meta", the tied ones theirs) at
+        # a step that went through: the checks walk every parameter, so once is enough.
+        self._params_checked = False
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
         self.transport = Transport(stage.comm, self.ranks)  # collective (a dup), as above
         # NCCL: a send goes in its group, with the receive (no send posted early).
@@ -362,22 +365,8 @@ class PipelineSchedule:
             err = (f"{self._where}: step() under torch.no_grad() or torch.inference_mode() "
                    "computes no gradient: call it with autograd on, or call eval() for the "
                    "forwards alone")
-        elif any(t.is_meta for st in self.stages
-                 for t in (*st.module.parameters(), *st.module.buffers())):
-            # A stage built on "meta" (torchtitan's order) before its to_empty(): its
-            # forward would fail on this rank alone, mid-schedule, and leave the others
-            # waiting for it until the deadline.
-            err = (f"{self._where}: parameters or buffers on the meta device: materialize "
-                   "them first (module.to_empty(device=...), then initialize the weights)")
-        elif stale := [i for st in self.stages if st.tied_parameters
-                       for i, p in enumerate(st.tied_parameters)
-                       if not any(p is q for q in st.module.parameters())]:
-            # The tied sum would add gradients that no backward writes (to_empty or
-            # fully_shard took the Parameter out of the module), silently.
-            err = (f"{self._where}: tied_parameters {stale} are no longer parameters of the "
-                   "stage's module (to_empty() or fully_shard replaced them, and no parameter "
-                   "of the module has their name now): give PipelineStage the parameters "
-                   "the module holds when it steps")
+        elif not self._params_checked and (bad := self._parameter_error()):
+            err = bad
         elif "loss_kwargs" in kwargs:
             err = (f"{self._where}: loss_kwargs={kwargs['loss_kwargs']!r}: bind them into "
                    "loss_fn instead (functools.partial(loss_fn, **loss_kwargs)) when the "
@@ -409,6 +398,7 @@ class PipelineSchedule:
             texts = comm.control.allgather_json(err) if comm.size > 1 else [err]
             raise ValueError(f"{what}: " + "; ".join(f"r{r}: {t}" for r, t in enumerate(texts)
                                                      if t))
+        self._params_checked = True
         head, tail = table[self.ranks[0]], table[self.ranks[-1]]  # the first and last stage's
         if tail[2] != -2 and head[1] != tail[2]:
             raise ValueError(f"{what}: the input has {head[1]} rows on the first stage but "
@@ -417,6 +407,26 @@ class PipelineSchedule:
         if signature != plan.signature:  # a new input shape: agree the activations again
             plan.signature = signature
             plan.transport.renegotiate()
+
+    def _parameter_error(self) -> str | None:
+        """Why this rank's stages cannot step with the parameters they hold, or None."""
+        if any(t.is_meta for st in self.stages
+               for t in (*st.module.parameters(), *st.module.buffers())):
+            # A stage built on "meta" (torchtitan's order) before its to_empty(): its
+            # forward would fail on this rank alone, mid-schedule, and leave the others
+            # waiting for it until the deadline.
+            return (f"{self._where}: parameters or buffers on the meta device: materialize "
+                    "them first (module.to_empty(device=...), then initialize the weights)")
+        stale = [i for st in self.stages for i, p in enumerate(st.tied_parameters)
+                 if not any(p is q for q in st.module.parameters())]
+        if stale:
+            # The tied sum would add gradients that no backward writes (to_empty or
+            # fully_shard took the Parameter out of the module), silently.
+            return (f"{self._where}: tied_parameters {stale} are no longer parameters of the "
+                    "stage's module (to_empty() or fully_shard replaced them, and no "
+                    "parameter of the module has their name now): give PipelineStage the "
+                    "parameters the module holds when it steps")
+        return None
 
     def _compute(self, a: Action) -> None:
         st, t0, t1 = self._at[a.stage], time.perf_counter(), None
