@@ -106,6 +106,18 @@ def test_each_group_of_a_call_is_listed_and_replayed(world):
         if world.size == 3:  # rank 2 made the call alone: no steps, no group
             rc, _, err = cli(tmp, "--rank", 2)
             assert rc == 2 and "rank 2 took no part in it; it ran on 0, 1" in err, err
+        if world.size == 4:
+            # Neither file of the group 2, 3 here: not "took no part", which would send
+            # the reader looking for a bug in the run rather than for the files.
+            part = tempfile.mkdtemp(prefix="mpiring-trace-part-")
+            try:
+                for r in (0, 1):
+                    shutil.copy(f"{tmp}/rank{r}.jsonl", part)
+                rc, _, err = cli(part, "--rank", 3)
+                assert rc == 2 and ("rank 3 has no file here, so which group it made the "
+                                    "call in is unknown") in err, err
+            finally:
+                shutil.rmtree(part, ignore_errors=True)
 
     finish(world, tmp, check)
 

@@ -765,6 +765,13 @@ def _select(files: list[TraceFile], ident: tuple[str, int, str, int], rank: int 
         group = groups[0]
     else:
         holding = [g for g in groups if rank in g]
+        if not holding and rank not in {f.rank for f in files}:
+            # Its group's records would be in its file and its group mates': with none
+            # of those here, "took no part" would be a guess.
+            raise ValueError(f"{name}: rank {rank} has no file here, so which group it made "
+                             f"the call in is unknown (the files here show "
+                             f"{_groups_text(groups)}): copy every rank's file of the run "
+                             "into the directory, or pick a rank of those groups")
         if not holding:
             raise ValueError(f"{name}: rank {rank} took no part in it; it ran on "
                              f"{_groups_text(groups)}: pick a rank of one of those")
