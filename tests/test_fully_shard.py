@@ -202,6 +202,45 @@ def test_a_block_called_alone_is_its_own_root(world):
     block.close()
 
 
+def test_per_module_gradient_sync_matches_torch(world):
+    # torch FSDP2's switch is per module: some units hold their gradient back for a
+    # micro-batch (unsharded) while the others reduce-scatter, and reduce the held sum
+    # at the next micro-batch they sync in.
+    from torch.distributed.fsdp import fully_shard
+
+    gloo_world(world)
+    try:
+        ref = shard(fully_shard, make(), "bottom_up")
+        model = shard(mp_fully_shard, make(), "bottom_up", mesh=world)
+        got = {}
+        for name, m in (("torch", ref), ("mpiring", model)):
+            opt = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1)
+            losses = []
+            for s in range(2):
+                for micro in range(3):
+                    m.set_requires_gradient_sync(True)
+                    if micro == 0:  # one block, and the root's own unit only
+                        m.blocks[1].set_requires_gradient_sync(False, recurse=False)
+                        m.set_requires_gradient_sync(False, recurse=False)
+                    elif micro == 1:  # a block and what is inside it
+                        m.blocks[0].set_requires_gradient_sync(False)
+                    x, y = batch(world, 3 * s + micro)
+                    loss = loss_of(m, x, y)
+                    loss.backward()
+                    losses.append(float(loss.detach()))
+                    if micro == 0:  # which blocks reduced: the held one has no gradient
+                        assert [all(p.grad is not None for p in b.parameters())
+                                for b in m.blocks] == [True, False, True], name
+                opt.step()
+                opt.zero_grad()
+            got[name] = losses
+        assert got["mpiring"] == pytest.approx(got["torch"], rel=1e-12, abs=1e-14)
+        assert_state_equal(model.full_state_dict(), torch_full_state(ref))
+        model.close()
+    finally:
+        destroy_torch_process_group(world)
+
+
 def test_mixed_precision_matches_torch(world):
     # bfloat16 parameters, float32 reduction: torch's MixedPrecisionPolicy as it is,
     # against torch's fully_shard with the same policy (float32 model).
@@ -250,7 +289,7 @@ def test_default_group_and_the_fsdp_module_methods(world):
         with pytest.raises(RuntimeError, match="load_state_dict"):
             model.load_state_dict({})
         with pytest.raises(RuntimeError, match="whose root is the Net"):
-            model.blocks[0].set_requires_gradient_sync(False)
+            model.blocks[0].set_reshard_after_backward(False)
         with pytest.raises(RuntimeError, match="move or cast the model before fully_shard"):
             model.float()
         model.set_modules_to_forward_prefetch([model.blocks[1]])  # accepted, not followed
@@ -577,13 +616,15 @@ def test_settings_asked_on_the_meta_device_reach_the_engine(world):
     model.set_reshard_after_forward(False)
     model.blocks[1].set_reshard_after_forward(True, recurse=False)
     model.set_requires_gradient_sync(False)
+    model.blocks[2].set_requires_gradient_sync(True)
     model.set_reshard_after_backward(False)
     with pytest.raises(RuntimeError, match="call it there"):
-        model.blocks[0].set_requires_gradient_sync(True)
+        model.blocks[0].set_reshard_after_backward(True)
     model.to_empty(device="cpu")
     engine = model.fsdp_engine
     assert [u.reshard_after_forward for u in engine.units] == [False, False, True, False]
-    assert engine.sync is False and engine.reshard_after_backward is False
+    assert [u.sync for u in engine.units] == [False, False, False, True]
+    assert engine.reshard_after_backward is False
     model.close()
 
 

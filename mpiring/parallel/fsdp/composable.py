@@ -93,9 +93,10 @@ class _Group:
 class _Info:
     """What fully_shard was asked for one module: kept for the engine built later."""
 
-    def __init__(self, orig_cls: type, reshard, mp, comm, group: _Group):
+    def __init__(self, orig_cls: type, reshard, mp, comm, group: _Group, sync: bool = True):
         self.orig_cls, self.reshard, self.mp, self.comm, self.group = (
             orig_cls, reshard, mp, comm, group)
+        self.sync = sync  # set_requires_gradient_sync's, kept across the engines
 
 
 def _info(module: nn.Module) -> _Info | None:
@@ -185,18 +186,17 @@ class FSDPModule:
     # --- torch FSDPModule's methods ----------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
-        """Reduce-scatter in the coming backwards (True) or accumulate unsharded (False).
-
-        On the root, with ``recurse=True``: the engine syncs all its units or none.
-        """
-        if not recurse:
-            raise ValueError("fully_shard: set_requires_gradient_sync(recurse=False): the "
-                             "engine syncs all its units or none; call it on the root with "
-                             "recurse=True")
-        if self._fsdp_later("set_requires_gradient_sync", requires_gradient_sync):
+        """Reduce-scatter in the coming backwards (True) or accumulate unsharded (False):
+        this module's unit, and with ``recurse`` those of the modules inside it (torch's
+        per-module switch; on the root, the whole model)."""
+        group = self._fsdp_group()
+        if group.engine is None:  # on the meta device: what the units are built with
+            for m in (self.modules() if recurse else [self]):
+                if _info(m) is not None and _info(m).group is group:
+                    _info(m).sync = bool(requires_gradient_sync)
             return
-        self._fsdp_root("set_requires_gradient_sync").set_requires_gradient_sync(
-            requires_gradient_sync)
+        for u in self._fsdp_units(recurse, "set_requires_gradient_sync"):
+            u.sync = _info(u.module).sync = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool,
                                   recurse: bool = True) -> None:
@@ -402,7 +402,8 @@ class FSDPModule:
         mods = _dissolve(group)
         info = next(i for m, i in mods if m is self)
         _build(self, [(m, i) for m, i in mods if m is not self], info.comm, info.mp,
-               info.reshard, info.orig_cls, init_device=torch.device(device))
+               info.reshard, info.orig_cls, init_device=torch.device(device),
+               root_sync=info.sync)
         for what, value in group.asked.items():
             getattr(self.fsdp_engine, what)(value)
         return self
@@ -740,7 +741,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         # builds the engine that this call would have built.
         group = _Group(None, module, [])
         _mark(module, group, [(module, _Info(orig_cls, reshard_after_forward, mp, comm, group))]
-              + [(m, _Info(i.orig_cls, i.reshard, i.mp, comm, group)) for m, i in infos])
+              + [(m, _Info(i.orig_cls, i.reshard, i.mp, comm, group, i.sync)) for m, i in infos])
         return module
     return _build(module, infos, comm, mp, reshard_after_forward, orig_cls)
 
@@ -755,7 +756,7 @@ def _mark(module: nn.Module, group: _Group, infos) -> None:
 
 
 def _build(module: nn.Module, infos, comm, mp, reshard_after_forward, orig_cls,
-           init_device: torch.device | None = None) -> nn.Module:
+           init_device: torch.device | None = None, root_sync: bool = True) -> nn.Module:
     """The engine over ``module`` whose units are ``infos``' modules (collective)."""
     order = [(m, list(m._parameters.keys())) for m in module.modules()]
     originals = list(module.named_parameters(remove_duplicate=False))
@@ -765,12 +766,13 @@ def _build(module: nn.Module, infos, comm, mp, reshard_after_forward, orig_cls,
     group = _Group(engine, module, order)
     # The engine's forward runs the original class's forward (see FSDPModule.forward).
     engine.inner_forward = types.MethodType(orig_cls.forward, module)
-    infos = [(module, _Info(orig_cls, reshard_after_forward, mp, comm, group))] + [
-        (m, _Info(i.orig_cls, i.reshard, i.mp, comm, group)) for m, i in infos]
+    infos = [(module, _Info(orig_cls, reshard_after_forward, mp, comm, group, root_sync))] + [
+        (m, _Info(i.orig_cls, i.reshard, i.mp, comm, group, i.sync)) for m, i in infos]
     _mark(module, group, infos)
     for u in engine.units:
         requested = _info(u.module).reshard
         u.reshard_after_forward = True if requested is None else requested
+        u.sync = _info(u.module).sync
         # The shard in place of the parameters it holds: parameters() of the model, of
         # a block, or of a plain parent of a block sharded alone, gives what to step.
         u.module.register_parameter(_FLAT[1] if u.paired else _FLAT[0], u.flat.shard)

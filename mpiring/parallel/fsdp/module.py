@@ -160,7 +160,6 @@ class FullyShardedDataParallel(nn.Module):
         self._agree(comm, error, places)
         self.comm, self.mixed_precision, self.algo = comm, mp, algo
         self.reduce_dtype = (mp.reduce_dtype or mp.param_dtype) if mp else None
-        self.sync = True
         self.reshard_after_forward = bool(reshard_after_forward)
         self.reshard_after_backward = True
         self.prefetch = bool(prefetch)
@@ -368,14 +367,13 @@ class FullyShardedDataParallel(nn.Module):
 
     def _finalize(self) -> None:
         try:
-            if self.sync:
-                for u in self.units:  # unit order: the same on every rank
-                    # Not reached: on no rank (the same-units rule). Only what no_sync
-                    # kept for it goes out; without that, its gradient stays None.
-                    if not u.reduced and u.acc is not None:
-                        u.reduce(None)
+            for u in self.units:  # unit order: the same on every rank
+                # Not reached: on no rank (the same-units rule). Only what no_sync
+                # kept for it goes out; without that, its gradient stays None.
+                if u.sync and not u.reduced and u.acc is not None:
+                    u.reduce(None)
             self.runner.wait_all()
-            if self.sync and self._fp16 and self.comm.size > 1:
+            if any(u.sync for u in self.units) and self._fp16 and self.comm.size > 1:
                 self._compare_inf()
         finally:
             for u in self.units:
@@ -427,7 +425,13 @@ class FullyShardedDataParallel(nn.Module):
         so that each unit's ReduceScatter runs once a step on the sum of the
         micro-batches' gradients.
         """
-        self.sync = bool(sync)
+        for u in self.units:
+            u.sync = bool(sync)
+
+    @property
+    def sync(self) -> bool:
+        """Whether every unit reduce-scatters in the coming backwards."""
+        return all(u.sync for u in self.units)
 
     def set_reshard_after_forward(self, reshard: bool) -> None:
         """Free each unit's gathered parameters after its forward (True, ZeRO-3) or keep
@@ -446,11 +450,13 @@ class FullyShardedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate unsharded gradients locally; the next synced backward reduces them all."""
-        before, self.sync = self.sync, False
+        before = [u.sync for u in self.units]
+        self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.sync = before
+            for u, sync in zip(self.units, before):
+                u.sync = sync
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' gradients and the unsharded ones no_sync kept."""

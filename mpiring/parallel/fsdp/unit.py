@@ -83,6 +83,10 @@ class Unit:
         self.pre_backward_done = False
         self.reduced = False               # its gradient was handed over in this backward
         self.acc: torch.Tensor | None = None  # full gradient kept under no_sync
+        # Reduce-scatter in the coming backwards (False: keep the unsharded sum): the
+        # owner's set_requires_gradient_sync sets every unit's, fully_shard's one
+        # module's (torch FSDP2's per-module switch).
+        self.sync = True
         self._gather = None
         self._shard_version = -1
         # The same module's frozen parameters, a unit of their own (no gradient): freed
@@ -255,7 +259,7 @@ class Unit:
                else torch.zeros(f.numel, dtype=rd, device=f.device))
         if self.acc is not None:
             buf = buf + self.acc
-        if not owner.sync:  # no_sync: keep the unsharded sum for the synced backward
+        if not self.sync:  # no_sync: keep the unsharded sum for the synced backward
             self.keep_acc(buf)
             return
         self.keep_acc(None)  # buf holds it now, counted below
