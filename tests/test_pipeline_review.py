@@ -148,6 +148,24 @@ def test_torchs_device_argument_names_the_communicator(comm):
         PipelineStage(nn.Linear(2, 2), comm.rank, comm.size, torch.device("cpu"))
 
 
+def test_torchs_shape_hints_and_attribute_names(comm):
+    # torch's input_args / output_args (example tensors) are taken, and not needed: the
+    # first step agrees the shapes, here other than the hints say. torch's submod,
+    # group_rank and group_size name the layers and the stage's place.
+    part = nn.Linear(3, 3).double()
+    stage = PipelineStage(part, comm.rank, comm.size, comm,
+                          input_args=torch.zeros(1, 3), output_args=(torch.zeros(1, 3),))
+    assert stage.submod is part
+    assert (stage.group_rank, stage.group_size) == (comm.rank, comm.size)
+    sched = Schedule1F1B(stage, 2, mse)
+    x = torch.ones(4, 3, dtype=torch.float64)
+    out = sched.step(x if stage.is_first else None, target=x if stage.is_last else None)
+    if stage.is_last:
+        assert out.shape == (4, 3)
+    sched.free()
+    stage.free()
+
+
 @pytest.mark.parametrize("bad", ["bool", "float", "object", "float-stages"])
 def test_sizes_that_are_not_integers_are_refused_on_every_rank(comm, bad):
     # False == 0 and 1.0 == 1 compared equal to the rank and passed; an object failed

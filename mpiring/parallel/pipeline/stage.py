@@ -55,6 +55,12 @@ class PipelineStage:
         count_activations: count the activation bytes held per micro-batch
             (``live_bytes``, ``peak_activation_bytes``; also an attribute, to turn
             on for some steps only).
+        input_args, output_args: torch's shape hints, taken and not needed: the
+            stages agree their activations' shapes at the first step (and again
+            when the input's shape changes).
+
+    ``submod``, ``group_rank`` and ``group_size`` are torch's names for the
+    module, ``comm.rank`` and ``comm.size``.
 
     Raises:
         ValueError: on every rank, when any rank's stage_index, num_stages or
@@ -65,7 +71,7 @@ class PipelineStage:
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, comm, *,
                  tied_parameters: list[nn.Parameter] | None = None,
-                 count_activations: bool = False):
+                 count_activations: bool = False, input_args=None, output_args=None):
         if not all(hasattr(comm, a) for a in ("rank", "size", "control", "dup")):
             # torch's PipelineStage takes the device fourth: a ported call lands it here.
             # Every rank makes the same call, so every rank raises before any message.
@@ -117,6 +123,19 @@ class PipelineStage:
         #: autograd's accumulation, as without a pipeline.
         self.fuse_weight_grads = True
         self.reset()
+
+    @property
+    def submod(self) -> nn.Module:
+        """The stage's layers (torch's name)."""
+        return self.module
+
+    @property
+    def group_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def group_size(self) -> int:
+        return self.comm.size
 
     # --- per-step state -------------------------------------------------------
     def reset(self) -> None:
