@@ -128,7 +128,11 @@ def test_one_ranks_overflow_makes_every_rank_skip(comm):
     model.close()
 
 
-def test_a_plain_grad_scaler_that_lets_ranks_disagree_is_caught(comm):
+@pytest.mark.parametrize("held", [False, True], ids=["at-once", "past-a-held-micro-batch"])
+def test_a_plain_grad_scaler_that_lets_ranks_disagree_is_caught(comm, held):
+    # held: the overflowed backward synced, then the step's next micro-batch holds every
+    # unit back (no_sync), so its forward finds no rank stepped yet and its backward
+    # compares no inf checks: the forward after the step must still check.
     if comm.size == 1:
         pytest.skip("one rank always agrees with itself")
     model = FullyShardedDataParallel(make(), comm, mixed_precision=torch.float16)
@@ -137,6 +141,10 @@ def test_a_plain_grad_scaler_that_lets_ranks_disagree_is_caught(comm):
     model.module.blocks[0].k = 1e4
     x, y = batch(0)
     scaler.scale(loss_of(model(mine(x, comm)), mine(y, comm))).backward()
+    if held:
+        model.module.blocks[0].k = 1.0
+        with model.no_sync():
+            scaler.scale(loss_of(model(mine(x, comm)), mine(y, comm))).backward()
     scaler.step(opt)  # rank 0 skips, the others step
     scaler.update()
     with pytest.raises(RuntimeError, match=r"skipped the step while .* Use mpiring.ShardedGradScaler"):

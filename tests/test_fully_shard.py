@@ -241,6 +241,20 @@ def test_per_module_gradient_sync_matches_torch(world):
         destroy_torch_process_group(world)
 
 
+def test_a_units_switch_survives_its_parents_call(world):
+    # The block's engine switch (no_sync, a pipeline's) writes its units; the parent's
+    # call rebuilds the units from what each module was asked: the last word must win.
+    model = make()
+    mp_fully_shard(model.blocks[1], mesh=world)
+    model.blocks[1].set_requires_gradient_sync(False)
+    model.blocks[1].fsdp_engine.set_requires_gradient_sync(True)
+    mp_fully_shard(model, mesh=world)
+    assert all(u.sync for u in model.fsdp_engine.units)
+    loss_of(model, *batch(world, 0)).backward()
+    assert all(p.grad is not None for p in model.blocks[1].parameters())
+    model.close()
+
+
 def test_mixed_precision_matches_torch(world):
     # bfloat16 parameters, float32 reduction: torch's MixedPrecisionPolicy as it is,
     # against torch's fully_shard with the same policy (float32 model).

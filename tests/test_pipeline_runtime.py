@@ -324,6 +324,30 @@ def test_stages_built_on_the_meta_device_then_materialized(comm, name):
     same_grads(module, nn.Sequential(*parts[lo:hi]))
 
 
+def test_a_tied_parameter_taken_out_after_a_step_is_refused(comm):
+    # The parameters are checked in full until a step goes through; after that a tied
+    # name that no longer names a Parameter (module surgery, a later fully_shard) has
+    # them checked again, rather than the tied sum adding zeros for it.
+    if comm.size == 1:
+        pytest.skip("one stage holds both ends of the tie: no tied_parameters")
+    cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_layers=2, n_heads=2)
+    torch.manual_seed(3)
+    module, tied = split_gpt(GPT(cfg).double(), comm.size, comm.rank)
+    stage = PipelineStage(module, comm.rank, comm.size, comm, tied_parameters=tied)
+    sched = Schedule1F1B(stage, 2, lm_loss)
+    x = y = torch.zeros(4, 5, dtype=torch.long)
+    args = (x if stage.is_first else None,)
+    sched.step(*args, target=y if stage.is_last else None)
+    if stage.is_last:
+        head = module[-1].head
+        w = head.weight
+        del head.weight
+        head.weight = w.detach().clone()  # a plain tensor: no gradient, no Parameter
+    with pytest.raises(ValueError, match=rf"r{comm.size - 1}: stage {comm.size - 1}: "
+                                         r"tied_parameters \[0\] are no longer parameters"):
+        sched.step(*args, target=y if stage.is_last else None)
+
+
 def test_zero_bubble_defers_the_weight_gradients(comm):
     # After B alone, the Linear weights have no gradient yet; W gives them.
     if comm.size > 1:

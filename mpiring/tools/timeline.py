@@ -774,7 +774,8 @@ def _select(files: list[TraceFile], ident: tuple[str, int, str, int], rank: int 
                              "into the directory, or pick a rank of those groups")
         if not holding:
             raise ValueError(f"{name}: rank {rank} took no part in it; it ran on "
-                             f"{_groups_text(groups)}: pick a rank of one of those")
+                             f"{_groups_text(groups)}: pick a rank of one of those (or its "
+                             "file was cut short before the call)")
         group = holding[0]
     per_rank = {c.rank: c.steps for c in recorded if c.group == group}
     missing = sorted(set(group) - set(per_rank))

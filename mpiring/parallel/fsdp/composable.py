@@ -112,10 +112,10 @@ class FSDPModule:
     ``load_state_dict()`` are refused, as ``FullyShardedDataParallel``'s are (a rank
     holds only shards): use ``full_state_dict()`` / ``load_full_state_dict()`` or
     the sharded ones, on the root. Methods that act on the whole engine
-    (``set_requires_gradient_sync``, ``set_reshard_after_backward``,
-    ``full_state_dict``, ``clip_grad_norm_``, ``close``...) are called on the root,
-    the module ``fully_shard`` was called on last; on another module they raise
-    naming it.
+    (``set_reshard_after_backward``, ``full_state_dict``, ``clip_grad_norm_``,
+    ``close``...) are called on the root, the module ``fully_shard`` was called on
+    last; on another module they raise naming it. ``set_requires_gradient_sync``
+    and ``set_reshard_after_forward`` act per module, as torch's.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -628,6 +628,9 @@ def _dissolve(group: _Group) -> list[tuple[nn.Module, _Info]]:
         _release(group, mods)
         return mods
     engine = group.engine
+    for u in engine.units:  # the engine's own switch (no_sync, a pipeline) wrote units only
+        if not u.paired:
+            _info(u.module).sync = u.sync
     group.internal += 1  # the engine reads the modules' buffers through state_dict()
     try:
         full = engine.full_state_dict()

@@ -27,7 +27,7 @@ backward order). So a unit that a backward did not reach was reached on no
 rank: it issues no ReduceScatter and its shard keeps ``grad=None``, as torch's
 parameters do, so the optimizer leaves it alone (AdamW would decay a zero
 gradient's parameter and move its moments). What ``no_sync`` kept for it is
-still reduced. A unit reached in part (some of its parameters unused) gets
+still reduced, if the unit syncs in that backward. A unit reached in part (some of its parameters unused) gets
 zeros for the unused ones: a flat shard cannot leave part of itself out.
 """
 
@@ -396,7 +396,12 @@ class FullyShardedDataParallel(nn.Module):
         before, self._skip_versions = self._skip_versions, None
         moved = int(any(sh._version != v for sh, v in zip(self.shards, before)))
         table = self.comm.control.allgather_array([moved])[:, 0]
-        if table.min() != table.max():
+        if not table.any():
+            # No rank has stepped yet (more micro-batches of the step): check again at
+            # the next forward, or a step after a backward that synced no unit would
+            # pass unchecked.
+            self._skip_versions = before
+        elif table.min() != table.max():
             stepped = [f"r{r}" for r, m in enumerate(table) if m]
             skipped = [f"r{r}" for r, m in enumerate(table) if not m]
             raise RuntimeError(

@@ -357,15 +357,16 @@ class PipelineSchedule:
         m = self.n_microbatches
         has_first, has_last = self._first is not None, self._last is not None
         what = "step()" if plan.train else "eval()"
-        for st in self.stages:  # before the checks: a to_empty() since the last step
-            st.find_tied()
+        # Before the checks: a to_empty() since the last step. A tied name that names
+        # no parameter now (fully_shard took it) has the parameters checked again.
+        check = not all([st.find_tied() for st in self.stages]) or not self._params_checked
         if plan.train and not torch.is_grad_enabled():
             # Every backward would find nothing to differentiate and the step would
             # train nothing, silently: refused, as loss.backward() would be.
             err = (f"{self._where}: step() under torch.no_grad() or torch.inference_mode() "
                    "computes no gradient: call it with autograd on, or call eval() for the "
                    "forwards alone")
-        elif not self._params_checked and (bad := self._parameter_error()):
+        elif check and (bad := self._parameter_error()):
             err = bad
         elif "loss_kwargs" in kwargs:
             err = (f"{self._where}: loss_kwargs={kwargs['loss_kwargs']!r}: bind them into "

@@ -96,6 +96,7 @@ class PipelineStage:
         # DDP only reduces: running its forward would arm the reducer for every
         # micro-batch, while the schedule decides which backward syncs.
         self.module, self.ddp = data_parallel.unwrap(submodule)
+        self._given = submodule  # torch's submod: as given, wrapper and all
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         # A communicator of its own: the schedule's tags cannot meet the caller's messages.
@@ -126,8 +127,9 @@ class PipelineStage:
 
     @property
     def submod(self) -> nn.Module:
-        """The stage's layers (torch's name)."""
-        return self.module
+        """The submodule as given (torch's name; ``module`` is what runs: a DDP
+        wrapper's layers)."""
+        return self._given
 
     @property
     def group_rank(self) -> int:
@@ -153,15 +155,19 @@ class PipelineStage:
         # Once a step, not once a forward: the optimizer updates the weights in place.
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
 
-    def find_tied(self) -> None:
+    def find_tied(self) -> bool:
         """Each tied parameter, found again by its name (a ``to_empty()`` since the stage
         was made puts new Parameter objects in the module); the schedule's every step and
-        eval start with it."""
+        eval start with it. False if a name no longer names a parameter there."""
+        found = True
         for i, name in enumerate(self._tied_names):
             # In place: the schedule's tied pair holds this list.
             p = _parameter(self.module, name)
             if p is not None:
                 self.tied_parameters[i] = p
+            elif name is not None:
+                found = False
+        return found
 
     def free(self) -> None:
         """Collective: give back the stage's communicators (its own duplicate, and the
