@@ -357,18 +357,94 @@ def test_eval_leaves_the_steps_counts_and_timeline(comm):
     assert [s.action.kind for s in sched.eval_timeline] == ["F"] * 3
 
 
-def test_keyword_inputs_are_refused_on_every_rank(comm):
-    mods = model()
+class KwStart(nn.Module):
+    """A first stage with keyword inputs: a row mask (split into the micro-batches), a
+    0-dim scale and a float (both passed to every micro-batch as they are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x, *, mask=None, scale=None, shift=0.0):
+        h = torch.tanh(self.lin(x))
+        if mask is not None:
+            h = h * mask[:, None]
+        return h * (1.0 if scale is None else scale) + shift
+
+
+class KwChain(nn.Module):
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x, **kwargs):
+        for p in self.parts:
+            x = p(x, **kwargs) if isinstance(p, KwStart) else p(x)
+        return x
+
+
+def kw_model() -> list[nn.Module]:
+    torch.manual_seed(6)
+    return [m.double() for m in (KwStart(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))]
+
+
+def mse(out, t):
+    return ((out - t) ** 2).mean()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("m", (1, 3, 4))
+def test_keyword_inputs_of_the_first_stage_match_the_unsplit_model(comm, name, m):
+    # torch's step(x, mask=..., ...): a tensor keyword split along dim 0 as the input is,
+    # anything else to every micro-batch; recomputation replays them.
+    mods = kw_model()
+    full = KwChain(copy.deepcopy(mods))
     lo, hi = bounds(len(mods), comm.size)[comm.rank]
-    stage = PipelineStage(Chain(copy.deepcopy(mods[lo:hi])), comm.rank, comm.size, comm)
-    sched = Schedule1F1B(stage, 2, loss_fn)
+    part = KwChain(copy.deepcopy(mods[lo:hi]))
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = SCHEDULES[name](stage, m, mse)
     x, y = data(0)
-    kwargs = {"mask": x} if stage.is_first else {}
-    for call in (sched.step, sched.eval):
-        with pytest.raises(ValueError, match=r"keyword inputs \['mask'\]: pass the first "
-                                             r"stage's inputs positionally"):
-            call(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
-                 **kwargs)
+    mask = (torch.arange(ROWS) % 3 != 1).double()
+    kw = {"mask": mask, "scale": torch.tensor(0.5, dtype=torch.float64), "shift": 0.25}
+    full.zero_grad()
+    losses = [mse(full(a, mask=mk, scale=kw["scale"], shift=0.25), b)
+              for a, b, mk in zip(torch.tensor_split(x, m), torch.tensor_split(y, m),
+                                  torch.tensor_split(mask, m))]
+    torch.stack(losses).mean().backward()
+    got: list = []
+    out = sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+                     losses=got if stage.is_last else None, **(kw if stage.is_first else {}))
+    if stage.is_last:
+        want_losses = [float(v.detach()) for v in losses]
+        assert [float(v) for v in got] == pytest.approx(want_losses, rel=1e-12)
+        with torch.no_grad():
+            want = full(x, **kw)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    ref = dict(full.parts[lo:hi].named_parameters())
+    for n, p in part.parts.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-10, atol=1e-12)
+    evaluated = sched.eval(*((x,) if stage.is_first else ()), **(kw if stage.is_first else {}))
+    if stage.is_last:
+        torch.testing.assert_close(evaluated, want, rtol=1e-12, atol=1e-12)
+    sched.close()
+
+
+def test_keyword_inputs_off_the_first_stage_or_of_other_rows_are_refused(comm):
+    mods = kw_model()
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    stage = PipelineStage(KwChain(copy.deepcopy(mods[lo:hi])), comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 2, mse)
+    x, y = data(0)
+    ins = (x,) if stage.is_first else ()
+    tgt = y if stage.is_last else None
+    if comm.size > 1:  # the last stage's rank also gives one: refused on every rank
+        with pytest.raises(ValueError, match=rf"r{comm.size - 1}: stage {comm.size - 1}: "
+                                             r"keyword inputs \['mask'\]: they go to the first"):
+            sched.step(*ins, target=tgt, mask=torch.ones(ROWS, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"r0: stage 0: keyword inputs \{'mask': 7\} \(rows\)"):
+        sched.step(*ins, target=tgt,
+                   **({"mask": torch.ones(7, dtype=torch.float64)} if stage.is_first else {}))
+    x, y = data(0)
     # A target of many dimensions is the loss's business, not the agreement's.
     from mpiring.parallel.pipeline.runtime import _arg_error
     deep = torch.zeros((2,) + (1,) * 9)

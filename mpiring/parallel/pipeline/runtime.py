@@ -198,13 +198,18 @@ class PipelineSchedule:
                 (cleared first, as torch's).
             return_outputs: False: return None on the last stage too (torch's).
             loss_kwargs: refused, naming the fix (bind them into ``loss_fn``).
+            kwargs: the first stage's keyword inputs (an attention mask, position
+                ids), on the first stage only, as torch's: a tensor is split along
+                dim 0 as the input is (the same rows), anything else goes to every
+                micro-batch as it is.
 
         Returns:
             The merged output (micro-batches concatenated) on the last stage, else None.
 
         Raises:
             ValueError: on every rank, before any data moves, when some rank's
-                arguments do not fit (missing input, too few rows, keyword inputs, ...).
+                arguments do not fit (missing input, too few rows, keyword inputs
+                off the first stage or of other rows, ...).
             PipelineError: on the rank whose stage failed; the others stop at the
                 communicator's deadline.
         """
@@ -276,6 +281,9 @@ class PipelineSchedule:
             self._xs = list(zip(*(torch.tensor_split(t, m) for t in x)))
         else:
             self._xs = list(torch.tensor_split(x, m))
+        # Keyword inputs (first stage): a tensor split as the input is, the rest as given.
+        self._kws = [{k: (torch.tensor_split(v, m)[i] if _split_kwarg(v) else v)
+                      for k, v in kwargs.items()} for i in range(m)] if kwargs else None
         last = self._last is not None
         self._ts = (list(torch.tensor_split(target, m)) if last and target is not None
                     else None)
@@ -330,6 +338,7 @@ class PipelineSchedule:
         # Nothing of this step kept past it but what is returned (the last stage's
         # outputs would be held twice, beside the merged copy, until the next step).
         self._outs, self._losses, self._xs, self._ts = {}, {}, None, None
+        self._kws = None
         if not outs:
             return None
         if not isinstance(outs[0], torch.Tensor):  # a tuple: each part merged
@@ -372,12 +381,15 @@ class PipelineSchedule:
             err = (f"{self._where}: loss_kwargs={kwargs['loss_kwargs']!r}: bind them into "
                    "loss_fn instead (functools.partial(loss_fn, **loss_kwargs)) when the "
                    "schedule is built")
-        elif kwargs:
-            err = (f"{self._where}: keyword inputs {sorted(kwargs)}: pass the first "
-                   "stage's inputs positionally, in its forward's order")
+        elif kwargs and not has_first:
+            err = (f"{self._where}: keyword inputs {sorted(kwargs)}: they go to the first "
+                   "stage's forward, as torch's: give them on the rank that holds stage 0 "
+                   "only")
         else:
             err = _arg_error(self._where, has_first, has_last, self.num_stages, m, x, target,
                              losses, need_target=plan.train)
+            if not err and kwargs:
+                err = _kwarg_error(kwargs, x)
         first = x[0] if isinstance(x, tuple) else x
         rows_x = int(first.shape[0]) if has_first and not err else -1
         # eval() without a target: nothing to compare the input's rows with.
@@ -388,7 +400,10 @@ class PipelineSchedule:
             inputs = x if isinstance(x, tuple) else (x,)
             # Several inputs: their count and a checksum of every shape and dtype stand
             # for them (the row has a fixed size); the first one's shape in full.
-            sig = repr([(str(t.dtype), tuple(t.shape)) for t in inputs]).encode()
+            # The keyword inputs' too: a mask of another shape may change what flows.
+            sig = repr([(str(t.dtype), tuple(t.shape)) for t in inputs] +
+                       [(k, str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor)
+                        else (k, type(v).__name__) for k, v in sorted(kwargs.items())]).encode()
             shape[:first.dim() + 3] = [len(inputs), zlib.crc32(sig),
                                        DTYPES.index(first.dtype) if first.dtype in DTYPES else -2,
                                        *first.shape]
@@ -437,7 +452,8 @@ class PipelineSchedule:
             out, loss = st.forward(a.mb, x, recompute=self.recompute, stash=self.stash,
                                    target=self._ts[a.mb] if st.is_last else None,
                                    loss_fn=self.loss_fn, scale=self.scale,
-                                   max_held=self.max_held_bytes, split=(s, a.mb) in self._split)
+                                   max_held=self.max_held_bytes, split=(s, a.mb) in self._split,
+                                   kwargs=self._kws[a.mb] if st.is_first and self._kws else None)
             if st.is_last:
                 self._outs[a.mb], self._losses[a.mb] = _detached(out), loss.detach()
             else:
@@ -479,8 +495,9 @@ class PipelineSchedule:
         """Micro-batch ``a.mb``'s forward alone (eval()): nothing kept for a backward."""
         st, t0 = self._at[a.stage], time.perf_counter()
         x = self._xs[a.mb] if st.is_first else self._received(a.stage, a.mb)
+        kw = self._kws[a.mb] if st.is_first and self._kws else {}
         with torch.no_grad():
-            out = st.module(*(x if isinstance(x, tuple) else (x,)))
+            out = st.module(*(x if isinstance(x, tuple) else (x,)), **kw)
             if st.is_last and self._ts is not None:
                 self._losses[a.mb] = self.loss_fn(out, self._ts[a.mb]).detach()
         if st.is_last:
@@ -785,6 +802,22 @@ def _arg_error(where: str, first: bool, last: bool, num_stages: int, m: int, x, 
             return f"stage {num_stages - 1}: losses must be a list (or None)"
     elif target is not None:
         return f"{where}: target is given, but only the last stage takes it"
+    return ""
+
+
+def _split_kwarg(v) -> bool:
+    """Whether a keyword input is split into the micro-batches (a tensor with rows)."""
+    return isinstance(v, torch.Tensor) and v.dim() > 0
+
+
+def _kwarg_error(kwargs: dict, x) -> str:
+    """What is wrong with the first stage's keyword inputs, or ""."""
+    rows = int((x[0] if isinstance(x, tuple) else x).shape[0])
+    bad = {k: int(v.shape[0]) for k, v in kwargs.items() if _split_kwarg(v) and v.shape[0] != rows}
+    if bad:
+        return (f"stage 0: keyword inputs {bad} (rows) are split into the micro-batches "
+                f"along dim 0 as the input is, which has {rows} rows: give them the same "
+                "batch size (or a 0-dim tensor, or a non-tensor, to pass as it is)")
     return ""
 
 

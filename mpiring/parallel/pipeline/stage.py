@@ -149,6 +149,7 @@ class PipelineStage:
         self._wq: dict[int, list] = {}
         self._split_fwd: set[int] = set()  # micro-batches whose forward routed for W
         self._loss_args: dict[int, tuple] = {}
+        self._kw: dict[int, dict] = {}  # recompute: the first stage's keyword inputs
         self._held: dict[int, int] = {}
         self.live_bytes = 0
         self.peak_activation_bytes = 0
@@ -188,9 +189,10 @@ class PipelineStage:
     # --- F --------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor, *, recompute: bool = False,
                 stash: bool = False, target=None, loss_fn=None, scale: float = 1.0,
-                max_held: int | None = None, split: bool = False):
+                max_held: int | None = None, split: bool = False, kwargs: dict | None = None):
         """Run micro-batch ``mb``'s forward; returns the output (the loss on the last stage).
 
+        ``kwargs``: the module's keyword inputs (the first stage's, this micro-batch's).
         ``x``: a tensor, or the parts of a packed boundary (a tuple: the module's
         positional arguments). ``max_held``: the most bytes the queued weight
         gradients may keep through this forward (``ScheduleZeroBubble``'s limit).
@@ -216,9 +218,11 @@ class PipelineStage:
                              None if gpu is None else torch.cuda.get_rng_state(gpu),
                              get_rng_states())
             with torch.no_grad():
-                out = self.module(*args)
+                out = self.module(*args, **(kwargs or {}))
                 loss = loss_fn(out, target) if last else None
             self._loss_args[mb] = (loss_fn, target, scale)
+            if kwargs:
+                self._kw[mb] = kwargs  # the replay's
             if self.count_activations:
                 self._held[mb] = sum(a.nelement() * a.element_size() for a in args)
         else:
@@ -229,7 +233,7 @@ class PipelineStage:
                 self._stash[mb] = params
 
             def run():  # the loss's saved tensors (the log-softmax) count as activations too
-                y = self._call(args, params)
+                y = self._call(args, params, kwargs)
                 return y, (loss_fn(y, target) if last else None)
             with self._routed(split):
                 (out, loss), self._held[mb] = self._counted(run)
@@ -262,8 +266,10 @@ class PipelineStage:
         finally:
             sink.route = None
 
-    def _call(self, args: tuple, params):
-        return self.module(*args) if params is None else functional_call(self.module, params, args)
+    def _call(self, args: tuple, params, kwargs: dict | None = None):
+        kwargs = kwargs or {}
+        return (self.module(*args, **kwargs) if params is None
+                else functional_call(self.module, params, args, kwargs))
 
     def _counted(self, fn):
         """Run ``fn``; with ``count_activations``, also the activation bytes autograd saves
@@ -323,9 +329,10 @@ class PipelineStage:
                 if gpu is not None:
                     torch.cuda.set_rng_state(cuda, gpu)
                 loss_fn, target, scale = self._loss_args.pop(mb)
+                kw = self._kw.pop(mb, {})
 
                 def run():
-                    y = self.module(*args)
+                    y = self.module(*args, **kw)
                     return loss_fn(y, target) * scale if self.is_last else y
                 # The forward already updated the running statistics (batch norm's)
                 # once for this micro-batch: the replay's update is undone after the
