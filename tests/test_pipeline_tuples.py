@@ -20,6 +20,9 @@ from mpiring.parallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    SchedulePipeDream,
+    ScheduleZBVZeroBubble,
     ScheduleZeroBubble,
     packing,
     transport,
@@ -359,17 +362,27 @@ def test_eval_leaves_the_steps_counts_and_timeline(comm):
 
 class KwStart(nn.Module):
     """A first stage with keyword inputs: a row mask (split into the micro-batches), a
-    0-dim scale and a float (both passed to every micro-batch as they are)."""
+    0-dim scale and a float (both passed to every micro-batch as they are), rows inside
+    a dict of lists (split too, as torch flattens), and an int that sets the width of
+    what it hands on (another value: the stages agree the shapes again)."""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(3, 4)
 
-    def forward(self, x, *, mask=None, scale=None, shift=0.0):
+    def forward(self, x, *, mask=None, scale=None, shift=0.0, extra=None, reps=1):
         h = torch.tanh(self.lin(x))
         if mask is not None:
             h = h * mask[:, None]
-        return h * (1.0 if scale is None else scale) + shift
+        h = h * (1.0 if scale is None else scale) + shift
+        if extra is not None:
+            h = h + 0.1 * extra["bias"][0][:, None]
+        return h.repeat(1, reps)
+
+
+class Fold(nn.Module):
+    def forward(self, h):
+        return h.reshape(h.shape[0], -1, 4).mean(1)
 
 
 class KwChain(nn.Module):
@@ -378,6 +391,8 @@ class KwChain(nn.Module):
         self.parts = nn.ModuleList(parts)
 
     def forward(self, x, **kwargs):
+        if kwargs and not isinstance(self.parts[0], KwStart):
+            raise TypeError(f"keyword inputs {sorted(kwargs)} reached a later stage")
         for p in self.parts:
             x = p(x, **kwargs) if isinstance(p, KwStart) else p(x)
         return x
@@ -385,47 +400,127 @@ class KwChain(nn.Module):
 
 def kw_model() -> list[nn.Module]:
     torch.manual_seed(6)
-    return [m.double() for m in (KwStart(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))]
+    # The fold comes late: on 2-4 stages the first stage hands on reps x 4 columns.
+    return [m.double() for m in (KwStart(), nn.Tanh(), nn.Tanh(), nn.Tanh(), Fold(),
+                                 nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))]
 
 
 def mse(out, t):
     return ((out - t) ** 2).mean()
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def kw_inputs(reps: int) -> dict:
+    rows = torch.arange(ROWS, dtype=torch.float64)
+    return {"mask": (rows % 3 != 1).double(), "scale": torch.tensor(0.5, dtype=torch.float64),
+            "shift": 0.25, "extra": {"bias": [rows / ROWS]}, "reps": reps}
+
+
+def kw_reference(full, x, y, m: int, kw: dict):
+    """The unsplit model, micro-batch by micro-batch, each with its rows of every tensor."""
+    def mine(i):
+        return {**kw, "mask": torch.tensor_split(kw["mask"], m)[i],
+                "extra": {"bias": [torch.tensor_split(kw["extra"]["bias"][0], m)[i]]}}
+    full.zero_grad()
+    losses = [mse(full(a, **mine(i)), b) for i, (a, b) in
+              enumerate(zip(torch.tensor_split(x, m), torch.tensor_split(y, m)))]
+    torch.stack(losses).mean().backward()
+    with torch.no_grad():
+        want = full(x, **kw)
+    return [float(v.detach()) for v in losses], want
+
+
+KW_SCHEDULES = {**SCHEDULES,
+                "interleaved": lambda st, m, lf: ScheduleInterleaved1F1B(st, m, lf),
+                "zbv": lambda st, m, lf: ScheduleZBVZeroBubble(st, m, lf)}
+
+
+@pytest.mark.parametrize("name", sorted(KW_SCHEDULES))
 @pytest.mark.parametrize("m", (1, 3, 4))
 def test_keyword_inputs_of_the_first_stage_match_the_unsplit_model(comm, name, m):
-    # torch's step(x, mask=..., ...): a tensor keyword split along dim 0 as the input is,
-    # anything else to every micro-batch; recomputation replays them.
+    # step(x, mask=..., ...): each tensor with rows split along dim 0 as the input is,
+    # anything else to every micro-batch; recomputation replays them; only stage 0 gets
+    # them (rank 0's second stage too would raise); a new reps agrees the shapes again.
+    mods = kw_model()
+    full = KwChain(copy.deepcopy(mods))
+    v = 2 if name in ("interleaved", "zbv") else 1
+    if v > 1 and m % comm.size:
+        pytest.skip("the interleaved schedule takes a multiple of the ranks")
+    n = v * comm.size
+    mine = ([comm.rank, n - 1 - comm.rank] if name == "zbv" else
+            list(range(comm.rank, n, comm.size)))
+    cuts = bounds(len(mods), n)
+    parts = [KwChain(copy.deepcopy(mods[slice(*cuts[i])])) for i in mine]
+    stages = [PipelineStage(p, i, n, comm) for p, i in zip(parts, mine)]
+    sched = KW_SCHEDULES[name](stages if v > 1 else stages[0], m, mse)
+    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+    x, y = data(0)
+    for reps in (1, 3):
+        kw = kw_inputs(reps)
+        want_losses, want = kw_reference(full, x, y, m, kw)
+        got: list = []
+        for part in parts:
+            part.zero_grad()
+        out = sched.step(*((x,) if first else ()), target=y if last else None,
+                         losses=got if last else None, **(kw if first else {}))
+        if last:
+            assert [float(v) for v in got] == pytest.approx(want_losses, rel=1e-12)
+            torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        for part, i in zip(parts, mine):
+            ref = dict(full.parts[slice(*cuts[i])].named_parameters())
+            for k, p in part.parts.named_parameters():
+                torch.testing.assert_close(p.grad, ref[k].grad, rtol=1e-10, atol=1e-12)
+        evaluated = sched.eval(*((x,) if first else ()), **(kw if first else {}))
+        if last:
+            torch.testing.assert_close(evaluated, want, rtol=1e-12, atol=1e-12)
+    sched.close()
+
+
+def test_keyword_inputs_reach_pipedreams_stashed_forward(comm):
+    # PipeDream runs each forward on its stashed weights (functional_call): with lr 0
+    # the weights stay, so the losses are the unsplit model's.
     mods = kw_model()
     full = KwChain(copy.deepcopy(mods))
     lo, hi = bounds(len(mods), comm.size)[comm.rank]
     part = KwChain(copy.deepcopy(mods[lo:hi]))
     stage = PipelineStage(part, comm.rank, comm.size, comm)
-    sched = SCHEDULES[name](stage, m, mse)
+    # A stage of Tanh alone has no parameters: an optimizer over a zero it never moves.
+    params = list(part.parameters()) or [nn.Parameter(torch.zeros(1))]
+    sched = SchedulePipeDream(stage, 3, mse, optimizer=torch.optim.SGD(params, lr=0.0))
     x, y = data(0)
-    mask = (torch.arange(ROWS) % 3 != 1).double()
-    kw = {"mask": mask, "scale": torch.tensor(0.5, dtype=torch.float64), "shift": 0.25}
-    full.zero_grad()
-    losses = [mse(full(a, mask=mk, scale=kw["scale"], shift=0.25), b)
-              for a, b, mk in zip(torch.tensor_split(x, m), torch.tensor_split(y, m),
-                                  torch.tensor_split(mask, m))]
-    torch.stack(losses).mean().backward()
+    kw = kw_inputs(2)
+    want_losses, _ = kw_reference(full, x, y, 3, kw)
     got: list = []
-    out = sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
-                     losses=got if stage.is_last else None, **(kw if stage.is_first else {}))
+    sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+               losses=got if stage.is_last else None, **(kw if stage.is_first else {}))
     if stage.is_last:
-        want_losses = [float(v.detach()) for v in losses]
         assert [float(v) for v in got] == pytest.approx(want_losses, rel=1e-12)
-        with torch.no_grad():
-            want = full(x, **kw)
-        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
-    ref = dict(full.parts[lo:hi].named_parameters())
-    for n, p in part.parts.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-10, atol=1e-12)
-    evaluated = sched.eval(*((x,) if stage.is_first else ()), **(kw if stage.is_first else {}))
-    if stage.is_last:
-        torch.testing.assert_close(evaluated, want, rtol=1e-12, atol=1e-12)
+    sched.close()
+
+
+class StrictChain(KwChain):
+    """KwChain with the keyword inputs spelled out: a signature to check calls against."""
+
+    def forward(self, x, *, mask=None, scale=None, shift=0.0, extra=None, reps=1):
+        return super().forward(x, mask=mask, scale=scale, shift=shift, extra=extra, reps=reps)
+
+
+def test_a_keyword_the_first_stage_does_not_take_is_refused_on_every_rank(comm):
+    # Misspelled: refused before anything moves, not a TypeError on rank 0 alone in the
+    # middle of the schedule, with the other ranks waiting for it until the deadline.
+    mods = kw_model()
+    lo, hi = bounds(len(mods), comm.size)[comm.rank]
+    part = (StrictChain if comm.rank == 0 else KwChain)(copy.deepcopy(mods[lo:hi]))
+    stage = PipelineStage(part, comm.rank, comm.size, comm)
+    sched = Schedule1F1B(stage, 2, mse)
+    x, y = data(0)
+    for call in (sched.step, sched.eval):
+        with pytest.raises(ValueError, match=r"r0: stage 0: StrictChain.forward does not take "
+                                             r"these inputs \(got an unexpected keyword "
+                                             r"argument 'maks'\)"):
+            call(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+                 **({"maks": x[:, 0]} if stage.is_first else {}))
+    sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
+               **(kw_inputs(1) if stage.is_first else {}))
     sched.close()
 
 

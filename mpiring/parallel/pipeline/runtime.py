@@ -26,11 +26,13 @@ from the program).
 
 from __future__ import annotations
 
+import inspect
 import time
 import zlib
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpiring.parallel import clip
 from mpiring.parallel.pipeline import data_parallel, packing
@@ -170,6 +172,7 @@ class PipelineSchedule:
         # The stages' parameters were checked (none on "meta", the tied ones theirs) at
         # a step that went through: the checks walk every parameter, so once is enough.
         self._params_checked = False
+        self._kwargs_fit: dict[tuple, str] = {}  # (inputs, keyword names) -> _kwarg_fit's
         self.scale = 1.0 / n_microbatches if scale_grads else 1.0
         self.transport = Transport(stage.comm, self.ranks)  # collective (a dup), as above
         # NCCL: a send goes in its group, with the receive (no send posted early).
@@ -199,9 +202,10 @@ class PipelineSchedule:
             return_outputs: False: return None on the last stage too (torch's).
             loss_kwargs: refused, naming the fix (bind them into ``loss_fn``).
             kwargs: the first stage's keyword inputs (an attention mask, position
-                ids), on the first stage only, as torch's: a tensor is split along
-                dim 0 as the input is (the same rows), anything else goes to every
-                micro-batch as it is.
+                ids), on its rank only: each tensor with rows (in containers too) is
+                split along dim 0 as the input is (the same rows), anything else
+                goes to every micro-batch as it is (docs/pipeline.md says where
+                torch differs).
 
         Returns:
             The merged output (micro-batches concatenated) on the last stage, else None.
@@ -281,9 +285,7 @@ class PipelineSchedule:
             self._xs = list(zip(*(torch.tensor_split(t, m) for t in x)))
         else:
             self._xs = list(torch.tensor_split(x, m))
-        # Keyword inputs (first stage): a tensor split as the input is, the rest as given.
-        self._kws = [{k: (torch.tensor_split(v, m)[i] if _split_kwarg(v) else v)
-                      for k, v in kwargs.items()} for i in range(m)] if kwargs else None
+        self._kws = _split_kwargs(kwargs, m) if kwargs else None  # the first stage's
         last = self._last is not None
         self._ts = (list(torch.tensor_split(target, m)) if last and target is not None
                     else None)
@@ -383,13 +385,12 @@ class PipelineSchedule:
                    "schedule is built")
         elif kwargs and not has_first:
             err = (f"{self._where}: keyword inputs {sorted(kwargs)}: they go to the first "
-                   "stage's forward, as torch's: give them on the rank that holds stage 0 "
-                   "only")
+                   "stage's forward: give them on the rank that holds stage 0 only")
         else:
             err = _arg_error(self._where, has_first, has_last, self.num_stages, m, x, target,
                              losses, need_target=plan.train)
             if not err and kwargs:
-                err = _kwarg_error(kwargs, x)
+                err = _kwarg_error(kwargs, x) or self._kwarg_fit(x, kwargs)
         first = x[0] if isinstance(x, tuple) else x
         rows_x = int(first.shape[0]) if has_first and not err else -1
         # eval() without a target: nothing to compare the input's rows with.
@@ -402,8 +403,7 @@ class PipelineSchedule:
             # for them (the row has a fixed size); the first one's shape in full.
             # The keyword inputs' too: a mask of another shape may change what flows.
             sig = repr([(str(t.dtype), tuple(t.shape)) for t in inputs] +
-                       [(k, str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor)
-                        else (k, type(v).__name__) for k, v in sorted(kwargs.items())]).encode()
+                       _kwarg_signature(kwargs)).encode()
             shape[:first.dim() + 3] = [len(inputs), zlib.crc32(sig),
                                        DTYPES.index(first.dtype) if first.dtype in DTYPES else -2,
                                        *first.shape]
@@ -423,6 +423,23 @@ class PipelineSchedule:
         if signature != plan.signature:  # a new input shape: agree the activations again
             plan.signature = signature
             plan.transport.renegotiate()
+
+    def _kwarg_fit(self, x, kwargs: dict) -> str:
+        """Whether stage 0's forward takes these keywords ("" if it does): a misspelled
+        one would fail in the first forward, on this rank alone, mid-schedule."""
+        key = (len(x) if isinstance(x, tuple) else 1, tuple(sorted(kwargs)))
+        if key not in self._kwargs_fit:
+            module = self._first.module
+            try:
+                inspect.signature(module.forward).bind(*((None,) * key[0]), **kwargs)
+                self._kwargs_fit[key] = ""
+            except TypeError as exc:
+                self._kwargs_fit[key] = (f"stage 0: {type(module).__name__}.forward does not "
+                                         f"take these inputs ({exc}): keyword inputs "
+                                         f"{sorted(kwargs)} go to the first stage's forward")
+            except ValueError:  # no signature to read (a builtin): its forward will say
+                self._kwargs_fit[key] = ""
+        return self._kwargs_fit[key]
 
     def _parameter_error(self) -> str | None:
         """Why this rank's stages cannot step with the parameters they hold, or None."""
@@ -806,19 +823,43 @@ def _arg_error(where: str, first: bool, last: bool, num_stages: int, m: int, x, 
 
 
 def _split_kwarg(v) -> bool:
-    """Whether a keyword input is split into the micro-batches (a tensor with rows)."""
+    """Whether a keyword input's leaf is split into the micro-batches (a tensor with rows)."""
     return isinstance(v, torch.Tensor) and v.dim() > 0
 
 
+def _split_kwargs(kwargs: dict, m: int) -> list[dict]:
+    """Each micro-batch's keyword inputs: every tensor with rows, inside lists, tuples and
+    dicts too (torch's flattening), split along dim 0 as the input is; the rest as given."""
+    leaves, spec = tree_flatten(kwargs)
+    parts = [torch.tensor_split(v, m) if _split_kwarg(v) else None for v in leaves]
+    return [tree_unflatten([v if p is None else p[i] for v, p in zip(leaves, parts)], spec)
+            for i in range(m)]
+
+
 def _kwarg_error(kwargs: dict, x) -> str:
-    """What is wrong with the first stage's keyword inputs, or ""."""
+    """What is wrong with the first stage's keyword inputs' rows, or ""."""
     rows = int((x[0] if isinstance(x, tuple) else x).shape[0])
-    bad = {k: int(v.shape[0]) for k, v in kwargs.items() if _split_kwarg(v) and v.shape[0] != rows}
+    bad = {}
+    for k, v in kwargs.items():
+        got = [int(t.shape[0]) for t in tree_flatten(v)[0] if _split_kwarg(t)]
+        if any(n != rows for n in got):
+            bad[k] = got[0] if len(got) == 1 else got
     if bad:
         return (f"stage 0: keyword inputs {bad} (rows) are split into the micro-batches "
                 f"along dim 0 as the input is, which has {rows} rows: give them the same "
                 "batch size (or a 0-dim tensor, or a non-tensor, to pass as it is)")
     return ""
+
+
+def _kwarg_signature(kwargs: dict) -> list:
+    """What of the keyword inputs may set the activations' shapes: each tensor's dtype and
+    shape, each int, bool, string or None itself (a width, a flag); of anything else its
+    type (a float changing every step must not re-agree every step)."""
+    def leaf(v):
+        if isinstance(v, torch.Tensor):
+            return (str(v.dtype), tuple(v.shape))
+        return v if v is None or isinstance(v, (int, str)) else type(v).__name__
+    return [(k, [leaf(v) for v in tree_flatten(kwargs[k])[0]]) for k in sorted(kwargs)]
 
 
 def _input(args: tuple):
