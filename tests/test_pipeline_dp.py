@@ -253,6 +253,8 @@ def test_fully_shard_stages_reduce_once_a_step(world, layout, name, meta):
             assert len(calls) == 2 * sum(u.flat.requires_grad and u.flat.numel > 0
                                          for u in engine.units)
     finally:
+        sched.free()
+        stage.free()
         part.close()
 
 
@@ -275,6 +277,8 @@ def test_tied_parameters_a_fully_shard_stage_took_are_refused_at_the_step(world)
     with pytest.raises(ValueError, match=r"r1: stage 1: tied_parameters \[0\] are no longer "
                                          "parameters of the stage's module"):
         sched.step(x if stage.is_first else None, target=y if stage.is_last else None)
+    sched.free()
+    stage.free()
     part.close()
 
 
@@ -336,4 +340,7 @@ def test_zero_bubble_refuses_fsdp_stages_before_a_step(world, how):
     stage = mpiring.PipelineStage(wrapped, grid.pp_rank, 2, grid.pp)
     with pytest.raises(ValueError, match="FullyShardedDataParallel with a split backward"):
         ScheduleZeroBubble(stage, 2, mse)
-    Schedule1F1B(stage, 2, mse)  # the same stages under 1F1B are fine
+    Schedule1F1B(stage, 2, mse).free()  # the same stages under 1F1B are fine
+    stage.free()
+    if grid.pp_rank == 1:
+        wrapped.close()

@@ -322,6 +322,8 @@ def test_stages_built_on_the_meta_device_then_materialized(comm, name):
     parts = units(full)
     lo, hi = chunk_bounds(len(parts), comm.size)[comm.rank]
     same_grads(module, nn.Sequential(*parts[lo:hi]))
+    sched.free()
+    stage.free()
 
 
 def test_a_tied_parameter_taken_out_after_a_step_is_refused(comm):
@@ -346,6 +348,8 @@ def test_a_tied_parameter_taken_out_after_a_step_is_refused(comm):
     with pytest.raises(ValueError, match=rf"r{comm.size - 1}: stage {comm.size - 1}: "
                                          r"tied_parameters \[0\] are no longer parameters"):
         sched.step(*args, target=y if stage.is_last else None)
+    sched.free()
+    stage.free()
 
 
 def test_zero_bubble_defers_the_weight_gradients(comm):

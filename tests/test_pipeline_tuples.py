@@ -429,6 +429,14 @@ def kw_reference(full, x, y, m: int, kw: dict):
     return [float(v.detach()) for v in losses], want
 
 
+def free(sched, stages) -> None:
+    """Give back the communicators a schedule and its stages made (MPI has a few
+    thousand per process, and the suite makes many)."""
+    sched.free()
+    for st in stages:
+        st.free()
+
+
 KW_SCHEDULES = {**SCHEDULES,
                 "interleaved": lambda st, m, lf: ScheduleInterleaved1F1B(st, m, lf),
                 "zbv": lambda st, m, lf: ScheduleZBVZeroBubble(st, m, lf)}
@@ -472,7 +480,7 @@ def test_keyword_inputs_of_the_first_stage_match_the_unsplit_model(comm, name, m
         evaluated = sched.eval(*((x,) if first else ()), **(kw if first else {}))
         if last:
             torch.testing.assert_close(evaluated, want, rtol=1e-12, atol=1e-12)
-    sched.close()
+    free(sched, stages)
 
 
 def test_keyword_inputs_reach_pipedreams_stashed_forward(comm):
@@ -494,7 +502,7 @@ def test_keyword_inputs_reach_pipedreams_stashed_forward(comm):
                losses=got if stage.is_last else None, **(kw if stage.is_first else {}))
     if stage.is_last:
         assert [float(v) for v in got] == pytest.approx(want_losses, rel=1e-12)
-    sched.close()
+    free(sched, [stage])
 
 
 class StrictChain(KwChain):
@@ -521,7 +529,7 @@ def test_a_keyword_the_first_stage_does_not_take_is_refused_on_every_rank(comm):
                  **({"maks": x[:, 0]} if stage.is_first else {}))
     sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None,
                **(kw_inputs(1) if stage.is_first else {}))
-    sched.close()
+    free(sched, [stage])
 
 
 def test_keyword_inputs_off_the_first_stage_or_of_other_rows_are_refused(comm):
@@ -539,6 +547,7 @@ def test_keyword_inputs_off_the_first_stage_or_of_other_rows_are_refused(comm):
     with pytest.raises(ValueError, match=r"r0: stage 0: keyword inputs \{'mask': 7\} \(rows\)"):
         sched.step(*ins, target=tgt,
                    **({"mask": torch.ones(7, dtype=torch.float64)} if stage.is_first else {}))
+    free(sched, [stage])
     x, y = data(0)
     # A target of many dimensions is the loss's business, not the agreement's.
     from mpiring.parallel.pipeline.runtime import _arg_error
