@@ -56,6 +56,40 @@ def comm(request, subcomms, world):
     return sub
 
 
+_MADE: list = []  # the pipeline stages and schedules made, in order (_made())
+
+
+def _made() -> list:
+    """Every PipelineStage and PipelineSchedule built from now on, appended as made (the
+    classes' __init__ wrapped once, when a test module has imported the pipeline)."""
+    runtime = sys.modules.get("mpiring.parallel.pipeline.runtime")
+    if runtime is not None and not getattr(runtime, "_tests_track", False):
+        from mpiring.parallel.pipeline.stage import PipelineStage
+
+        for cls in (PipelineStage, runtime.PipelineSchedule):
+            def tracked(self, *args, _init=cls.__init__, **kwargs):
+                _init(self, *args, **kwargs)
+                _MADE.append(self)
+            cls.__init__ = tracked
+        runtime._tests_track = True
+    return _MADE
+
+
+@pytest.fixture(autouse=True)
+def _pipelines_given_back():
+    """Free the pipeline schedules and stages a test made: each takes communicators of
+    its own (a duplicate, a transport's, a shared window's), MPI has about 2048 per
+    process, and a suite of tests that leave theirs ran out. Schedules go before their
+    stages; every rank that made one reaches this teardown (a failed test aborts the
+    job first, when it has more than one rank), and freeing twice is a no-op."""
+    made = _made()
+    start = len(made)
+    yield
+    new, made[start:] = made[start:], []
+    for obj in reversed(new):
+        obj.free()
+
+
 def wait_quietly(world, poll: float = 0.05) -> None:
     """Barrier that sleeps instead of spinning, so a subprocess gets the CPU cores."""
     req = world.mpi_comm.Ibarrier()
