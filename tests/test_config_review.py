@@ -364,7 +364,10 @@ def test_init_against_mpi_state(rank0_subprocess, monkeypatch, case):
     rc, out, seconds = result
     if case == "late":
         assert rc == 124 and seconds < 25, (rc, seconds, out)
-        assert "[r0] mpiring stall: mpiring.init: blocked 3.0 s in Allgather" in out
+        # The time waited, not the deadline: past 3 s by however late the wait noticed
+        # (3.1 s on a busy host).
+        assert re.search(r"\[r0\] mpiring stall: mpiring\.init: blocked 3\.\d s in Allgather",
+                         out), out
         assert "INIT DONE" not in out
     elif case == "single":
         assert rc == 0, out
