@@ -83,8 +83,9 @@ class _Group:
         self.engine = engine
         self.root = root
         self.internal = 0   # >0 while the engine itself reads the modules' state dicts
-        # Asked of the root before to_empty() built the engine: applied to it then.
-        self.asked: dict[str, bool] = {}
+        # set_reshard_after_backward asked before to_empty() built the engine: applied
+        # to it then.
+        self.reshard_after_backward: bool | None = None
         # Each module's parameter names in their original order, to give the plain
         # parameters back in that order (the next engine lays them out by it).
         self.order = order
@@ -189,14 +190,7 @@ class FSDPModule:
         """Reduce-scatter in the coming backwards (True) or accumulate unsharded (False):
         this module's unit, and with ``recurse`` those of the modules inside it (torch's
         per-module switch; on the root, the whole model)."""
-        group = self._fsdp_group()
-        if group.engine is None:  # on the meta device: what the units are built with
-            for m in (self.modules() if recurse else [self]):
-                if _info(m) is not None and _info(m).group is group:
-                    _info(m).sync = bool(requires_gradient_sync)
-            return
-        for u in self._fsdp_units(recurse, "set_requires_gradient_sync"):
-            u.sync = _info(u.module).sync = bool(requires_gradient_sync)
+        self._fsdp_set(recurse, "sync", "sync", bool(requires_gradient_sync))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool,
                                   recurse: bool = True) -> None:
@@ -206,15 +200,21 @@ class FSDPModule:
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got "
                              f"{type(reshard_after_forward)}")
+        self._fsdp_set(recurse, "reshard", "reshard_after_forward", reshard_after_forward)
+
+    def _fsdp_set(self, recurse: bool, asked: str, unit_attr: str, value: bool) -> None:
+        """A per-module setting: kept in what each module was asked (``_Info``), which a
+        later engine is built with (a parent's call, a meta-device ``to_empty()``), and
+        set on the units of the engine there is."""
         group = self._fsdp_group()
-        if group.engine is None:  # on the meta device: what the units are built with
-            for m in (self.modules() if recurse else [self]):
-                if _info(m) is not None and _info(m).group is group:
-                    _info(m).reshard = reshard_after_forward
-            return
-        for u in self._fsdp_units(recurse, "set_reshard_after_forward"):
-            u.reshard_after_forward = reshard_after_forward
-            _info(u.module).reshard = reshard_after_forward
+        mods = _members(group, self.modules() if recurse else [self])
+        for _, info in mods:
+            setattr(info, asked, value)
+        if group.engine is not None:
+            ids = {id(m) for m, _ in mods}
+            for u in group.engine.units:
+                if id(u.module) in ids:
+                    setattr(u, unit_attr, value)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -223,21 +223,12 @@ class FSDPModule:
         if not recurse:
             raise ValueError("fully_shard: set_reshard_after_backward(recurse=False): the "
                              "engine's switch holds for all its units; call it on the root")
-        if self._fsdp_later("set_reshard_after_backward", reshard_after_backward):
+        group = self._fsdp_group()
+        if group.engine is None and group.root is self:  # on the meta device: for later
+            group.reshard_after_backward = bool(reshard_after_backward)
             return
         self._fsdp_root("set_reshard_after_backward").set_reshard_after_backward(
             reshard_after_backward)
-
-    def _fsdp_later(self, what: str, value: bool) -> bool:
-        """On the meta device: keep ``what``'s value for the engine ``to_empty()`` builds
-        (True), refused off the root as the engine's own call is; else False."""
-        group = self._fsdp_group()
-        if group.engine is not None:
-            return False
-        if group.root is not self:
-            self._fsdp_root(what)  # raises, naming what to do
-        group.asked[what] = bool(value)
-        return True
 
     def unshard(self, async_op: bool = False):
         """Gather this module's parameters (not those of units inside it, as torch's);
@@ -404,8 +395,8 @@ class FSDPModule:
         _build(self, [(m, i) for m, i in mods if m is not self], info.comm, info.mp,
                info.reshard, info.orig_cls, init_device=torch.device(device),
                root_sync=info.sync)
-        for what, value in group.asked.items():
-            getattr(self.fsdp_engine, what)(value)
+        if group.reshard_after_backward is not None:
+            self.fsdp_engine.set_reshard_after_backward(group.reshard_after_backward)
         return self
 
     def _apply(self, fn, recurse=True):
@@ -623,8 +614,7 @@ def _dissolve(group: _Group) -> list[tuple[nn.Module, _Info]]:
     communication: their parameters never left them).
     """
     if group.engine is None:
-        mods = [(m, _info(m)) for m in group.root.modules()
-                if _info(m) is not None and _info(m).group is group]
+        mods = _members(group, group.root.modules())
         _release(group, mods)
         return mods
     engine = group.engine
@@ -661,6 +651,11 @@ def _dissolve(group: _Group) -> list[tuple[nn.Module, _Info]]:
             + [(n, p) for n, p in m._parameters.items() if n not in names])
     _release(group, mods)
     return mods
+
+
+def _members(group: _Group, modules) -> list[tuple[nn.Module, _Info]]:
+    """Those of ``modules`` that ``group``'s calls named, with what each was asked."""
+    return [(m, _info(m)) for m in modules if _info(m) is not None and _info(m).group is group]
 
 
 def _release(group: _Group, mods) -> None:
@@ -743,10 +738,17 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
         # No values to shard yet: the calls are recorded, and the root's to_empty()
         # builds the engine that this call would have built.
         group = _Group(None, module, [])
-        _mark(module, group, [(module, _Info(orig_cls, reshard_after_forward, mp, comm, group))]
-              + [(m, _Info(i.orig_cls, i.reshard, i.mp, comm, group, i.sync)) for m, i in infos])
+        _mark(module, group, _asked(module, orig_cls, reshard_after_forward, mp, comm, group,
+                                    True, infos))
         return module
     return _build(module, infos, comm, mp, reshard_after_forward, orig_cls)
+
+
+def _asked(module, orig_cls, reshard, mp, comm, group, sync, below) -> list:
+    """What each module of ``group`` was asked: the call's own for ``module``, and what
+    the calls below asked for theirs (``below``), now of this group."""
+    return [(module, _Info(orig_cls, reshard, mp, comm, group, sync))] + [
+        (m, _Info(i.orig_cls, i.reshard, i.mp, comm, group, i.sync)) for m, i in below]
 
 
 def _mark(module: nn.Module, group: _Group, infos) -> None:
@@ -769,9 +771,8 @@ def _build(module: nn.Module, infos, comm, mp, reshard_after_forward, orig_cls,
     group = _Group(engine, module, order)
     # The engine's forward runs the original class's forward (see FSDPModule.forward).
     engine.inner_forward = types.MethodType(orig_cls.forward, module)
-    infos = [(module, _Info(orig_cls, reshard_after_forward, mp, comm, group, root_sync))] + [
-        (m, _Info(i.orig_cls, i.reshard, i.mp, comm, group, i.sync)) for m, i in infos]
-    _mark(module, group, infos)
+    _mark(module, group, _asked(module, orig_cls, reshard_after_forward, mp, comm, group,
+                                root_sync, infos))
     for u in engine.units:
         requested = _info(u.module).reshard
         u.reshard_after_forward = True if requested is None else requested

@@ -218,7 +218,7 @@ class PipelineStage:
                              None if gpu is None else torch.cuda.get_rng_state(gpu),
                              get_rng_states())
             with torch.no_grad():
-                out = self.module(*args, **(kwargs or {}))
+                out = self._call(args, None, kwargs)
                 loss = loss_fn(out, target) if last else None
             self._loss_args[mb] = (loss_fn, target, scale)
             if kwargs:
